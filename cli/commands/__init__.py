@@ -1,0 +1,1 @@
+"""One click command per module; each module exposes `command`."""

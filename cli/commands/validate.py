@@ -1,0 +1,30 @@
+from pathlib import Path
+
+import click
+
+from ..errors import RecipeError
+from ..recipe import make_recipe, read_yaml
+
+
+@click.command("validate")
+@click.argument("file", type=click.Path(path_type=Path))
+def command(file):
+    """Check a recipe YAML, an accelerate config YAML or a DeepSpeed JSON."""
+    if not file.is_file():
+        raise RecipeError(f"{file} does not exist")
+    if file.suffix == ".json":
+        from ..validation import check_deepspeed_json
+
+        click.echo(f"ok: {file} ({check_deepspeed_json(file)})")
+        return
+    data = read_yaml(file)
+    if "compute_environment" in data or "num_processes" in data:
+        from ..validation import check_accelerate_config
+
+        click.echo(f"ok: {file} is an accelerate config ({check_accelerate_config(file)})")
+        return
+    try:
+        recipe = make_recipe(data)
+    except RecipeError as e:
+        raise RecipeError(f"{file}: {e}") from None
+    click.echo(f"ok: {file} is a valid recipe ({recipe.name})")

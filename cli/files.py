@@ -1,0 +1,28 @@
+"""Writing files the safe way: check every target first, so a refusal leaves nothing half-written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import RecipeError
+
+
+def write_files(folder: Path, files: dict[str, str], force: bool = False) -> list[Path]:
+    """Write name -> text into folder (made if missing); existing files are refused unless force."""
+    folder = Path(folder)
+    targets = [folder / name for name in files]
+    existing = [str(t) for t in targets if t.exists()]
+    if existing and not force:
+        raise RecipeError(f"{', '.join(existing)} already exists: pass --force to overwrite, or pick another --output-dir")
+    if folder.exists() and not folder.is_dir():
+        raise RecipeError(f"{folder} is a file, not a folder: pick another --output-dir")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+        for target, text in zip(targets, files.values()):
+            target.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise RecipeError(f"cannot write to {folder}: {e.strerror}: pick another --output-dir") from None
+    return targets

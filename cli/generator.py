@@ -1,0 +1,256 @@
+"""Recipe x Topology -> accelerate YAML (+ DeepSpeed JSON). Pure functions: dicts and text in, out.
+
+Micro batch, gradient accumulation, precision and clipping are defined once, in the Recipe,
+and written where the engines read them: with DeepSpeed they live in the JSON only (accelerate
+refuses them twice); otherwise precision is in the accelerate YAML, and the loop passes
+accumulation and clipping to the Accelerator. No "auto" values are left for accelerate to fill,
+and nothing assumes a world size the file cannot know (no train_batch_size).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+
+import yaml
+
+from .recipe import Recipe
+from .topology import Topology
+
+DISTRIBUTED_TYPE = {"no": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}
+
+# Why each generated key is there: written as a comment beside it.
+WHY = {
+    "compute_environment": "plain machines (not SageMaker)",
+    "distributed_type": "how the processes share the work",
+    "num_processes": "total processes over all machines (one per GPU)",
+    "num_machines": "machines taking part",
+    "machine_rank": "this machine's index (0 = the one holding the rendezvous)",
+    "main_process_ip": "address of machine rank 0",
+    "main_process_port": "rendezvous port on machine rank 0",
+    "rdzv_backend": "static: ranks fixed by machine_rank; c10d: torch's rendezvous",
+    "same_network": "machines see each other directly",
+    "mixed_precision": "from the recipe's mixed_precision, resolved for this machine",
+    "use_cpu": "CPU smoke-test mode (gloo); several processes also need ACCELERATE_USE_CPU=true",
+    "fsdp_version": "FSDP2: per-parameter sharding (DTensor), the current API",
+    "fsdp_auto_wrap_policy": "one FSDP unit per decoder layer",
+    "fsdp_reshard_after_forward": "true: full shard (ZeRO-3 like); false: keep params after forward (ZeRO-2 like)",
+    "fsdp_sharding_strategy": "FSDP1: FULL_SHARD (ZeRO-3 like) or SHARD_GRAD_OP (ZeRO-2 like)",
+    "fsdp_backward_prefetch": "FSDP1: fetch the next layer during backward (speed, one layer of memory)",
+    "fsdp_use_orig_params": "FSDP1: keep parameter identity (LoRA, param groups, frozen weights)",
+    "fsdp_transformer_layer_cls_to_wrap": "wrap these classes (default: the model's _no_split_modules)",
+    "fsdp_offload_params": "parameters and optimizer state in host RAM",
+    "fsdp_state_dict_type": "how accelerate gathers state dicts at save",
+    "fsdp_cpu_ram_efficient_loading": "only rank 0 loads the weights, then broadcasts",
+    "fsdp_sync_module_states": "broadcast rank 0's weights (needed by cpu_ram_efficient_loading)",
+    "fsdp_activation_checkpointing": "recompute each layer in backward instead of storing activations",
+    "deepspeed_config_file": "ZeRO settings, batch, accumulation, precision, clipping live there",
+    "zero3_init_flag": "build the model already partitioned (ZeRO-3): no full copy per process",
+    "deepspeed_multinode_launcher": "standard: each machine runs its own launcher (no pdsh/ssh)",
+}
+
+
+def resolve_precision(recipe: Recipe, topo: Topology) -> str:
+    """`auto` -> bf16 where the hardware does it (CPU, Ampere+), else fp16 with loss scaling."""
+    if recipe.mixed_precision != "auto":
+        return recipe.mixed_precision
+    if topo.cpu or topo.bf16 is not False:
+        return "bf16"
+    return "fp16"
+
+
+def config_name(recipe: Recipe, topo: Topology) -> str:
+    """zero3-offload on 8 GPUs -> zero3_offload_8gpu (file stem in accelerate_configs/)."""
+    return f"{recipe.name.replace('-', '_')}_{topo.name.replace('-', '_')}"
+
+
+def deepspeed_config(recipe: Recipe, topo: Topology) -> dict | None:
+    """The DeepSpeed JSON as a dict, or None for recipes that do not use DeepSpeed."""
+    ds = recipe.deepspeed
+    if ds is None:
+        return None
+    precision = resolve_precision(recipe, topo)
+    zero: dict = {"stage": ds.zero_stage}
+    if ds.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": ds.offload_optimizer, "pin_memory": ds.pin_memory}
+    if ds.offload_param != "none":
+        zero["offload_param"] = {"device": ds.offload_param, "pin_memory": ds.pin_memory}
+    if ds.zero_stage >= 2:
+        zero |= {"overlap_comm": ds.overlap_comm, "contiguous_gradients": ds.contiguous_gradients}
+    if ds.zero_stage >= 1:
+        zero["reduce_bucket_size"] = ds.reduce_bucket_size
+    if ds.zero_stage == 3:
+        zero |= {
+            "sub_group_size": ds.sub_group_size,
+            "stage3_prefetch_bucket_size": ds.stage3_prefetch_bucket_size,
+            "stage3_param_persistence_threshold": ds.stage3_param_persistence_threshold,
+            "stage3_max_live_parameters": ds.stage3_max_live_parameters,
+            "stage3_max_reuse_distance": ds.stage3_max_reuse_distance,
+            "stage3_gather_16bit_weights_on_model_save": ds.zero3_save_16bit_model,
+        }
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": recipe.per_device_train_batch_size,
+        "gradient_accumulation_steps": recipe.gradient_accumulation_steps,
+        "gradient_clipping": recipe.max_grad_norm or 0.0,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+    }
+    if precision == "fp16":  # dynamic loss scaling, DeepSpeed's defaults written out
+        cfg["fp16"] |= {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                        "hysteresis": 2, "min_loss_scale": 1}
+    cfg["zero_optimization"] = zero
+    cfg["steps_per_print"] = 2**31 - 1  # memrecipe's loop logs; keep DeepSpeed's own step log quiet
+    cfg["wall_clock_breakdown"] = False
+    return cfg
+
+
+def accelerate_config(recipe: Recipe, topo: Topology, deepspeed_config_file: str | None = None) -> dict:
+    """The accelerate YAML as a dict (key order as written)."""
+    n = topo.num_processes
+    dtype = recipe.distributed_type
+    cfg: dict = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "NO" if dtype in ("no", "ddp") and n == 1 else DISTRIBUTED_TYPE[dtype],
+        "num_processes": n,
+        "num_machines": topo.num_machines,
+        "machine_rank": topo.machine_rank,
+    }
+    if topo.num_machines > 1:
+        cfg |= {"main_process_ip": topo.main_process_ip, "main_process_port": topo.main_process_port,
+                "rdzv_backend": "c10d", "same_network": True}
+    elif topo.main_process_port is not None:
+        cfg["main_process_port"] = topo.main_process_port
+    if recipe.deepspeed is None:  # with DeepSpeed, precision lives in the JSON only
+        cfg["mixed_precision"] = resolve_precision(recipe, topo)
+    cfg["use_cpu"] = topo.cpu
+    if recipe.fsdp is not None:
+        cfg["fsdp_config"] = _fsdp_section(recipe, topo)
+    if recipe.deepspeed is not None:
+        section = {"deepspeed_config_file": deepspeed_config_file or f"{config_name(recipe, topo)}.json"}
+        if recipe.deepspeed.zero_stage == 3:
+            section["zero3_init_flag"] = recipe.deepspeed.zero3_init
+        if topo.num_machines > 1:
+            section["deepspeed_multinode_launcher"] = "standard"
+        cfg["deepspeed_config"] = section
+    return cfg
+
+
+def _fsdp_section(recipe: Recipe, topo: Topology) -> dict:
+    f = recipe.fsdp
+    # On CPU, FSDP1 asks for a GPU to sync module states, so each rank builds the same
+    # seeded model instead; rank-0-only loading needs that sync, so it goes too.
+    efficient_loading = f.cpu_ram_efficient_loading and not topo.cpu
+    section: dict = {"fsdp_version": f.version, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+    if f.transformer_layer_cls_to_wrap:
+        section["fsdp_transformer_layer_cls_to_wrap"] = f.transformer_layer_cls_to_wrap
+    if f.version == 2:
+        section["fsdp_reshard_after_forward"] = f.reshard_after_forward
+    else:
+        section |= {"fsdp_sharding_strategy": "FULL_SHARD" if f.reshard_after_forward else "SHARD_GRAD_OP",
+                    "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_use_orig_params": True}
+    section |= {
+        "fsdp_offload_params": f.offload_params,
+        "fsdp_state_dict_type": f.state_dict_type,
+        "fsdp_cpu_ram_efficient_loading": efficient_loading,
+        "fsdp_sync_module_states": efficient_loading,
+        "fsdp_activation_checkpointing": f.activation_checkpointing,
+    }
+    return section
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """How the generated files are run: what `accelerate launch` needs, from the folder it runs in."""
+
+    config_file: str
+    script: str = "recipes/sft.py"
+    recipe_file: str = "recipes/RECIPE.yaml"
+    cpu_multiprocess: bool = False
+
+    def argv(self) -> list[str]:
+        return ["accelerate", "launch", "--config_file", self.config_file, self.script, "--recipe", self.recipe_file]
+
+    def shell(self) -> str:
+        env = "ACCELERATE_USE_CPU=true " if self.cpu_multiprocess else ""
+        return env + shlex.join(self.argv())
+
+
+def render_yaml(cfg: dict, header: list[str]) -> str:
+    """YAML text with the header lines as comments, and each key's reason beside it."""
+    lines = yaml.safe_dump(cfg, sort_keys=False, default_flow_style=False).splitlines()
+    width = max(len(line) for line in lines) + 2
+    out = [f"# {h}" if h else "#" for h in header]
+    for line in lines:
+        key = line.strip().split(":", 1)[0]
+        why = WHY.get(key)
+        out.append(f"{line.ljust(width)}# {why}" if why and not line.rstrip().endswith(":") else line)
+    return "\n".join(out) + "\n"
+
+
+def render_json(cfg: dict, comment: str) -> str:
+    # JSON has no comments: DeepSpeed ignores unknown top-level keys, so the command rides in one.
+    return json.dumps({"_comment": comment, **cfg}, indent=2) + "\n"
+
+
+def generate(recipe: Recipe, topo: Topology, folder: str = "", recipe_ref: str | None = None,
+             overrides=(), script: str = "recipes/sft.py") -> dict[str, str]:
+    """File name -> text for this recipe on this topology, referring to each other inside `folder`.
+
+    `recipe_ref` is how the user named the recipe (a name, or a path to a YAML file); the headers
+    carry the `memrecipe config` command that writes these files again, and the launch command.
+    """
+    recipe_ref = recipe_ref or recipe.name
+    regenerate = regenerate_command(recipe_ref, topo, folder, overrides)
+    recipe_file = f"recipes/{recipe.name}.yaml" if recipe_ref == recipe.name else recipe_ref
+    stem = config_name(recipe, topo)
+    prefix = f"{folder.rstrip('/')}/" if folder else ""
+    ds = deepspeed_config(recipe, topo)
+    ds_name = f"{stem}.json"
+    run = Invocation(f"{prefix}{stem}.yaml", script, recipe_file,
+                     cpu_multiprocess=topo.cpu and topo.num_processes > 1)
+    header = [
+        f"memrecipe recipe {recipe.name} on {topo.describe()}.",
+        f"Regenerate: {regenerate}",
+        f"Run:        {run.shell()}",
+    ]
+    if ds is not None:
+        header.append(f"Batch, accumulation, precision, clipping and ZeRO settings are in {prefix}{ds_name}.")
+    if not topo.cpu and recipe.mixed_precision == "auto" and topo.bf16 is None:
+        header.append("mixed_precision auto was resolved to bf16 (Ampere or newer); on V100/T4 add mixed_precision=fp16.")
+    files = {f"{stem}.yaml": render_yaml(accelerate_config(recipe, topo, f"{prefix}{ds_name}" if ds else None), header)}
+    if ds is not None:
+        files[ds_name] = render_json(ds, f"memrecipe {recipe.name} on {topo.describe()}. Regenerate: {regenerate}")
+    return files
+
+
+def default_topologies(recipe: Recipe) -> list[Topology]:
+    """The topologies shipped in accelerate_configs/: 1 GPU, 8 GPUs, and the CPU smoke-test form."""
+    s = recipe.supports
+    fits = lambda n: s.min_processes <= n and (s.max_processes is None or n <= s.max_processes)  # noqa: E731
+    out = [Topology(num_processes=n) for n in (1, 8) if fits(n)]
+    out.append(Topology(num_processes=2 if fits(2) else 1, cpu=True))
+    return out
+
+
+def regenerate_command(recipe_name: str, topo: Topology, folder: str, overrides=()) -> str:
+    """The `memrecipe config` command that writes these files."""
+    words = ["memrecipe", "config", recipe_name, "--num-processes", str(topo.num_processes)]
+    if topo.cpu:
+        words.append("--cpu")
+    if topo.num_machines > 1:
+        words += ["--num-machines", str(topo.num_machines), "--machine-rank", str(topo.machine_rank),
+                  "--main-process-ip", topo.main_process_ip, "--main-process-port", str(topo.main_process_port)]
+    elif topo.main_process_port is not None:
+        words += ["--main-process-port", str(topo.main_process_port)]
+    if folder:
+        words += ["--output-dir", folder]
+    return shlex.join(words + list(overrides))
+
+
+def shipped_files(recipe: Recipe) -> dict[str, str]:
+    """What accelerate_configs/ holds for a recipe: its default topologies, generated."""
+    files: dict[str, str] = {}
+    for topo in default_topologies(recipe):
+        files |= generate(recipe, topo, folder="accelerate_configs")
+    return files

@@ -1,0 +1,271 @@
+"""The Recipe: one YAML + `key=value` overrides -> one validated, frozen object.
+
+Keys are the words users know from transformers' TrainingArguments, peft and accelerate.
+The recipe says WHAT is trained and with which memory techniques; where it runs (processes,
+machines) is the Topology's business, and the generator joins the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from .errors import RecipeError
+from .schema import build, spec, to_dict
+
+OPTIMIZERS = ("adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit")
+BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit")
+
+
+@dataclass(frozen=True)
+class Supports:
+    """The topologies a recipe runs on."""
+
+    min_processes: int = spec(1, low=1)
+    max_processes: int | None = spec(None, low=1)  # null: any number
+    multi_node: bool = True
+
+
+@dataclass(frozen=True)
+class Lora:
+    r: int = spec(16, low=1, high=4096)
+    alpha: float = spec(32.0, low=0, low_open=True)
+    dropout: float = spec(0.05, low=0, high=0.99)
+    # a list of module names, or peft's "all-linear"
+    target_modules: tuple[str, ...] | Literal["all-linear"] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class Fsdp:
+    version: Literal[1, 2] = 2
+    reshard_after_forward: bool = True  # True: FULL_SHARD (ZeRO-3 like); False: SHARD_GRAD_OP (ZeRO-2 like)
+    activation_checkpointing: bool = False
+    offload_params: bool = False
+    cpu_ram_efficient_loading: bool = True
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = "FULL_STATE_DICT"
+    # null: wrap the model's own decoder-layer classes (its `_no_split_modules`), read at run time
+    transformer_layer_cls_to_wrap: str | None = None
+
+
+@dataclass(frozen=True)
+class DeepSpeed:
+    zero_stage: Literal[0, 1, 2, 3] = 3
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_param: Literal["none", "cpu"] = "none"
+    pin_memory: bool = True
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = spec(500_000_000, low=1)
+    sub_group_size: int = spec(1_000_000_000, low=1)
+    stage3_prefetch_bucket_size: int = spec(50_000_000, low=0)
+    stage3_param_persistence_threshold: int = spec(100_000, low=0)
+    stage3_max_live_parameters: int = spec(1_000_000_000, low=1)
+    stage3_max_reuse_distance: int = spec(1_000_000_000, low=0)
+    zero3_init: bool = True
+    zero3_save_16bit_model: bool = True
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str = ""
+    saves: str = ""  # one line for `memrecipe ls`: what memory it saves
+    costs: str = ""  # one line for `memrecipe ls`: what it costs
+    supports: Supports = field(default_factory=Supports)
+    distributed_type: Literal["no", "ddp", "fsdp", "deepspeed"] = "no"
+    # model
+    model_name_or_path: str | None = None  # null: the embedded tiny default
+    trust_remote_code: bool = False
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    # data
+    dataset: str | None = None  # null: the embedded default dataset
+    dataset_format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"
+    eval_dataset: str | None = None
+    eval_size: float = spec(0.0, low=0, high=0.5)  # fraction held out for eval when no eval_dataset
+    max_seq_length: int = spec(512, low=8)
+    packing: bool = False
+    # batch and schedule
+    per_device_train_batch_size: int = spec(4, low=1)
+    gradient_accumulation_steps: int = spec(1, low=1)
+    num_train_epochs: float = spec(1.0, low=0, low_open=True)
+    max_steps: int | None = spec(None, low=1)  # overrides num_train_epochs
+    learning_rate: float = spec(2e-4, low=0, low_open=True, high=1.0)
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = spec(0, low=0)
+    warmup_ratio: float = spec(0.0, low=0, high=1)
+    weight_decay: float = spec(0.0, low=0)
+    max_grad_norm: float | None = spec(1.0, low=0, low_open=True)  # null: no clipping
+    seed: int = spec(42, low=0)
+    # memory techniques
+    optim: Literal["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit"] = "adamw_torch"
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
+    gradient_checkpointing: bool = False
+    lora: Lora | None = None  # null: full fine-tune
+    fsdp: Fsdp | None = None
+    deepspeed: DeepSpeed | None = None
+    # logging and saving
+    logging_steps: int = spec(1, low=1)
+    eval_steps: int | None = spec(None, low=1)
+    save_steps: int | None = spec(None, low=1)
+    save_total_limit: int | None = spec(2, low=1)
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"
+
+    @property
+    def uses_bnb(self) -> bool:
+        return self.optim in BNB_OPTIMIZERS
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def parse_overrides(words) -> dict:
+    """['lora.r=8', 'max_steps=null'] -> {'lora': {'r': 8}, 'max_steps': None}; values are YAML."""
+    out: dict = {}
+    for word in words:
+        key, sep, text = word.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise RecipeError(f"override {word!r} is not key=value (e.g. learning_rate=1e-4 or lora.r=8)")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise RecipeError(f"override {word!r}: the value is not valid YAML (quote strings with spaces)") from None
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {word!r} conflicts with an earlier override of {part!r}")
+        node[leaf] = value
+    return out
+
+
+def merge(base: dict, changes: dict, path: str = "") -> dict:
+    """Deep-merge overrides into a recipe dict; a dotted key into a null section creates it."""
+    out = dict(base)
+    for key, value in changes.items():
+        here = f"{path}.{key}" if path else key
+        if isinstance(value, dict) and key in out and out[key] is not None:
+            if not isinstance(out[key], dict):
+                raise RecipeError(f"{here} is a single value, not a section: use {here}=VALUE")
+            out[key] = merge(out[key], value, here)
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise RecipeError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path} must hold a mapping of recipe keys, got {type(data).__name__}")
+    return data
+
+
+def make_recipe(data: dict, overrides: dict | None = None) -> Recipe:
+    """Validate a recipe dict (plus overrides) into a Recipe, refusing bad keys and bad combinations."""
+    recipe = build(Recipe, merge(data, overrides or {}))
+    check_combinations(recipe)
+    return recipe
+
+
+def check_combinations(r: Recipe) -> None:
+    """Refuse technique combinations that fail, or silently do the wrong thing."""
+    if r.distributed_type == "fsdp" and r.fsdp is None:
+        raise RecipeError("distributed_type fsdp needs an fsdp: section (e.g. fsdp: {version: 2})")
+    if r.distributed_type == "deepspeed" and r.deepspeed is None:
+        raise RecipeError("distributed_type deepspeed needs a deepspeed: section (e.g. deepspeed: {zero_stage: 3})")
+    if r.fsdp is not None and r.distributed_type != "fsdp":
+        raise RecipeError(f"the fsdp: section is only read with distributed_type fsdp, not {r.distributed_type}")
+    if r.deepspeed is not None and r.distributed_type != "deepspeed":
+        raise RecipeError(f"the deepspeed: section is only read with distributed_type deepspeed, not {r.distributed_type}")
+    if r.distributed_type == "no" and r.supports.max_processes != 1:
+        raise RecipeError("distributed_type no runs one process: set supports.max_processes to 1 (or use ddp)")
+    s = r.supports
+    if s.max_processes is not None and s.max_processes < s.min_processes:
+        raise RecipeError(f"supports.max_processes ({s.max_processes}) is below supports.min_processes ({s.min_processes})")
+    if r.warmup_steps and r.warmup_ratio:
+        raise RecipeError("set warmup_steps or warmup_ratio, not both")
+    if r.eval_dataset and r.eval_size:
+        raise RecipeError("set eval_dataset or eval_size, not both")
+    if r.fsdp:
+        if r.uses_bnb and r.fsdp.version == 2:
+            raise RecipeError(
+                f"optim {r.optim} cannot run under FSDP2: bitsandbytes cannot update DTensor state "
+                "(use optim=adamw_torch, or fsdp.version=1, or distributed_type ddp)"
+            )
+        if r.lora and r.fsdp.activation_checkpointing:
+            raise RecipeError(
+                "LoRA with fsdp.activation_checkpointing saves an EMPTY adapter (the checkpoint wrapper renames "
+                "modules): set fsdp.activation_checkpointing=false and gradient_checkpointing=true"
+            )
+        if r.gradient_checkpointing and r.fsdp.activation_checkpointing:
+            raise RecipeError(
+                "gradient_checkpointing and fsdp.activation_checkpointing both checkpoint the same layers: keep one"
+            )
+    if r.deepspeed:
+        ds = r.deepspeed
+        if r.uses_bnb and ds.offload_optimizer != "none":
+            raise RecipeError(
+                f"optim {r.optim} cannot run with deepspeed.offload_optimizer={ds.offload_optimizer}: DeepSpeed's "
+                "offload runs its own CPU Adam and would drop the 8-bit optimizer (use optim=adamw_torch)"
+            )
+        if ds.offload_param != "none" and ds.zero_stage != 3:
+            raise RecipeError(f"deepspeed.offload_param needs zero_stage 3, got zero_stage {ds.zero_stage}")
+        if ds.offload_optimizer != "none" and ds.zero_stage == 0:
+            raise RecipeError("deepspeed.offload_optimizer needs zero_stage 1, 2 or 3, got 0")
+
+
+def techniques(r: Recipe) -> list[str]:
+    """The memory techniques a recipe uses, in words for tables."""
+    out = []
+    if r.fsdp:
+        shard = "full shard" if r.fsdp.reshard_after_forward else "shard grad+optim"
+        out.append(f"FSDP{r.fsdp.version} {shard}")
+        if r.fsdp.offload_params:
+            out.append("FSDP CPU offload")
+        if r.fsdp.activation_checkpointing:
+            out.append("activation checkpointing")
+    if r.deepspeed:
+        out.append(f"ZeRO-{r.deepspeed.zero_stage}")
+        offloaded = [k for k, v in (("optimizer", r.deepspeed.offload_optimizer), ("params", r.deepspeed.offload_param))
+                     if v != "none"]
+        if offloaded:
+            out.append(f"{' + '.join(offloaded)} offload to CPU")
+    if r.distributed_type == "ddp":
+        out.append("DDP")
+    if r.lora:
+        targets = r.lora.target_modules if isinstance(r.lora.target_modules, str) else ",".join(r.lora.target_modules)
+        out.append(f"LoRA r={r.lora.r} ({targets})")
+    else:
+        out.append("full fine-tune")
+    if r.gradient_checkpointing:
+        out.append("gradient checkpointing")
+    out.append({"auto": "bf16/fp16 auto", "no": "fp32"}.get(r.mixed_precision, r.mixed_precision))
+    if r.uses_bnb:
+        out.append("8-bit AdamW" + (" (paged on CUDA)" if r.optim.startswith("paged") else ""))
+    return out
+
+
+def processes_range(r: Recipe) -> str:
+    s = r.supports
+    if s.max_processes == s.min_processes:
+        span = f"{s.min_processes}"
+    elif s.max_processes is None:
+        span = f"{s.min_processes}+"
+    else:
+        span = f"{s.min_processes}-{s.max_processes}"
+    return span + (", multi-node" if s.multi_node and s.max_processes != 1 else "")

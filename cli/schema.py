@@ -1,0 +1,152 @@
+"""Build frozen dataclasses from plain dicts, refusing what does not fit with a one-line error.
+
+Each field's type hint is the schema; `spec(...)` adds ranges. Errors name the dotted key path,
+what is allowed, and a did-you-mean for near-miss keys and choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import field
+from typing import Any, Literal, Union
+
+from .errors import RecipeError, did_you_mean
+
+
+def spec(default=dataclasses.MISSING, *, low=None, high=None, low_open=False, help=""):
+    """A dataclass field with an allowed range: low <= value (< if low_open) and value <= high."""
+    meta = {"low": low, "high": high, "low_open": low_open, "help": help}
+    if isinstance(default, (list, dict, tuple)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def build(cls, data: Any, path: str = ""):
+    """Validate `data` (a dict from YAML) against dataclass `cls`; returns a frozen instance."""
+    where = path or "the recipe"
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where} must be a mapping of keys to values, got {_show(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            full = f"{path}.{key}" if path else str(key)
+            names = [f"{path}.{n}" if path else n for n in fields]
+            raise RecipeError(f"unknown key {full!r}{did_you_mean(full, names)}; allowed here: {', '.join(fields)}")
+    values = {}
+    for name, f in fields.items():
+        key = f"{path}.{name}" if path else name
+        if name in data:
+            values[name] = _coerce(hints[name], data[name], key, f.metadata)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise RecipeError(f"missing required key {key!r}")
+    return cls(**values)
+
+
+def _coerce(hint, value, key, meta):
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        arms = typing.get_args(hint)
+        if value is None:
+            if type(None) in arms:
+                return None
+            raise RecipeError(f"{key} must not be null; expected {_describe(hint)}")
+        errors = []
+        for arm in (a for a in arms if a is not type(None)):
+            try:
+                return _coerce(arm, value, key, meta)
+            except RecipeError as e:
+                errors.append(e)
+        if len(errors) == 1:
+            raise errors[0]
+        raise RecipeError(f"{key} must be {_describe(hint)}, got {_show(value)}")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value is False and "no" in choices:  # YAML 1.1 reads a bare `no` as false
+            return "no"
+        if value in choices and type(value) is type(choices[choices.index(value)]):
+            return value
+        listed = ", ".join(str(c) for c in choices)
+        raise RecipeError(f"{key} must be one of {listed}, got {_show(value)}{did_you_mean(value, choices)}")
+    if origin is tuple:
+        (item,) = typing.get_args(hint)[:1]
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{key} must be a list, got {_show(value)}")
+        return tuple(_coerce(item, v, f"{key}[{i}]", {}) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(hint):
+        return build(hint, {} if value is None else value, key)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise RecipeError(f"{key} must be true or false, got {_show(value)}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise RecipeError(f"{key} must be a string, got {_show(value)}")
+    if hint in (int, float):
+        return _check_range(_number(hint, value, key), key, meta)
+    raise TypeError(f"schema type {hint!r} for {key} is not supported")  # a bug in the schema, not user input
+
+
+def _number(hint, value, key):
+    # PyYAML reads `2e-5` as a string (YAML 1.1 wants `2.0e-5`); accept it, it is what users write.
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "an integer" if hint is int else "a number"
+        raise RecipeError(f"{key} must be {kind}, got {_show(value)}")
+    if hint is int:
+        if value != int(value):
+            raise RecipeError(f"{key} must be an integer, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def _check_range(value, key, meta):
+    low, high, low_open = meta.get("low"), meta.get("high"), meta.get("low_open")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        left = "" if low is None else (f"> {low}" if low_open else f">= {low}")
+        right = "" if high is None else f"<= {high}"
+        allowed = " and ".join(p for p in (left, right) if p)
+        raise RecipeError(f"{key} must be {allowed}, got {value!r}")
+    return value
+
+
+def _describe(hint) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if origin is Literal:
+        return "one of " + ", ".join(str(c) for c in typing.get_args(hint))
+    if origin is tuple:
+        return "a list"
+    if hint is type(None):
+        return "null"
+    if dataclasses.is_dataclass(hint):
+        return "a mapping"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def to_dict(obj) -> dict:
+    """A plain dict (lists, not tuples) of a built dataclass, ready for yaml.safe_dump."""
+
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(obj))

@@ -1,0 +1,82 @@
+"""Where a run goes: processes, machines, rendezvous address, CPU smoke-test mode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import RecipeError
+from .recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Topology:
+    num_processes: int = 1  # total, over all machines (= GPUs, or CPU processes in smoke-test mode)
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    cpu: bool = False  # CPU smoke-test mode: gloo, no GPU
+    bf16: bool | None = None  # does the GPU do bf16? None: unknown (configs made off the target machine)
+
+    @property
+    def processes_per_machine(self) -> int:
+        return self.num_processes // self.num_machines
+
+    @property
+    def name(self) -> str:
+        """File-name form: cpu2, 1gpu, 8gpu, 2x8gpu-rank0."""
+        if self.cpu:
+            base = f"cpu{self.num_processes}"
+        elif self.num_machines == 1:
+            base = f"{self.num_processes}gpu"
+        else:
+            base = f"{self.num_machines}x{self.processes_per_machine}gpu"
+        return f"{base}-rank{self.machine_rank}" if self.num_machines > 1 else base
+
+    def describe(self) -> str:
+        """Human form: '2 CPU processes', '8 GPUs', '2 machines x 8 GPUs (this is rank 0)'."""
+        n = self.processes_per_machine
+        unit = ("CPU process" if n == 1 else "CPU processes") if self.cpu else ("GPU" if n == 1 else "GPUs")
+        per = f"{n} {unit}"
+        return per if self.num_machines == 1 else f"{self.num_machines} machines x {per} (this is rank {self.machine_rank})"
+
+
+def make_topology(num_processes=1, num_machines=1, machine_rank=0, main_process_ip=None, main_process_port=None,
+                  cpu=False, bf16=None) -> Topology:
+    """A checked Topology from CLI flags."""
+    if num_processes < 1:
+        raise RecipeError(f"--num-processes must be >= 1, got {num_processes}")
+    if num_machines < 1:
+        raise RecipeError(f"--num-machines must be >= 1, got {num_machines}")
+    if num_processes % num_machines:
+        raise RecipeError(
+            f"--num-processes is the total over all machines and must divide evenly: "
+            f"{num_processes} processes on {num_machines} machines"
+        )
+    if not 0 <= machine_rank < num_machines:
+        raise RecipeError(f"--machine-rank must be between 0 and {num_machines - 1}, got {machine_rank}")
+    if num_machines > 1 and not main_process_ip:
+        raise RecipeError("--num-machines > 1 needs --main-process-ip (the address of machine rank 0)")
+    if main_process_port is not None and not 1 <= main_process_port <= 65535:
+        raise RecipeError(f"--main-process-port must be between 1 and 65535, got {main_process_port}")
+    if num_machines > 1 and main_process_port is None:
+        main_process_port = 29500
+    return Topology(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, cpu, bf16)
+
+
+def check_supported(recipe: Recipe, topo: Topology) -> None:
+    """Refuse a topology the recipe does not support, saying which recipe would."""
+    s = recipe.supports
+    n = topo.num_processes
+    if n < s.min_processes:
+        raise RecipeError(
+            f"recipe {recipe.name} needs at least {s.min_processes} processes (supports.min_processes), "
+            f"got {n}: use --num-processes {s.min_processes}, or single-gpu-lora / zero3-offload for one GPU"
+        )
+    if s.max_processes is not None and n > s.max_processes:
+        raise RecipeError(
+            f"recipe {recipe.name} runs on at most {s.max_processes} process(es) (supports.max_processes), "
+            f"got {n}: use fsdp, zero3-offload or adamw-8bit to train on {n} GPUs"
+        )
+    if topo.num_machines > 1 and not s.multi_node:
+        raise RecipeError(f"recipe {recipe.name} runs on one machine (supports.multi_node is false)")
