@@ -1,0 +1,130 @@
+"""The CLI as a user meets it: fast paths import no torch; bad input is one line, exit 2."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+
+@pytest.mark.parametrize("args", [["--help"], ["ls"], ["show", "fsdp"], ["config", "zero3-offload", "--num-processes", "8"],
+                                  ["config", "--help"]])
+def test_fast_paths_import_no_torch(args):
+    code = textwrap.dedent(f"""
+        import sys
+        from memrecipe.main import main
+        try:
+            main({args!r})
+        except SystemExit as e:
+            assert e.code in (0, None), e.code
+        heavy = sorted(m for m in ("torch", "transformers", "deepspeed", "accelerate", "datasets", "peft")
+                       if m in sys.modules)
+        assert not heavy, heavy
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_ls_lists_every_recipe_with_what_it_saves_and_costs(cli):
+    done = cli("ls")
+    assert done.returncode == 0
+    for name in ("single-gpu-lora", "fsdp", "zero3-offload", "adamw-8bit"):
+        assert name in done.stdout
+    for header in ("TECHNIQUES", "PROCESSES", "SAVES", "COSTS"):
+        assert header in done.stdout
+    assert "ZeRO-3" in done.stdout and "FSDP2" in done.stdout and "LoRA" in done.stdout
+
+
+def test_show_prints_the_yaml_with_comments(cli):
+    done = cli("show", "zero3-offload")
+    assert done.returncode == 0
+    assert done.stdout == (REPO / "recipes" / "zero3-offload.yaml").read_text()
+
+
+def test_config_prints_then_writes_and_refuses_to_overwrite(cli, tmp_path):
+    printed = cli("config", "zero3-offload", "--num-processes", "8")
+    assert printed.returncode == 0
+    assert "==> zero3_offload_8gpu.yaml <==" in printed.stdout and "==> zero3_offload_8gpu.json <==" in printed.stdout
+    out = tmp_path / "deep" / "cfg"
+    done = cli("config", "zero3-offload", "--num-processes", "8", "--output-dir", str(out), "max_seq_length=1024")
+    assert done.returncode == 0, done.stderr
+    written = yaml.safe_load((out / "zero3_offload_8gpu.yaml").read_text())
+    assert written["deepspeed_config"]["deepspeed_config_file"] == f"{out}/zero3_offload_8gpu.json"
+    before = (out / "zero3_offload_8gpu.json").read_text()
+    again = cli("config", "zero3-offload", "--num-processes", "8", "--output-dir", str(out), "per_device_train_batch_size=1")
+    assert again.returncode == 2 and "already exists" in again.stderr and "--force" in again.stderr
+    assert (out / "zero3_offload_8gpu.json").read_text() == before  # nothing overwritten
+    forced = cli("config", "zero3-offload", "--num-processes", "8", "--output-dir", str(out), "--force",
+                 "per_device_train_batch_size=1")
+    assert forced.returncode == 0 and '"train_micro_batch_size_per_gpu": 1' in (out / "zero3_offload_8gpu.json").read_text()
+
+
+def test_validate_checks_recipes_and_accelerate_configs(cli, tmp_path):
+    assert cli("validate", str(REPO / "recipes" / "fsdp.yaml")).returncode == 0
+    ok = cli("validate", "zero3_offload_cpu2.yaml", cwd=REPO / "accelerate_configs")
+    assert ok.returncode == 0 and "accelerate config" in ok.stdout, ok.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_processes: 2\n"
+                   "fsdp_config:\n  fsdp_versoin: 2\n")
+    done = cli("validate", str(bad))
+    assert done.returncode == 2 and "fsdp_config.fsdp_versoin" in done.stderr and "fsdp_version" in done.stderr
+    worse = tmp_path / "worse.yaml"
+    worse.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: NO\nnum_procesess: 2\n")
+    done = cli("validate", str(worse))
+    assert done.returncode == 2 and "num_procesess" in done.stderr
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "offload_paramz": {}}}')
+    done = cli("validate", str(ds))
+    assert done.returncode == 2 and "offload_paramz" in done.stderr
+
+
+def _bad_inputs(tmp_path):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "fsdp_8gpu.yaml").write_text("keep me\n")
+    not_yaml = tmp_path / "broken.yaml"
+    not_yaml.write_text("name: [unclosed\n")
+    unknown_key = tmp_path / "unknown.yaml"
+    unknown_key.write_text("name: mine\nlerning_rate: 0.1\nsupports: {max_processes: 1}\n")
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    return [
+        (["show", "fsdpp"], "did you mean 'fsdp'"),
+        (["config", "zero3-ofload"], "did you mean 'zero3-offload'"),
+        (["config", "fsdp", "lora.rr=8"], "did you mean 'lora.r'"),
+        (["config", "fsdp", "learning_rate=fast"], "learning_rate must be a number"),
+        (["config", "fsdp", "optim=adamw_bnb_8bit"], "DTensor"),
+        (["config", "zero3-offload", "optim=paged_adamw_8bit"], "CPU Adam"),
+        (["config", "single-gpu-lora", "--num-processes", "8"], "at most 1 process"),
+        (["config", "fsdp", "--num-processes", "1"], "at least 2 processes"),
+        (["config", "fsdp", "--num-processes", "8", "--num-machines", "3", "--main-process-ip", "h"], "divide evenly"),
+        (["config", "fsdp", "--num-processes", "16", "--num-machines", "2"], "--main-process-ip"),
+        (["config", "fsdp", "--num-processes", "8", "--output-dir", str(existing)], "already exists"),
+        (["config", "fsdp", "--num-processes", "8", "--output-dir", str(existing / "fsdp_8gpu.yaml" / "sub")],
+         "cannot write"),  # under a file: unwritable even for root
+        (["config", "fsdp", "max_steps"], "not key=value"),
+        (["config", "fsdp", "--num-processes", "two"], "'two' is not a valid integer"),
+        (["config", "fsdp", "--bogus"], "No such option"),
+        (["conifg", "fsdp"], "did you mean 'config'"),
+        (["show", str(not_yaml)], "not valid YAML at line"),
+        (["validate", str(unknown_key)], "did you mean 'learning_rate'"),
+        (["validate", str(scalar)], "must hold a mapping"),
+        (["validate", str(tmp_path / "missing.yaml")], "does not exist"),
+        (["config"], "Missing argument"),
+    ]
+
+
+def test_bad_input_is_one_line_exit_2_no_traceback(cli, tmp_path):
+    cases = _bad_inputs(tmp_path)
+    assert len(cases) >= 15
+    for args, words in cases:
+        done = cli(*args)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2, (args, done.stderr)
+        assert len(lines) == 1, (args, done.stderr)
+        assert "Traceback" not in done.stderr
+        assert lines[0].startswith("memrecipe: error: ") and words in lines[0], (args, lines[0])
+    assert (tmp_path / "existing" / "fsdp_8gpu.yaml").read_text() == "keep me\n"

@@ -1,0 +1,133 @@
+"""The Recipe model: every shipped recipe validates; overrides, types, ranges and combinations."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from memrecipe.errors import RecipeError
+from memrecipe.recipe import Recipe, make_recipe, parse_overrides
+from memrecipe.registry import load_recipe, recipe_names, recipe_path
+
+SHIPPED = ["adamw-8bit", "fsdp", "single-gpu-lora", "zero3-offload"]
+
+
+def test_the_four_recipes_are_shipped_and_valid():
+    assert set(SHIPPED) <= set(recipe_names())
+    for name in SHIPPED:
+        r = load_recipe(name)
+        assert r.name == name
+        text = recipe_path(name).read_text()
+        assert "memrecipe run sft --recipe " + name in text and "accelerate launch --config_file" in text
+
+
+def test_recipes_say_what_the_issue_asks():
+    lora = load_recipe("single-gpu-lora")
+    assert lora.lora and lora.gradient_checkpointing and lora.supports.max_processes == 1
+    assert lora.mixed_precision == "auto"
+    fsdp = load_recipe("fsdp")
+    assert fsdp.fsdp.version == 2 and fsdp.fsdp.reshard_after_forward and fsdp.fsdp.activation_checkpointing
+    assert fsdp.fsdp.transformer_layer_cls_to_wrap is None  # taken from the model at run time
+    assert fsdp.lora is None and fsdp.fsdp.state_dict_type == "FULL_STATE_DICT"
+    z3 = load_recipe("zero3-offload").deepspeed
+    assert (z3.zero_stage, z3.offload_optimizer, z3.offload_param, z3.pin_memory) == (3, "cpu", "cpu", True)
+    assert z3.zero3_save_16bit_model and load_recipe("zero3-offload").supports.min_processes == 1
+    bnb = load_recipe("adamw-8bit")
+    assert bnb.optim == "paged_adamw_8bit" and bnb.gradient_checkpointing and bnb.distributed_type == "ddp"
+
+
+def test_every_memory_knob_carries_a_tradeoff_comment():
+    knobs = ("max_seq_length", "per_device_train_batch_size", "gradient_accumulation_steps", "mixed_precision",
+             "gradient_checkpointing", "optim", "r:", "target_modules", "offload_optimizer", "offload_param",
+             "activation_checkpointing", "reshard_after_forward", "pin_memory", "zero_stage", "stage3_")
+    for name in SHIPPED:
+        for line in recipe_path(name).read_text().splitlines():
+            if line.lstrip().startswith(knobs):
+                assert "#" in line, f"{name}: memory knob without a trade-off comment: {line.strip()}"
+
+
+def test_recipe_is_immutable():
+    r = load_recipe("fsdp")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.learning_rate = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.fsdp.version = 1
+
+
+def test_overrides_are_dotted_and_parsed_as_yaml():
+    r = load_recipe("single-gpu-lora", ["lora.r=8", "lora.target_modules=[q_proj,v_proj]", "max_steps=10",
+                                        "learning_rate=1e-4", "save_steps=null"])
+    assert r.lora.r == 8 and r.lora.target_modules == ("q_proj", "v_proj")
+    assert r.max_steps == 10 and r.learning_rate == pytest.approx(1e-4) and r.save_steps is None
+    assert r.lora.alpha == 32  # untouched sibling keys keep the recipe's values
+    assert load_recipe("single-gpu-lora", ["lora=null"]).lora is None
+    # a dotted key into a null section creates it with defaults
+    assert load_recipe("fsdp", ["fsdp.activation_checkpointing=false", "lora.r=4", "gradient_checkpointing=true"]).lora.r == 4
+
+
+def test_bare_no_in_yaml_means_the_choice_no():
+    assert load_recipe("fsdp", ["mixed_precision=no"]).mixed_precision == "no"
+
+
+def test_resolved_recipe_round_trips_through_yaml():
+    r = load_recipe("zero3-offload", ["lora.r=4"])
+    assert make_recipe(yaml.safe_load(r.to_yaml())) == r
+
+
+@pytest.mark.parametrize("override, words", [
+    (["lora.rr=8"], ["lora.rr", "did you mean 'lora.r'"]),
+    (["learning_rat=1e-4"], ["learning_rat", "did you mean 'learning_rate'"]),
+    (["optim=adamw"], ["optim must be one of", "adamw_torch"]),
+    (["lora.r=0"], ["lora.r must be >= 1 and <= 4096", "got 0"]),
+    (["per_device_train_batch_size=two"], ["per_device_train_batch_size must be an integer", "'two'"]),
+    (["gradient_checkpointing=maybe"], ["gradient_checkpointing must be true or false"]),
+    (["max_seq_length=2.5"], ["max_seq_length must be an integer"]),
+    (["learning_rate=-1"], ["learning_rate must be > 0"]),
+    (["lora.dropout=1.5"], ["lora.dropout must be >= 0 and <= 0.99"]),
+    (["warmup_steps=10", "warmup_ratio=0.1"], ["warmup_steps or warmup_ratio"]),
+    (["max_steps"], ["not key=value"]),
+    (["lora.target_modules=[q_proj"], ["not valid YAML"]),
+])
+def test_bad_values_are_refused_naming_the_key(override, words):
+    with pytest.raises(RecipeError) as e:
+        load_recipe("single-gpu-lora", override)
+    for w in words:
+        assert w in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("recipe, override, reason", [
+    ("fsdp", ["optim=adamw_bnb_8bit"], "bitsandbytes cannot update DTensor state"),
+    ("zero3-offload", ["optim=adamw_bnb_8bit"], "DeepSpeed's offload runs its own CPU Adam"),
+    ("fsdp", ["lora.r=8"], "EMPTY adapter"),
+    ("fsdp", ["gradient_checkpointing=true"], "keep one"),
+    ("zero3-offload", ["deepspeed.zero_stage=2"], "offload_param needs zero_stage 3"),
+    ("single-gpu-lora", ["fsdp.version=2"], "only read with distributed_type fsdp"),
+    ("single-gpu-lora", ["supports.max_processes=4"], "distributed_type no runs one process"),
+])
+def test_incompatible_combinations_are_refused_with_the_reason(recipe, override, reason):
+    with pytest.raises(RecipeError, match=reason):
+        load_recipe(recipe, override)
+
+
+def test_fsdp1_takes_an_8bit_optimizer():
+    # bitsandbytes works on FSDP1's flat parameters (measured); only FSDP2's DTensors are refused
+    assert load_recipe("fsdp", ["fsdp.version=1", "optim=adamw_bnb_8bit"]).uses_bnb
+
+
+def test_unknown_recipe_and_missing_file():
+    with pytest.raises(RecipeError, match="did you mean 'fsdp'"):
+        load_recipe("fsdpp")
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe("nowhere/recipe.yaml")
+
+
+def test_a_recipe_file_needs_a_name(tmp_path):
+    with pytest.raises(RecipeError, match="missing required key 'name'"):
+        make_recipe({"learning_rate": 1e-3})
+
+
+def test_recipe_defaults_are_the_dataclass_defaults():
+    r = make_recipe({"name": "x", "supports": {"max_processes": 1}})
+    assert r == Recipe(name="x", supports=r.supports)
+    assert parse_overrides(["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
