@@ -14,9 +14,10 @@ def write_files(folder: Path, files: dict[str, str], force: bool = False) -> lis
     targets = [folder / name for name in files]
     existing = [str(t) for t in targets if t.exists()]
     if existing and not force:
-        raise RecipeError(f"{', '.join(existing)} already exists: pass --force to overwrite, or pick another --output-dir")
+        more = f" (and {len(existing) - 1} more)" if len(existing) > 1 else ""
+        raise RecipeError(f"{existing[0]}{more} already exists: pass --force to overwrite, or write elsewhere")
     if folder.exists() and not folder.is_dir():
-        raise RecipeError(f"{folder} is a file, not a folder: pick another --output-dir")
+        raise RecipeError(f"{folder} is a file, not a folder: write elsewhere")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if not os.access(folder, os.W_OK):
@@ -24,5 +25,5 @@ def write_files(folder: Path, files: dict[str, str], force: bool = False) -> lis
         for target, text in zip(targets, files.values()):
             target.write_text(text, encoding="utf-8")
     except OSError as e:
-        raise RecipeError(f"cannot write to {folder}: {e.strerror}: pick another --output-dir") from None
+        raise RecipeError(f"cannot write to {folder}: {e.strerror}: write elsewhere") from None
     return targets

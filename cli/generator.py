@@ -32,7 +32,7 @@ WHY = {
     "rdzv_backend": "static: ranks fixed by machine_rank; c10d: torch's rendezvous",
     "same_network": "machines see each other directly",
     "mixed_precision": "from the recipe's mixed_precision, resolved for this machine",
-    "use_cpu": "CPU smoke-test mode (gloo); several processes also need ACCELERATE_USE_CPU=true",
+    "use_cpu": "true: CPU smoke-test mode, gloo (the Run line above says how to launch it)",
     "fsdp_version": "FSDP2: per-parameter sharding (DTensor), the current API",
     "fsdp_auto_wrap_policy": "one FSDP unit per decoder layer",
     "fsdp_reshard_after_forward": "true: full shard (ZeRO-3 like); false: keep params after forward (ZeRO-2 like)",
@@ -123,7 +123,8 @@ def accelerate_config(recipe: Recipe, topo: Topology, deepspeed_config_file: str
         cfg["main_process_port"] = topo.main_process_port
     if recipe.deepspeed is None:  # with DeepSpeed, precision lives in the JSON only
         cfg["mixed_precision"] = resolve_precision(recipe, topo)
-    cfg["use_cpu"] = topo.cpu
+    # DeepSpeed finds the CPU itself; accelerate's use_cpu would switch DeepSpeed off.
+    cfg["use_cpu"] = topo.cpu and recipe.deepspeed is None
     if recipe.fsdp is not None:
         cfg["fsdp_config"] = _fsdp_section(recipe, topo)
     if recipe.deepspeed is not None:
@@ -194,7 +195,7 @@ def render_json(cfg: dict, comment: str) -> str:
 
 
 def generate(recipe: Recipe, topo: Topology, folder: str = "", recipe_ref: str | None = None,
-             overrides=(), script: str = "recipes/sft.py") -> dict[str, str]:
+             overrides=(), script: str = "recipes/sft.py", recipe_file: str | None = None) -> dict[str, str]:
     """File name -> text for this recipe on this topology, referring to each other inside `folder`.
 
     `recipe_ref` is how the user named the recipe (a name, or a path to a YAML file); the headers
@@ -202,13 +203,14 @@ def generate(recipe: Recipe, topo: Topology, folder: str = "", recipe_ref: str |
     """
     recipe_ref = recipe_ref or recipe.name
     regenerate = regenerate_command(recipe_ref, topo, folder, overrides)
-    recipe_file = f"recipes/{recipe.name}.yaml" if recipe_ref == recipe.name else recipe_ref
+    if recipe_file is None:
+        recipe_file = f"recipes/{recipe.name}.yaml" if recipe_ref == recipe.name else recipe_ref
     stem = config_name(recipe, topo)
-    prefix = f"{folder.rstrip('/')}/" if folder else ""
+    prefix = f"{folder.rstrip('/')}/" if folder not in ("", ".") else ""
     ds = deepspeed_config(recipe, topo)
     ds_name = f"{stem}.json"
     run = Invocation(f"{prefix}{stem}.yaml", script, recipe_file,
-                     cpu_multiprocess=topo.cpu and topo.num_processes > 1)
+                     cpu_multiprocess=topo.cpu and topo.num_processes > 1 and ds is None)
     header = [
         f"memrecipe recipe {recipe.name} on {topo.describe()}.",
         f"Regenerate: {regenerate}",
@@ -216,6 +218,8 @@ def generate(recipe: Recipe, topo: Topology, folder: str = "", recipe_ref: str |
     ]
     if ds is not None:
         header.append(f"Batch, accumulation, precision, clipping and ZeRO settings are in {prefix}{ds_name}.")
+        if topo.cpu:
+            header.append("On CPU DeepSpeed picks its CPU accelerator itself (gloo); use_cpu stays false.")
     if not topo.cpu and recipe.mixed_precision == "auto" and topo.bf16 is None:
         header.append("mixed_precision auto was resolved to bf16 (Ampere or newer); on V100/T4 add mixed_precision=fp16.")
     files = {f"{stem}.yaml": render_yaml(accelerate_config(recipe, topo, f"{prefix}{ds_name}" if ds else None), header)}
@@ -248,9 +252,9 @@ def regenerate_command(recipe_name: str, topo: Topology, folder: str, overrides=
     return shlex.join(words + list(overrides))
 
 
-def shipped_files(recipe: Recipe) -> dict[str, str]:
-    """What accelerate_configs/ holds for a recipe: its default topologies, generated."""
+def shipped_files(recipe: Recipe, folder: str = "accelerate_configs", **kwargs) -> dict[str, str]:
+    """The configs for a recipe's default topologies: what accelerate_configs/ holds."""
     files: dict[str, str] = {}
     for topo in default_topologies(recipe):
-        files |= generate(recipe, topo, folder="accelerate_configs")
+        files |= generate(recipe, topo, folder=folder, **kwargs)
     return files

@@ -15,6 +15,8 @@ COMMANDS = {  # name -> module in memrecipe.commands (imported only when that co
     "show": "show",
     "config": "config",
     "validate": "validate",
+    "run": "run",
+    "cp": "cp",
 }
 
 

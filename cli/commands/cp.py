@@ -1,0 +1,32 @@
+from pathlib import Path
+
+import click
+
+from ..files import write_files
+from ..generator import shipped_files
+from ..registry import data_dir, load_recipe, recipe_path
+
+
+@click.command("cp")
+@click.argument("recipe")
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite files that already exist in DEST.")
+def command(recipe, dest, force):
+    """Copy the loop, RECIPE's YAML and its accelerate configs into DEST, ready to run from there.
+
+    \b
+    memrecipe cp fsdp train/
+    cd train && ACCELERATE_USE_CPU=true accelerate launch --config_file fsdp_cpu2.yaml sft.py --recipe fsdp.yaml
+    """
+    r = load_recipe(recipe)
+    yaml_name = f"{r.name}.yaml"
+    # the recipe's header commands name repo paths; in DEST everything sits side by side
+    text = recipe_path(recipe).read_text(encoding="utf-8")
+    for old, new in ((f"recipes/{r.name}.yaml", yaml_name), ("recipes/sft.py", "sft.py"), ("accelerate_configs/", "")):
+        text = text.replace(old, new)
+    files = {"sft.py": (data_dir("recipes") / "sft.py").read_text(encoding="utf-8"), yaml_name: text}
+    files |= shipped_files(r, folder=".", recipe_ref=r.name, script="sft.py", recipe_file=yaml_name)
+    for path in write_files(dest, files, force):
+        click.echo(f"wrote {path}")
+    click.echo(f"run from {dest}: the 'Run:' line at the top of each .yaml config (needs memrecipe installed: "
+               "sft.py imports it)")

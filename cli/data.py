@@ -1,0 +1,158 @@
+"""Data for the loop: load a dataset, detect its format, tokenize with label masking, batch.
+
+Three formats, detected from the columns or set with `dataset_format`:
+- `text`: a `text` column; every token is a target.
+- `prompt_completion`: `prompt` + `completion`; only completion tokens are targets.
+- `messages`: chat turns rendered with the tokenizer's chat template; only assistant tokens are targets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import RecipeError
+
+IGNORE = -100  # label of tokens that are not targets (prompt, user turns, padding)
+EMBEDDED_DATASET = Path(__file__).resolve().parent / "data" / "chat.jsonl"
+FORMAT_COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_any(source: str | None, split: str = "train"):
+    """A `datasets.Dataset` from a local file or folder, or a hub dataset id; None: the embedded one."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(source) if source else EMBEDDED_DATASET
+    try:
+        if path.suffix in FILE_BUILDERS:
+            if not path.is_file():
+                raise RecipeError(f"dataset file {path} does not exist")
+            return datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
+        if path.is_dir():
+            if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
+                return datasets.load_from_disk(str(path))
+            return datasets.load_dataset(str(path), split=split)
+        if source.startswith((".", "/", "~")):
+            raise RecipeError(f"dataset {source} does not exist")
+        return datasets.load_dataset(source, split=split)
+    except RecipeError:
+        raise
+    except Exception as e:  # the hub and the builders raise many kinds; the user needs one line
+        text = " ".join(str(e).split())
+        if "offline" in text.lower() or "connect" in text.lower() or "couldn't find" in text.lower():
+            raise RecipeError(f"dataset {source!r} is neither a local file/folder nor reachable on the hub "
+                              f"(offline?): give a .jsonl/.json/.parquet/.csv file or a folder") from None
+        raise RecipeError(f"cannot load dataset {source!r}: {text[:300]}") from None
+
+
+def detect_format(columns, declared: str = "auto") -> str:
+    """The dataset's format from its columns; a one-line error naming the columns it has."""
+    columns = list(columns)
+    if declared != "auto":
+        missing = [c for c in FORMAT_COLUMNS[declared] if c not in columns]
+        if missing:
+            raise RecipeError(f"dataset_format {declared} needs column(s) {', '.join(missing)}; "
+                              f"the dataset has: {', '.join(columns)}")
+        return declared
+    for fmt, needed in FORMAT_COLUMNS.items():
+        if all(c in columns for c in needed):
+            return fmt
+    raise RecipeError(f"the dataset needs a 'messages', 'prompt'+'completion' or 'text' column; "
+                      f"it has: {', '.join(columns)}")
+
+
+def tokenize(example: dict, tokenizer, fmt: str, max_seq_length: int) -> dict:
+    """input_ids and labels (IGNORE where the token is not a target), truncated to max_seq_length."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if fmt == "text":
+        ids = tokenizer(example["text"])["input_ids"] + eos
+        labels = list(ids)
+    elif fmt == "prompt_completion":
+        prompt = tokenizer(example["prompt"])["input_ids"]
+        completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + eos
+        ids, labels = prompt + completion, [IGNORE] * len(prompt) + completion
+    else:
+        ids, labels = _tokenize_chat(example["messages"], tokenizer)
+    return {"input_ids": ids[:max_seq_length], "labels": labels[:max_seq_length]}
+
+
+def _tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+    """Render the conversation; mark as targets the characters each assistant turn adds.
+
+    Works with any chat template that renders a conversation as the prefix of its continuation:
+    turn i's text spans from the render of messages[:i] (with the generation prompt) to the
+    render of messages[:i+1]; tokens are mapped to characters with the fast tokenizer's offsets.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise RecipeError("the dataset has 'messages' but the tokenizer has no chat template: "
+                          "use a tokenizer with one, or prompt/completion data")
+
+    def render(msgs, gen=False):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    full = render(messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start, end = render(messages[:i], gen=True), render(messages[: i + 1])
+        if not (full.startswith(start) and full.startswith(end)):
+            raise RecipeError("this tokenizer's chat template does not render conversations prefix by prefix, "
+                              "so assistant tokens cannot be found: use prompt/completion data")
+        spans.append((len(start), len(end)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    labels = [tok if any(s <= a < e for s, e in spans) else IGNORE for tok, (a, _) in zip(ids, enc["offset_mapping"])]
+    return ids, labels
+
+
+def pack(rows: dict, max_seq_length: int) -> dict:
+    """Concatenate tokenized examples and cut them into full blocks (a batched `Dataset.map`)."""
+    ids = [t for seq in rows["input_ids"] for t in seq]
+    labels = [t for seq in rows["labels"] for t in seq]
+    n = len(ids) // max_seq_length * max_seq_length
+    return {"input_ids": [ids[i: i + max_seq_length] for i in range(0, n, max_seq_length)],
+            "labels": [labels[i: i + max_seq_length] for i in range(0, n, max_seq_length)]}
+
+
+def prepare_datasets(recipe, tokenizer):
+    """(train, eval or None): tokenized datasets of input_ids/labels, as the recipe asks."""
+    raw = load_any(recipe.dataset)
+    fmt = detect_format(raw.column_names, recipe.dataset_format)
+    eval_raw = None
+    if recipe.eval_dataset:
+        eval_raw = load_any(recipe.eval_dataset)
+        detect_format(eval_raw.column_names, fmt)
+    elif recipe.eval_size:
+        split = raw.train_test_split(test_size=recipe.eval_size, seed=recipe.seed)
+        raw, eval_raw = split["train"], split["test"]
+
+    def encode(ds):
+        ds = ds.map(tokenize, fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "max_seq_length": recipe.max_seq_length},
+                    remove_columns=ds.column_names)
+        ds = ds.filter(lambda ex: any(label != IGNORE for label in ex["labels"][1:]))  # nothing to learn: drop
+        if recipe.packing:
+            ds = ds.map(pack, batched=True, fn_kwargs={"max_seq_length": recipe.max_seq_length})
+        return ds
+
+    return encode(raw), encode(eval_raw) if eval_raw is not None else None
+
+
+class Collator:
+    """Pad a list of examples to the longest in the batch (right padding)."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad = pad_token_id
+
+    def __call__(self, examples: list[dict]) -> dict:
+        import torch
+
+        width = max(len(ex["input_ids"]) for ex in examples)
+        ids, labels, mask = [], [], []
+        for ex in examples:
+            gap = width - len(ex["input_ids"])
+            ids.append(ex["input_ids"] + [self.pad] * gap)
+            labels.append(ex["labels"] + [IGNORE] * gap)
+            mask.append([1] * len(ex["input_ids"]) + [0] * gap)
+        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "attention_mask": torch.tensor(mask)}

@@ -1,0 +1,66 @@
+"""What a run measures about itself: how the model is really wrapped, memory, throughput."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+def describe_setup(accelerator, model, optimizer) -> dict:
+    """Facts read off the live objects, so a test (or a user) can see the recipe really took effect."""
+    from torch.distributed.fsdp import FSDPModule
+
+    params = list(model.parameters())
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 partitions hold ds_numel)
+    facts = {
+        "distributed_type": accelerator.distributed_type.value,
+        "num_processes": accelerator.num_processes,
+        "process_index": accelerator.process_index,
+        "device": str(accelerator.device),
+        "mixed_precision": accelerator.mixed_precision,
+        "model_class": type(model).__name__,
+        "fsdp2_modules": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "dtensor_params": sum(type(p).__name__ == "DTensor" for p in params),
+        "params": sum(numel(p) for p in params),
+        "trainable_params": sum(numel(p) for p in params if p.requires_grad),
+        "trainable_names_all_lora": all("lora_" in n for n, p in model.named_parameters() if p.requires_grad),
+        "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+        "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
+    }
+    if hasattr(model, "zero_optimization_stage"):  # a DeepSpeedEngine
+        facts["zero_stage"] = model.zero_optimization_stage()
+        offload_param = model.zero_offload_param()
+        facts["zero_offload_optimizer"] = model.zero_cpu_offload()
+        facts["zero_offload_param"] = offload_param is not None and str(getattr(offload_param.device, "value", offload_param.device)) == "cpu"
+        facts["optimizer_class"] = type(model.optimizer).__name__
+        facts["client_optimizer_class"] = type(model.optimizer.optimizer).__name__ \
+            if hasattr(model.optimizer, "optimizer") else None
+    return facts
+
+
+def optimizer_state_dtypes(optimizer) -> list[str]:
+    """The dtypes of the optimizer's state tensors (8-bit bitsandbytes state shows as uint8)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = getattr(inner, "state", {})
+    return sorted({str(v.dtype).removeprefix("torch.") for s in state.values() for v in s.values()
+                   if torch.is_tensor(v) and v.numel() > 1})
+
+
+def peak_memory(device) -> dict:
+    """Peak memory of this process: CUDA allocator peaks on GPU, peak RSS always (bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {"peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024}
+    if device.type == "cuda":
+        out |= {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    return out
+
+
+def _checkpointing(model) -> bool:
+    base = getattr(model, "get_base_model", lambda: model)()
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # newest transformers first
+        if name in dir(type(base)):
+            return bool(getattr(base, name))
+    return False

@@ -1,0 +1,229 @@
+"""Supervised fine-tuning with any memrecipe recipe: one loop for 1 GPU, DDP, FSDP and DeepSpeed.
+
+    memrecipe run sft --recipe single-gpu-lora
+    accelerate launch --config_file accelerate_configs/single_gpu_lora_cpu1.yaml \
+        recipes/sft.py --recipe recipes/single-gpu-lora.yaml [--output-dir DIR] [key=value ...]
+
+Steps: Accelerator -> model (+LoRA, checkpointing) -> data -> optimizer and schedule -> prepare
+-> loop over windows of micro batches -> log, eval -> save the model and a report.
+
+Gradient accumulation is exact: an optimizer step sees a window of `gradient_accumulation_steps`
+micro batches on every process, and its loss is the sum over all the window's target tokens
+divided by their number, counted over all processes. Micro batch x accumulation x processes
+therefore trains like one big batch, however unevenly the tokens fall.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from memrecipe.data import Collator, prepare_datasets
+from memrecipe.errors import RecipeError
+from memrecipe.measure import describe_setup, optimizer_state_dtypes, peak_memory
+from memrecipe.modeling import (count_targets, load_model, load_tokenizer, make_accelerator, make_optimizer,
+                                embedded_model, token_loss)
+from memrecipe.registry import load_recipe
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", required=True, help="a recipe name or YAML file")
+    parser.add_argument("--output-dir", default=None, help="run folder (default: runs/<recipe>-<time>)")
+    parser.add_argument("--overwrite", action="store_true", help="train into a folder that holds a finished run")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. max_steps=10")
+    return parser.parse_args(argv)
+
+
+def windows(dataloader, size):
+    """Yield lists of `size` micro batches. The micro batches left over at the end of an epoch
+    would make a smaller window; they are dropped (and the start-up log says how many)."""
+    window = []
+    for batch in dataloader:
+        window.append(batch)
+        if len(window) == size:
+            yield window
+            window = []
+
+
+def accumulate_window(model, window, accelerator):
+    """Forward and backward over one window of micro batches, leaving the step's gradient in .grad.
+
+    The loss's denominator is the number of target tokens in the whole window, over all
+    processes. Gradients are averaged over processes and accelerate divides each micro batch's
+    loss by the accumulation steps; scaling by both makes the gradient sum(token losses) / targets,
+    exactly the gradient of one big batch. Returns (mean loss per target token, targets).
+    """
+    local = sum(count_targets(batch["labels"]) for batch in window)
+    targets = accelerator.reduce(torch.tensor(local, device=accelerator.device), "sum").item()
+    scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / targets
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for batch in window:
+        with accelerator.accumulate(model):  # no gradient sync until the window's last micro batch
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = token_loss(logits, batch["labels"])
+            accelerator.backward(loss * scale)  # under DeepSpeed the engine also steps here, on the last batch
+            loss_sum += loss.detach()
+    return accelerator.reduce(loss_sum, "sum").item() / targets, targets
+
+
+@torch.no_grad()
+def evaluate(model, dataloader, accelerator):
+    """Mean loss per target token over the eval set, over all processes."""
+    model.eval()
+    loss_sum = torch.zeros((), device=accelerator.device)
+    targets = torch.zeros((), device=accelerator.device)
+    for batch in dataloader:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss_sum += token_loss(logits, batch["labels"])
+        targets += count_targets(batch["labels"])
+    model.train()
+    return (accelerator.reduce(loss_sum, "sum") / accelerator.reduce(targets, "sum")).item()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    report_to = None if recipe.report_to == "none" else recipe.report_to
+
+    # 1. Accelerator: the launch config (accelerate YAML / DeepSpeed JSON) says how processes share the work.
+    # (The embedded default model is built first: under ZeRO-3 the Accelerator makes every model a collective.)
+    model_path = recipe.model_name_or_path or embedded_model()
+    accelerator = make_accelerator(recipe, log_with=report_to)
+    deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
+    stamp = [datetime.now().strftime("%Y%m%d-%H%M%S")]
+    broadcast_object_list(stamp)  # one folder name for all processes
+    out = Path(args.output_dir or f"runs/{recipe.name}-{stamp[0]}")
+    if (out / "final").exists() and not args.overwrite:
+        raise RecipeError(f"{out} already holds a finished run: pass --overwrite, or another --output-dir")
+    set_seed(recipe.seed)
+    say = tqdm.write if accelerator.is_main_process else (lambda *a, **k: None)
+
+    # 2. Model and tokenizer: a hub id, a local folder, or the embedded tiny default.
+    tokenizer = load_tokenizer(model_path, recipe.trust_remote_code)
+    model = load_model(recipe, model_path, accelerator.mixed_precision)
+
+    # 3. Data: tokenized once (main process first, the others read its cache), padded per batch.
+    with accelerator.main_process_first():
+        train_set, eval_set = prepare_datasets(recipe, tokenizer)
+    collate = Collator(tokenizer.pad_token_id)
+    train_loader = DataLoader(train_set, batch_size=recipe.per_device_train_batch_size, shuffle=True,
+                              collate_fn=collate)
+    eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_train_batch_size, collate_fn=collate) \
+        if eval_set is not None else None
+
+    # 4. Optimizer, then prepare: wraps the model (DDP / FSDP / DeepSpeed engine) and shards the data.
+    optimizer = make_optimizer(recipe, model, accelerator)
+    if eval_loader is not None:
+        model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    else:
+        model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    accumulation = accelerator.gradient_accumulation_steps  # DeepSpeed's JSON has the last word
+    steps_per_epoch = len(train_loader) // accumulation
+    if steps_per_epoch == 0:
+        raise RecipeError(f"the dataset gives {len(train_loader)} micro batch(es) per process, fewer than "
+                          f"gradient_accumulation_steps={accumulation}: lower it, or the micro batch")
+    total_steps = recipe.max_steps or math.ceil(recipe.num_train_epochs * steps_per_epoch)
+    warmup = recipe.warmup_steps or math.ceil(recipe.warmup_ratio * total_steps)
+    # Stepped once per optimizer step, by the loop (not prepared: accelerate would step it per process).
+    scheduler = get_scheduler(recipe.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                              num_training_steps=total_steps)
+    setup = describe_setup(accelerator, model, optimizer)
+    if report_to:
+        accelerator.init_trackers(recipe.name, config={"recipe": recipe.to_dict()})
+    world = accelerator.num_processes
+    say(f"memrecipe sft: recipe {recipe.name} | {world} process(es), {setup['distributed_type']} on "
+        f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
+        f"{setup['params']:,} parameters train")
+    say(f"batch: {recipe.per_device_train_batch_size} sequences x {accumulation} accumulation x {world} "
+        f"process(es) per step | {total_steps} steps ({steps_per_epoch} per epoch)")
+    dropped = len(train_loader) % accumulation
+    if dropped:
+        say(f"note: the last {dropped} micro batch(es) of each epoch do not fill a window and are skipped")
+
+    # 5. The loop: one optimizer step per window of micro batches.
+    history, started, step, epoch = [], time.perf_counter(), 0, 0
+    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_main_process)
+    model.train()
+    while step < total_steps:
+        if hasattr(train_loader, "set_epoch"):
+            train_loader.set_epoch(epoch)  # a new, seeded shuffle each epoch, the same on every process
+        for window in windows(train_loader, accumulation):
+            tick = time.perf_counter()
+            loss, targets = accumulate_window(model, window, accelerator)
+            grad_norm = None
+            if recipe.max_grad_norm and not deepspeed:  # DeepSpeed clips by its JSON's gradient_clipping
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+
+            if step == 1:
+                setup["optimizer_state_dtypes"] = optimizer_state_dtypes(optimizer)
+            real_tokens = accelerator.reduce(
+                torch.tensor(sum(int(b["attention_mask"].sum()) for b in window), device=accelerator.device), "sum")
+            record = {"step": step, "loss": loss,
+                      "lr": scheduler.get_last_lr()[0], "tokens": int(real_tokens),
+                      "seconds": time.perf_counter() - tick}
+            if grad_norm is not None:
+                record["grad_norm"] = float(grad_norm)
+            if eval_loader is not None and recipe.eval_steps and step % recipe.eval_steps == 0:
+                record["eval_loss"] = evaluate(model, eval_loader, accelerator)
+            history.append(record)
+            if report_to:
+                accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}",
+                            tok_s=f"{record['tokens'] / record['seconds']:,.0f}")
+            if step % recipe.logging_steps == 0 or step == total_steps:
+                say(f"step {step}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                    f"{record['tokens'] / record['seconds']:,.0f} tok/s"
+                    + (f" | eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
+            if step >= total_steps:
+                break
+        epoch += 1
+    bar.close()
+    wall = time.perf_counter() - started
+    eval_loss = evaluate(model, eval_loader, accelerator) if eval_loader is not None else None
+
+    # 6. Save: gather the full weights (FSDP shards, ZeRO-3 16-bit partitions) or the LoRA adapter.
+    final = out / "final"
+    state_dict = accelerator.get_state_dict(model)
+    accelerator.unwrap_model(model).save_pretrained(final, state_dict=state_dict, safe_serialization=True,
+                                                    is_main_process=accelerator.is_main_process)
+    ranks = gather_object([{"process_index": accelerator.process_index,
+                                        "num_processes": accelerator.num_processes,
+                                        **peak_memory(accelerator.device)}])
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(final)  # with its chat template
+        tokens = sum(r["tokens"] for r in history)
+        report = {"recipe": recipe.to_dict(), "model": model_path, "output_dir": str(out), "setup": setup,
+                  "processes": ranks, "steps": step, "epochs": epoch, "wall_seconds": wall,
+                  "tokens_per_second": tokens / wall, "final_train_loss": history[-1]["loss"],
+                  "final_eval_loss": eval_loss, "history": history}
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        peak = max(r.get("cuda_max_allocated_bytes", r["peak_rss_bytes"]) for r in ranks)
+        say(f"done: {step} steps in {wall:.1f} s | {tokens / wall:,.0f} tok/s | train loss "
+            f"{history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}"
+            + (f" | eval loss {eval_loss:.3f}" if eval_loss is not None else "")
+            + f" | peak memory {peak / 2**30:.2f} GiB per process | saved {final}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except RecipeError as e:
+        print(f"memrecipe: error: {e}", file=sys.stderr)
+        sys.exit(2)
