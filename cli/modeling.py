@@ -17,7 +17,7 @@ from .errors import RecipeError
 # peft/transformers deprecation, and torch's rename of collectives that DeepSpeed still calls.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+ is deprecated.*", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated.*", category=FutureWarning)
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "data" / "tiny-llama"
 
@@ -172,10 +172,12 @@ def make_optimizer(recipe, model, accelerator):
     return torch.optim.AdamW(groups, lr=recipe.learning_rate)
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy over target tokens (labels != -100), in fp32."""
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                             ignore_index=-100, reduction="sum")
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, per_sequence: bool = False) -> torch.Tensor:
+    """Next-token cross-entropy summed over target tokens (labels != -100), in fp32: one number,
+    or one per sequence."""
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                               ignore_index=-100, reduction="none")
+    return losses.view(labels.shape[0], -1).sum(-1) if per_sequence else losses.sum()
 
 
 def count_targets(labels: torch.Tensor) -> int:

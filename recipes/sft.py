@@ -79,16 +79,18 @@ def accumulate_window(model, window, accelerator):
 
 @torch.no_grad()
 def evaluate(model, dataloader, accelerator):
-    """Mean loss per target token over the eval set, over all processes."""
+    """Mean loss per target token over the eval set, over all processes (each sequence once:
+    gather_for_metrics drops the copies that even out the last batch across processes)."""
     model.eval()
-    loss_sum = torch.zeros((), device=accelerator.device)
-    targets = torch.zeros((), device=accelerator.device)
+    loss_sum, targets = 0.0, 0
     for batch in dataloader:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss_sum += token_loss(logits, batch["labels"])
-        targets += count_targets(batch["labels"])
+        per_sequence = token_loss(logits, batch["labels"], per_sequence=True)
+        counts = (batch["labels"][:, 1:] != -100).sum(-1)
+        per_sequence, counts = accelerator.gather_for_metrics((per_sequence, counts))
+        loss_sum, targets = loss_sum + per_sequence.sum().item(), targets + counts.sum().item()
     model.train()
-    return (accelerator.reduce(loss_sum, "sum") / accelerator.reduce(targets, "sum")).item()
+    return loss_sum / targets
 
 
 def main(argv=None):

@@ -1,0 +1,98 @@
+"""Data: formats from columns, label masking, truncation, packing, loading local files."""
+
+import json
+
+import pytest
+
+from memrecipe.data import IGNORE, Collator, detect_format, load_any, pack, prepare_datasets, tokenize
+from memrecipe.errors import RecipeError
+from memrecipe.modeling import EMBEDDED_MODEL, load_tokenizer
+from memrecipe.registry import load_recipe
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(str(EMBEDDED_MODEL))
+
+
+def targets(ex, tok):
+    return tok.decode([t for t, label in zip(ex["input_ids"], ex["labels"]) if label != IGNORE])
+
+
+def test_formats_are_detected_from_columns():
+    assert detect_format(["messages"]) == "messages"
+    assert detect_format(["prompt", "completion", "id"]) == "prompt_completion"
+    assert detect_format(["text"]) == "text"
+    with pytest.raises(RecipeError, match="it has: question, answer"):
+        detect_format(["question", "answer"])
+    with pytest.raises(RecipeError, match="needs column.*completion.*has: prompt"):
+        detect_format(["prompt"], "prompt_completion")
+
+
+def test_prompt_completion_learns_only_the_completion(tok):
+    ex = tokenize({"prompt": "What is 2 plus 2?", "completion": " 2 plus 2 is 4."}, tok, "prompt_completion", 512)
+    assert len(ex["input_ids"]) == len(ex["labels"])
+    assert targets(ex, tok) == " 2 plus 2 is 4.<|im_end|>"
+    assert ex["labels"][0] == IGNORE
+
+
+def test_chat_learns_only_assistant_turns(tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What color is snow?"},
+                {"role": "assistant", "content": "Snow is white."}, {"role": "user", "content": "And coal?"},
+                {"role": "assistant", "content": "Coal is black."}]
+    ex = tokenize({"messages": messages}, tok, "messages", 512)
+    learned = targets(ex, tok)
+    assert "Snow is white." in learned and "Coal is black." in learned
+    assert "snow?" not in learned and "Be brief" not in learned and "coal?" not in learned
+    assert tok.decode(ex["input_ids"]) == tok.apply_chat_template(messages, tokenize=False)
+
+
+def test_text_learns_every_token_and_truncates(tok):
+    ex = tokenize({"text": "apple river stone " * 50}, tok, "text", 16)
+    assert len(ex["input_ids"]) == 16 and ex["labels"] == ex["input_ids"]
+
+
+def test_packing_cuts_full_blocks():
+    rows = {"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]], "labels": [[IGNORE, 2, 3], [4, 5], [6, IGNORE, 8, 9]]}
+    packed = pack(rows, 4)
+    assert packed["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert packed["labels"] == [[IGNORE, 2, 3, 4], [5, 6, IGNORE, 8]]
+
+
+def test_collator_pads_right_and_masks_padding():
+    batch = Collator(pad_token_id=0)([{"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7]},
+                                      {"input_ids": [8], "labels": [8]}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json", "parquet", "csv"])
+def test_local_files_load_in_every_format(tmp_path, suffix):
+    import datasets
+
+    rows = [{"prompt": f"What is {i} plus 1?", "completion": f" {i + 1}."} for i in range(6)]
+    path = tmp_path / f"data.{suffix}"
+    ds = datasets.Dataset.from_list(rows)
+    {"jsonl": lambda: ds.to_json(path), "json": lambda: path.write_text(json.dumps(rows)),
+     "parquet": lambda: ds.to_parquet(path), "csv": lambda: ds.to_csv(path, index=False)}[suffix]()
+    loaded = load_any(str(path))
+    assert loaded.num_rows == 6 and detect_format(loaded.column_names) == "prompt_completion"
+
+
+def test_missing_file_and_unreachable_hub_id_are_one_line():
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_any("/nowhere/data.jsonl")
+    with pytest.raises(RecipeError, match="neither a local file/folder nor reachable"):
+        load_any("someone/no-such-dataset-here")
+
+
+def test_embedded_dataset_splits_and_has_targets(tok):
+    recipe = load_recipe("single-gpu-lora")
+    train, evals = prepare_datasets(recipe, tok)
+    assert train.num_rows > 250 and 20 < evals.num_rows < 50
+    for ex in train.select(range(20)):
+        assert any(label != IGNORE for label in ex["labels"][1:])
+        assert len(ex["input_ids"]) <= recipe.max_seq_length
+    packed, _ = prepare_datasets(load_recipe("single-gpu-lora", ["packing=true", "max_seq_length=64"]), tok)
+    assert {len(x) for x in packed["input_ids"]} == {64}
