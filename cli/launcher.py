@@ -111,7 +111,13 @@ def launch_command(script: str, topo: Topology, cores: int, extra=()) -> list[st
 
 
 def default_output_dir(recipe: Recipe) -> Path:
-    return Path("runs") / f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    """runs/<recipe>-<YYYYmmdd-HHMMSS>, with -2, -3... if runs start within the same second."""
+    base = Path("runs") / f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    return folder
 
 
 def prepare_folder(folder: Path, overwrite: bool) -> None:

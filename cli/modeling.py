@@ -25,7 +25,7 @@ EMBEDDED_MODEL = Path(__file__).resolve().parent / "data" / "tiny-llama"
 def make_accelerator(recipe, **kwargs):
     """The Accelerator for the config accelerate launched us with, made to work on CPU too.
 
-    On a machine without CUDA two accelerate paths need help (measured, see docs/cpu.md):
+    On a machine without CUDA two accelerate paths need help (measured, see docs/loop.md):
     - DeepSpeed: accelerate finds no backend and would run every rank as a lone process 0;
       a gloo process group fixes the world size and ranks.
     - FSDP: accelerate turns FSDP on only for GPU-like distributed types; the process state is

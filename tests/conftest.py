@@ -13,7 +13,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def run_cli(*args, cwd=None, env=None, timeout=120):
+def run_cli(*args, cwd=None, env=None, timeout=180):
     """Run `python -m memrecipe ARGS` as a user would; returns the CompletedProcess."""
     return subprocess.run([sys.executable, "-m", "memrecipe", *args], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=timeout)

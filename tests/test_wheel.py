@@ -18,7 +18,8 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path):
                     str(REPO)], check=True, capture_output=True, timeout=300)
     (wheel,) = dist.glob("memrecipe-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "memrecipe/recipes/fsdp.yaml" in names
+    assert "memrecipe/recipes/fsdp.yaml" in names and "memrecipe/recipes/sft.py" in names
+    assert "memrecipe/data/chat.jsonl" in names and "memrecipe/data/tiny-llama/tokenizer.json" in names
     assert "memrecipe/accelerate_configs/zero3_offload_8gpu.json" in names
     assert not any(n.startswith("cli/") for n in names), "a top-level `cli` package must never be installed"
 

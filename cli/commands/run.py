@@ -47,14 +47,16 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
     command_words = launch_command(script, topo, machine.cores)
     env = launch_env(r, topo)
     mode = "CPU smoke-test mode: no GPU, gloo" if topo.cpu else f"{topo.describe()}"
-    click.echo(f"memrecipe: {r.name} on {topo.describe()} ({mode}) -> {folder}", err=True)
+    banner = f"memrecipe: {r.name} on {topo.describe()} ({mode}) -> {folder}"
     if dry_run:
+        click.echo(banner, err=True)
         click.echo(shell_form(command_words, env, folder))
         for name, text in files.items():
             click.echo(f"\n==> {folder / name} <==")
             click.echo(text, nl=False)
         return
     prepare_folder(folder, overwrite)
+    click.echo(banner, err=True)
     write_files(folder, files, force=True)
     sys.exit(stream(command_words, folder, env, folder / "train.log"))
 
