@@ -215,11 +215,12 @@ def main(argv=None):
                   "tokens_per_second": tokens / wall, "final_train_loss": history[-1]["loss"],
                   "final_eval_loss": eval_loss, "history": history}
         (out / "report.json").write_text(json.dumps(report, indent=2))
-        peak = max(r.get("cuda_max_allocated_bytes", r["peak_rss_bytes"]) for r in ranks)
+        kind = "CUDA allocated" if "cuda_max_allocated_bytes" in ranks[0] else "RSS"
+        peaks = ", ".join(f"{r.get('cuda_max_allocated_bytes', r['peak_rss_bytes']) / 2**30:.2f}" for r in ranks)
         say(f"done: {step} steps in {wall:.1f} s | {tokens / wall:,.0f} tok/s | train loss "
             f"{history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}"
             + (f" | eval loss {eval_loss:.3f}" if eval_loss is not None else "")
-            + f" | peak memory {peak / 2**30:.2f} GiB per process | saved {final}")
+            + f" | peak {kind} per process: {peaks} GiB | saved {final}")
     accelerator.end_training()
 
 

@@ -128,3 +128,18 @@ def test_bad_input_is_one_line_exit_2_no_traceback(cli, tmp_path):
         assert "Traceback" not in done.stderr
         assert lines[0].startswith("memrecipe: error: ") and words in lines[0], (args, lines[0])
     assert (tmp_path / "existing" / "fsdp_8gpu.yaml").read_text() == "keep me\n"
+
+
+def test_cp_copies_side_by_side_and_refuses_to_overwrite(cli, tmp_path):
+    dest = tmp_path / "deep" / "train"
+    done = cli("cp", "fsdp", str(dest))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in dest.iterdir()) == ["fsdp.yaml", "fsdp_8gpu.yaml", "fsdp_cpu2.yaml", "sft.py"]
+    assert "--config_file fsdp_cpu2.yaml sft.py --recipe fsdp.yaml" in (dest / "fsdp.yaml").read_text()
+    assert "accelerate_configs/" not in (dest / "fsdp_cpu2.yaml").read_text()
+    (dest / "sft.py").write_text("# my edits\n")
+    again = cli("cp", "fsdp", str(dest))
+    assert again.returncode == 2 and "already exists: pass --force" in again.stderr
+    assert (dest / "sft.py").read_text() == "# my edits\n"
+    assert cli("cp", "fsdp", str(dest), "--force").returncode == 0
+    assert (dest / "sft.py").read_text() == (REPO / "recipes" / "sft.py").read_text()

@@ -179,3 +179,19 @@ def test_each_shipped_file_is_headed_by_the_command_that_regenerates_it(tmp_path
         done = cli(*words)
         assert done.returncode == 0, done.stderr
         assert (out / path.name).is_file()
+
+
+def test_recipe_headers_hold_the_exact_launch_commands_of_their_configs():
+    """Each recipe YAML opens with the commands that run it: they must be the configs' own Run lines."""
+    from memrecipe.registry import recipe_path
+
+    folder = data_dir("accelerate_configs")
+    for name in recipe_names():
+        header = recipe_path(name).read_text().split("\nname:")[0]
+        assert f"memrecipe run sft --recipe {name}" in header
+        stems = [f.removesuffix(".yaml") for f in shipped_files(load_recipe(name)) if f.endswith(".yaml")]
+        for stem in stems:
+            run_line = next(line for line in (folder / f"{stem}.yaml").read_text().splitlines()
+                            if line.startswith("# Run:"))
+            command = run_line.removeprefix("# Run:").strip()
+            assert command in header, f"{name}: header lacks `{command}`"
