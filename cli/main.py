@@ -44,9 +44,10 @@ def cli():
     """Memory-saving fine-tuning recipes for Hugging Face Accelerate.
 
     \b
-    memrecipe ls                          the recipes, what they save and cost
-    memrecipe show fsdp                   one recipe's YAML, with its comments
+    memrecipe ls                                  the recipes, what they save and cost
+    memrecipe show fsdp                           one recipe's YAML, with its comments
     memrecipe config zero3-offload --num-processes 8
+    memrecipe run sft --recipe single-gpu-lora    train (no GPU: CPU smoke-test mode)
     """
 
 

@@ -15,7 +15,7 @@ from ..topology import check_supported, make_topology
 @overrides_argument
 def command(recipe, num_processes, num_machines, machine_rank, main_process_ip, main_process_port, cpu,
             output_dir, force, overrides):
-    """Generate RECIPE's accelerate config (and DeepSpeed JSON) for a topology.
+    """Write RECIPE's accelerate config (+ DeepSpeed JSON) for a topology.
 
     \b
     memrecipe config zero3-offload --num-processes 8

@@ -12,7 +12,7 @@ from ..registry import data_dir, load_recipe, recipe_path
 @click.argument("dest", type=click.Path(path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite files that already exist in DEST.")
 def command(recipe, dest, force):
-    """Copy the loop, RECIPE's YAML and its accelerate configs into DEST, ready to run from there.
+    """Copy the loop, RECIPE and its configs into DEST, to edit.
 
     \b
     memrecipe cp fsdp train/

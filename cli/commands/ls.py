@@ -7,7 +7,7 @@ from ..table import table
 
 @click.command("ls")
 def command():
-    """List the recipes: techniques, processes, what each saves and costs."""
+    """List the recipes and what each saves and costs."""
     rows = []
     for name in recipe_names():
         r = load_recipe(name)

@@ -26,7 +26,7 @@ from ..registry import load_recipe
 @overrides_argument
 def command(script, recipe, model, dataset, output_dir, num_processes, num_machines, machine_rank, main_process_ip,
             main_process_port, cpu, report_to, overwrite, dry_run, overrides):
-    """Train with a recipe: `memrecipe run sft --recipe single-gpu-lora`.
+    """Train with a recipe, checked and launched with accelerate.
 
     \b
     memrecipe run sft --recipe single-gpu-lora               # the embedded tiny model and data

@@ -9,7 +9,7 @@ from ..recipe import make_recipe, read_yaml
 @click.command("validate")
 @click.argument("file", type=click.Path(path_type=Path))
 def command(file):
-    """Check a recipe YAML, an accelerate config YAML or a DeepSpeed JSON."""
+    """Check a recipe, an accelerate config or a DeepSpeed JSON."""
     if not file.is_file():
         raise RecipeError(f"{file} does not exist")
     if file.suffix == ".json":
