@@ -11,11 +11,12 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
 from .errors import RecipeError
+from .hardware import Machine
 from .generator import accelerate_config, deepspeed_config, render_json, render_yaml
 from .recipe import Recipe
 from .registry import data_dir
@@ -23,23 +24,6 @@ from .topology import Topology, check_supported, make_topology
 
 SCRIPTS = ("sft",)
 RUN_FILES = ("recipe.yaml", "accelerate_config.yaml", "deepspeed_config.json")
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What this machine has: GPUs (and whether they do bf16), CPU cores."""
-
-    gpus: int
-    bf16: bool | None
-    cores: int
-
-    @classmethod
-    def detect(cls) -> Machine:
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        bf16 = torch.cuda.is_bf16_supported() if gpus else None
-        return cls(gpus, bf16, os.cpu_count() or 1)
 
 
 def plan_topology(recipe: Recipe, machine: Machine, num_processes=None, num_machines=1, machine_rank=0,

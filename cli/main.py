@@ -17,6 +17,7 @@ COMMANDS = {  # name -> module in memrecipe.commands (imported only when that co
     "validate": "validate",
     "run": "run",
     "cp": "cp",
+    "plan": "plan",
 }
 
 

@@ -19,7 +19,3 @@ def table(headers: list[str], rows: list[list], widths: dict[int, int] | None = 
         if n == 0:
             out.append("  ".join("-" * w for w in col))
     return "\n".join(out)
-
-
-def gib(n_bytes: float) -> str:
-    return f"{n_bytes / 2**30:.2f} GiB"

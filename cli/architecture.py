@@ -1,0 +1,223 @@
+"""A model's shape from its config.json alone: parameter tensors, layers, what LoRA can target.
+
+Plain Python (json): no torch, no weights. Known families are read directly; any other causal
+LM falls back to building it on the meta device (that path imports torch and transformers).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import RecipeError
+
+EMBEDDED_CONFIG = Path(__file__).resolve().parent / "data" / "tiny-llama" / "config.json"
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
+              "granite", "cohere", "starcoder2", "smollm3", "ministral", "helium", "glm"}
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str  # the module name LoRA targets (q_proj, c_attn, ...)
+    in_features: int
+    out_features: int
+    bias: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.in_features * self.out_features + (self.out_features if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What the planner needs to know of a decoder-only transformer."""
+
+    model_type: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    gated_mlp: bool  # SwiGLU/GeGLU (gate, up, down) vs a plain two-layer MLP
+    linears: tuple[Linear, ...]  # one decoder layer's linear layers
+    layer_norm_params: tuple[int, ...]  # one decoder layer's other tensors (norms), as numels
+    top_params: tuple[int, ...]  # embeddings, position embeddings, final norm, untied lm_head
+    tied_embeddings: bool
+    llama_like: bool = True  # activation formulas measured on this family (others: same counting rules)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        return sum(lin.params for lin in self.linears) + sum(self.layer_norm_params)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + sum(self.top_params)
+
+    def tensors(self) -> list[int]:
+        """Every parameter tensor's numel (biases separate), as an optimizer sees them."""
+        per_layer = [lin.in_features * lin.out_features for lin in self.linears]
+        per_layer += [lin.out_features for lin in self.linears if lin.bias] + list(self.layer_norm_params)
+        return per_layer * self.layers + list(self.top_params)
+
+    @property
+    def largest_module(self) -> int:
+        """Largest single module's parameters (DeepSpeed's `largest_layer_params`)."""
+        return max([lin.params for lin in self.linears] + list(self.top_params))
+
+    @property
+    def root_params(self) -> int:
+        """What stays in FSDP's root unit when each decoder layer is its own unit."""
+        return sum(self.top_params)
+
+    def lora_params(self, r: int, targets) -> int:
+        return self.layers * sum(r * (lin.in_features + lin.out_features) for lin in self.lora_linears(targets))
+
+    def lora_linears(self, targets) -> list[Linear]:
+        """The decoder-layer linears a LoRA `target_modules` picks (peft's all-linear: all but lm_head)."""
+        if targets == "all-linear":
+            return list(self.linears)
+        wanted = set(targets)
+        picked = [lin for lin in self.linears if lin.name in wanted]
+        if not picked:
+            names = ", ".join(sorted({lin.name for lin in self.linears}))
+            raise RecipeError(f"lora.target_modules {sorted(wanted)} match no layer of this {self.model_type} model; "
+                              f"its linear layers: {names} (or all-linear)")
+        return picked
+
+
+def read_config(model: str | None) -> dict:
+    """config.json of a local folder, a hub id (that file alone), or the embedded default (None)."""
+    if model is None:
+        return json.loads(EMBEDDED_CONFIG.read_text())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise RecipeError(f"{model} has no config.json")
+        return json.loads((path / "config.json").read_text())
+    if path.suffix == ".json" and path.is_file():
+        return json.loads(path.read_text())
+    if model.startswith((".", "/", "~")):
+        raise RecipeError(f"model path {model} does not exist")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
+    except Exception as e:  # offline, unknown id, gated: one line
+        text = " ".join(str(e).split()).lower()
+        if "gated" in text or "401" in text:
+            raise RecipeError(f"model {model} is gated: accept its licence on the hub and set HF_TOKEN") from None
+        raise RecipeError(f"cannot read config.json of {model}: not a local folder, and the hub did not give it "
+                          "(offline, or a typo?)") from None
+
+
+def structure(config: dict) -> Structure:
+    """The Structure of a config dict; multimodal configs use their text part."""
+    config = config.get("text_config", config) if "text_config" in config and "vocab_size" not in config else config
+    kind = config.get("model_type", "")
+    if kind in LLAMA_LIKE:
+        return _llama_like(config)
+    if kind == "phi3":
+        return _phi3(config)
+    if kind == "gpt2":
+        return _gpt2(config)
+    if kind == "gpt_neox":
+        return _gpt_neox(config)
+    return _from_meta_device(config)
+
+
+def _llama_like(c: dict) -> Structure:
+    kind, h = c["model_type"], c["hidden_size"]
+    heads = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    d = c.get("head_dim") or h // heads
+    i = c["intermediate_size"]
+    qkv_bias = bool(c.get("attention_bias", kind == "qwen2"))
+    mlp_bias = bool(c.get("mlp_bias", False))
+    linears = (Linear("q_proj", h, heads * d, qkv_bias), Linear("k_proj", h, kv * d, qkv_bias),
+               Linear("v_proj", h, kv * d, qkv_bias), Linear("o_proj", heads * d, h, bool(c.get("attention_bias", False))
+                                                               and kind != "qwen2"),
+               Linear("gate_proj", h, i, mlp_bias), Linear("up_proj", h, i, mlp_bias), Linear("down_proj", i, h, mlp_bias))
+    norms = [h, h] + ([h, h] if kind in ("gemma2", "gemma3_text") else []) + ([d, d] if kind in ("qwen3", "gemma3_text", "olmo2") else [])
+    if kind == "olmo2":
+        norms = [h, h, heads * d, kv * d]  # post-norms, q/k norms over the full projection
+    tied = bool(c.get("tie_word_embeddings", kind.startswith("gemma")))
+    top = [c["vocab_size"] * h, h] + ([] if tied else [c["vocab_size"] * h])
+    return Structure(kind, c["vocab_size"], h, c["num_hidden_layers"], heads, kv, d, i, True, linears, tuple(norms),
+                     tuple(top), tied)
+
+
+def _phi3(c: dict) -> Structure:
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    d, i = h // heads, c["intermediate_size"]
+    linears = (Linear("qkv_proj", h, (heads + 2 * kv) * d), Linear("o_proj", heads * d, h),
+               Linear("gate_up_proj", h, 2 * i), Linear("down_proj", i, h))
+    tied = bool(c.get("tie_word_embeddings", False))
+    top = [c["vocab_size"] * h, h] + ([] if tied else [c["vocab_size"] * h])
+    return Structure("phi3", c["vocab_size"], h, c["num_hidden_layers"], heads, kv, d, i, True, linears, (h, h),
+                     tuple(top), tied)
+
+
+def _gpt2(c: dict) -> Structure:
+    h, heads = c["n_embd"], c["n_head"]
+    i = c.get("n_inner") or 4 * h
+    linears = (Linear("c_attn", h, 3 * h, True), Linear("c_proj", h, h, True), Linear("c_fc", h, i, True),
+               Linear("c_proj", i, h, True))
+    top = (c["vocab_size"] * h, c["n_positions"] * h, 2 * h)  # tied lm_head
+    return Structure("gpt2", c["vocab_size"], h, c["n_layer"], heads, heads, h // heads, i, False, linears,
+                     (2 * h, 2 * h), top, True, llama_like=False)
+
+
+def _gpt_neox(c: dict) -> Structure:
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    i = c["intermediate_size"]
+    linears = (Linear("query_key_value", h, 3 * h, True), Linear("dense", h, h, True),
+               Linear("dense_h_to_4h", h, i, True), Linear("dense_4h_to_h", i, h, True))
+    tied = bool(c.get("tie_word_embeddings", False))
+    top = [c["vocab_size"] * h, 2 * h] + ([] if tied else [c["vocab_size"] * h])
+    return Structure("gpt_neox", c["vocab_size"], h, c["num_hidden_layers"], heads, heads, h // heads, i, False,
+                     linears, (2 * h, 2 * h), tuple(top), tied, llama_like=False)
+
+
+def _from_meta_device(c: dict) -> Structure:
+    """Any other causal LM: build it without memory on the meta device and read its modules."""
+    try:
+        import torch
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:  # pragma: no cover - they are dependencies
+        raise RecipeError(f"unknown architecture {c.get('model_type')!r} needs torch and transformers: {e}") from None
+    try:
+        config = AutoConfig.for_model(**c)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+        model.tie_weights()  # skipped on the meta device; a real model shares its embeddings
+    except Exception as e:
+        raise RecipeError(f"model type {c.get('model_type')!r} is not a causal language model transformers can "
+                          f"build ({' '.join(str(e).split())[:200]})") from None
+    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=None)
+    if blocks is None or len(blocks) == 0:
+        raise RecipeError(f"cannot find the decoder layers of model type {c.get('model_type')!r}")
+    layer = blocks[0]
+    linears = tuple(Linear(name.rsplit(".", 1)[-1], m.in_features, m.out_features, m.bias is not None)
+                    for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear))
+    in_linears = {id(p) for m in layer.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+    other = tuple(p.numel() for p in layer.parameters() if id(p) not in in_linears)
+    in_blocks = {id(p) for p in blocks.parameters()}
+    top = tuple(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    h = getattr(config, "hidden_size", linears[0].in_features)
+    heads = getattr(config, "num_attention_heads", 1)
+    kv = getattr(config, "num_key_value_heads", heads) or heads
+    i = getattr(config, "intermediate_size", None) or max(lin.out_features for lin in linears)
+    gated = any("gate" in lin.name for lin in linears)
+    return Structure(config.model_type, config.vocab_size, h, len(blocks), heads, kv, h // heads, i, gated, linears,
+                     other, top, bool(getattr(config, "tie_word_embeddings", False)), llama_like=False,
+                     notes=("structure read from the meta device",))

@@ -1,0 +1,313 @@
+"""How much memory a recipe needs, per process and per machine, before anything is launched.
+
+Pure Python: Recipe x Structure (from config.json) x Topology -> Estimate. Every formula, with its
+source and what it leaves out, is in docs/memory.md. Activations are counted the way PyTorch
+saves tensors for backward in transformers' Llama-family layers (measured on CPU, see the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .architecture import Structure
+from .generator import resolve_precision
+from .recipe import Recipe
+from .topology import Topology
+
+GiB = 2**30
+GPU_OVERHEAD = 1 * GiB  # CUDA context, kernels, cuBLAS/NCCL workspaces, allocator slack
+CPU_OVERHEAD = GiB // 2  # per process on CPU: torch, transformers, accelerate, DeepSpeed (measured RSS ~0.45 GiB)
+BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit state for tensors smaller than this
+BNB_BLOCK = 256  # ... and one float32 absmax per block of 256 per state, plus a 256-entry qmap per state
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits", "overhead")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    recipe: str
+    processes: int
+    machines: int
+    micro_batch: int
+    seq_length: int
+    parameters: int  # bytes per process, on the device (GPU, or host RAM in CPU smoke-test mode)
+    gradients: int
+    optimizer_state: int
+    activations: int
+    logits: int  # logits and loss temporaries at the loss
+    overhead: int
+    host_offload: int  # bytes per machine of host RAM for offloaded state (pinned)
+    cpu: bool
+    speed_cost: float  # step time relative to bf16 full fine-tuning on one GPU
+    saved_peak: int = 0  # peak bytes saved for backward (activations + the saved log-softmax)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def total(self) -> int:
+        """Per process, on its device."""
+        return sum(getattr(self, c) for c in CATEGORIES)
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def host_total(self) -> int:
+        """Host RAM one machine needs: offloaded state, plus the processes themselves on CPU."""
+        local = self.processes // self.machines
+        return self.host_offload + (local * self.total if self.cpu else 0)
+
+    def as_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in ("recipe", "processes", "machines", "micro_batch", "seq_length",
+                                             *CATEGORIES, "host_offload", "cpu", "speed_cost", "saved_peak")}
+        return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
+
+
+def adam_state_bytes(tensors: list[int], eight_bit: bool) -> int:
+    """AdamW state: two fp32 moments (+ a step scalar) per tensor; bitsandbytes 8-bit: two uint8
+    moments with block-wise float32 absmax and a qmap each, for tensors of >= 4096 elements."""
+    total = 0
+    for n in tensors:
+        if eight_bit and n >= BNB_MIN_8BIT:
+            total += 2 * (n + 4 * math.ceil(n / BNB_BLOCK) + 4 * 256)
+        else:
+            total += 8 * n + (0 if eight_bit else 4)
+    return total
+
+
+def trainable_tensors(recipe: Recipe, s: Structure) -> list[int]:
+    if recipe.lora is None:
+        return s.tensors()
+    r = recipe.lora.r
+    per_layer = [n for lin in s.lora_linears(recipe.lora.target_modules) for n in (r * lin.in_features, lin.out_features * r)]
+    return per_layer * s.layers
+
+
+def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
+    """How the weights meet the compute dtype: fp32 | mixed (autocast over fp32 weights) | half | lora."""
+    if compute_bytes == 4:
+        return "fp32"
+    if recipe.lora is not None:
+        return "lora"  # frozen base stored in half precision (see modeling.load_model)
+    if recipe.fsdp is not None or recipe.deepspeed is not None:
+        return "half"  # FSDP casts gathered params, DeepSpeed keeps the module in half precision
+    return "mixed"
+
+
+def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) -> int:
+    """Bytes one decoder layer saves for backward (Korthikanti et al. 2022's counting, redone for
+    what transformers' Llama layers and PyTorch autograd really keep; docs/memory.md)."""
+    h, kv, i, a, T = s.hidden, s.kv_dim, s.intermediate, s.heads, b * seq
+    gated = s.gated_mlp
+    mlp = (4 if gated else 2) * i  # gated: gate, act, up, act*up; plain: fc1 out, act out
+    q_reads = 3 if any(lin.name == "q_proj" for lin in s.linears) else 1  # separate q/k/v casts
+    up_reads = 2 if gated and any(lin.name == "up_proj" for lin in s.linears) else 1
+    if mode == "fp32":
+        per_token = 4 * (8 * h + 2 * kv + mlp)
+    elif mode == "mixed":  # fp32 residual and norms; each linear saves its own bf16 cast of its input
+        per_token = 4 * h * 4 + 2 * h * (q_reads + up_reads) + 2 * (2 * h + 2 * kv) + 2 * mlp
+    else:  # half weights: norms upcast to fp32 (saved), the rest in 16-bit
+        per_token = 20 * h + 4 * kv + 2 * mlp
+        if mode == "lora":
+            lora = recipe.lora
+            targets = s.lora_linears(lora.target_modules)
+            per_token -= 8 * h + (2 * i if gated else 0)  # frozen linears and norms no longer keep their inputs
+            # each adapter: the bf16 cast of its input, its rank-r output, and with dropout the fp32 noise mask
+            per_token += sum(2 * lin.in_features + 2 * lora.r + (4 * lin.in_features if lora.dropout else 0)
+                             for lin in targets)
+    per_token += 8 + 4 * a  # two fp32 rsqrt vectors, SDPA's log-sum-exp per head
+    total = T * per_token
+    if recipe.attn_implementation == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated
+        cb = 4 if mode == "fp32" else 2
+        total += b * a * seq * seq * (4 if mode == "fp32" else 6) + T * (h - kv) * 2 * cb - T * 4 * a
+    if mode == "mixed":
+        total += 2 * sum(lin.params for lin in s.linears)  # autocast's bf16 weight copies, saved for backward
+    if mode == "lora":  # ... and of the fp32 adapters
+        total += 2 * sum(recipe.lora.r * (lin.in_features + lin.out_features) for lin in targets)
+    return total
+
+
+def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) -> dict:
+    """One micro batch on one process: `activations` and `logits` (the categories), `saved_peak` (most
+    bytes held for backward at once), `forward_saved` (held when the forward ends), `layer` (one layer's)."""
+    h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
+    layer = layer_activation_bytes(recipe, s, mode, b, seq)
+    residual = 2 if mode in ("half", "lora") else 4
+    rope = T * 2 * d * (4 if mode in ("fp32", "mixed") else 2)
+    norm = T * ({"fp32": 12, "mixed": 10, "half": 8, "lora": 4}[mode] * h + 4)
+    head_copy = 2 * V * h if mode == "mixed" else 0  # lm_head's bf16 weight copy
+    small = T * 8 + rope  # input ids, rotary cos/sin
+    saved_logits = (T - b) * V * 4  # fp32 log-softmax kept for the loss's backward
+    if recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
+        inputs = s.layers * T * h * residual  # each layer keeps only its input; one layer is recomputed at a time
+        forward_saved = inputs + small + norm + head_copy + saved_logits
+        saved_peak = max(forward_saved, inputs + small + layer)  # the loss's tensors are gone by the recompute
+        acts = inputs + small + max(layer, norm + head_copy)
+    else:
+        acts = s.layers * layer + small + norm + head_copy
+        forward_saved = saved_peak = acts + saved_logits
+    logit_bytes = 4 if mode == "fp32" else 2
+    logits = T * V * (logit_bytes + 4 + 4)  # the logits, their fp32 copy, the fp32 log-softmax
+    return {"activations": acts, "logits": logits, "saved_peak": saved_peak, "forward_saved": forward_saved,
+            "layer": layer}
+
+
+def speed_cost(recipe: Recipe, precision: str) -> float:
+    """Rough step time relative to bf16 full fine-tuning on one GPU (docs/memory.md: rules of thumb)."""
+    cost = 0.7 if recipe.lora else 1.0  # no weight gradients for the frozen base: ~4N instead of 6N FLOPs
+    if recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
+        cost *= 1.33  # one more forward
+    if recipe.fsdp or (recipe.deepspeed and recipe.deepspeed.zero_stage == 3):
+        cost *= 1.1  # gathers per layer, partly overlapped
+    if recipe.fsdp and recipe.fsdp.offload_params:
+        cost *= 3.0
+    if recipe.deepspeed:
+        cost *= (1.5 if recipe.deepspeed.offload_optimizer != "none" else 1.0)
+        cost *= (2.0 if recipe.deepspeed.offload_param != "none" else 1.0)
+    if recipe.uses_bnb:
+        cost *= 1.05
+    if precision == "no":
+        cost *= 2.0  # no tensor-core bf16/fp16
+    return round(cost, 2)
+
+
+def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | None = None,
+             seq_length: int | None = None) -> Estimate:
+    """Memory per process and per machine for this recipe, model and topology."""
+    b = micro_batch or recipe.per_device_train_batch_size
+    seq = seq_length or recipe.max_seq_length
+    n, machines = topo.num_processes, topo.num_machines
+    local = n // machines
+    precision = resolve_precision(recipe, topo)
+    cb = 2 if precision in ("bf16", "fp16") else 4
+    mode = activation_mode(recipe, cb)
+    P = s.params
+    train = trainable_tensors(recipe, s)
+    Pt = sum(train)
+    frozen = P if recipe.lora else 0
+    eight_bit = recipe.uses_bnb
+    optim = adam_state_bytes(train, eight_bit)
+    notes: list[str] = []
+    host = 0
+    if recipe.deepspeed and recipe.deepspeed.zero_stage == 3:
+        # DeepSpeed's own accounting (estimate_zero3_model_states_mem_needs): 16-bit params and grads of
+        # the largest layer gathered on the GPU; 2 bytes/param of 16-bit weights, 16 of fp32 state per
+        # trained param (master, two moments, fp32 grad) partitioned, or offloaded to host RAM.
+        ds, L = recipe.deepspeed, s.largest_module
+        params, grads, opt = 2 * L, 2 * L, 0
+        full_state = 16 * Pt + 2 * P  # = 18 P when everything trains
+        if ds.offload_param != "none":
+            host = full_state // machines
+        elif ds.offload_optimizer != "none":
+            params += 2 * P // n
+            host = 16 * Pt // machines
+        else:
+            params, grads, opt = params + 2 * P // n, grads + 4 * Pt // n, 12 * Pt // n
+            if ds.zero3_init:
+                host = 4 * L * local  # zero.Init materialises one layer at a time per process
+        notes.append("ZeRO-3 model states follow DeepSpeed's estimate_zero3_model_states_mem_needs")
+    elif recipe.fsdp:
+        f = recipe.fsdp
+        unit = max(s.layer_params, s.root_params)  # one decoder layer, or the root (embeddings, head)
+        # the shards: trained params in fp32, a frozen LoRA base in the compute dtype
+        sharded = (cb * frozen + 4 * (Pt if recipe.lora else P)) // n
+        # gathered in the compute dtype: the running unit and the prefetched one, or (no reshard) all of it
+        gathered = 2 * cb * unit if f.reshard_after_forward else cb * P
+        if f.offload_params:
+            params, grads, opt = gathered, cb * unit, 0
+            host = (sharded + 4 * Pt // n + optim // n) * local
+        else:
+            params, grads, opt = sharded + gathered, 4 * Pt // n + cb * unit, optim // n
+    else:
+        params = cb * frozen + 4 * (Pt if recipe.lora else P)  # a frozen LoRA base in the compute dtype
+        grads = 4 * Pt
+        if n > 1:
+            grads += 4 * Pt  # DDP's gradient buckets: a second copy of the trainable gradients
+        opt = optim
+    act = activation_bytes(recipe, s, mode, b, seq)
+    if topo.cpu:
+        notes.append("CPU smoke-test mode: every figure is host RAM")
+    return Estimate(recipe.name, n, machines, b, seq, int(params), int(grads), int(opt), int(act["activations"]),
+                    int(act["logits"]), CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, int(host), topo.cpu,
+                    speed_cost(recipe, precision), int(act["saved_peak"]), tuple(notes))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    estimate: Estimate
+    device_capacity: int | None  # bytes per process (GPU memory; None in CPU mode)
+    host_capacity: int | None  # bytes per machine
+
+    @property
+    def device_fits(self) -> bool:
+        return self.device_capacity is None or self.estimate.total <= self.device_capacity
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_capacity is None or self.estimate.host_total() <= self.host_capacity
+
+    @property
+    def fits(self) -> bool:
+        return self.device_fits and self.host_fits
+
+    @property
+    def headroom(self) -> int | None:
+        """Spare bytes on the tightest of device and host."""
+        spare = []
+        if self.device_capacity is not None:
+            spare.append(self.device_capacity - self.estimate.total)
+        if self.host_capacity is not None:
+            spare.append(self.host_capacity - self.estimate.host_total())
+        return min(spare) if spare else None
+
+
+def judge(est: Estimate, gpu_memory: int | None, host_memory: int | None) -> Verdict:
+    return Verdict(est, None if est.cpu else gpu_memory, host_memory)
+
+
+def largest_micro_batch(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory, limit: int) -> int:
+    """The largest micro batch <= limit that fits (0 if not even 1 does)."""
+    best = 0
+    for b in range(1, limit + 1):  # memory grows with b: stop at the first that does not fit
+        if not judge(estimate(recipe, s, topo, micro_batch=b), gpu_memory, host_memory).fits:
+            break
+        best = b
+    return best
+
+
+def batch_for(global_batch: int, micro_fit: int, processes: int) -> tuple[int, int] | None:
+    """(micro batch, accumulation) reaching global_batch exactly, with the largest micro batch that fits."""
+    per_process, rest = divmod(global_batch, processes)
+    if rest:
+        return None
+    for micro in range(min(micro_fit, per_process), 0, -1):
+        if per_process % micro == 0:
+            return micro, per_process // micro
+    return None
+
+
+def with_batch(recipe: Recipe, micro: int, accumulation: int) -> Recipe:
+    return replace(recipe, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
+
+
+def recommend(verdicts: list[Verdict]) -> tuple[Verdict | None, str]:
+    """The cheapest recipe that fits (the tuning flow: plain -> checkpointing -> sharding -> offload),
+    and why; or, if none fits, what comes closest."""
+    fitting = sorted((v for v in verdicts if v.fits), key=lambda v: (v.estimate.speed_cost, -(v.headroom or 0)))
+    if fitting:
+        best = fitting[0]
+        where = "per CPU process" if best.estimate.cpu else "per GPU"
+        spare = f", {best.headroom / GiB:.1f} GiB to spare" if best.headroom is not None else ""
+        return best, (f"{best.estimate.recipe}: the fastest recipe that fits (step time x{best.estimate.speed_cost} "
+                      f"of plain bf16), {best.estimate.total / GiB:.1f} GiB {where}{spare}")
+    if not verdicts:
+        return None, "no recipe runs on this topology"
+    least = min(verdicts, key=lambda v: v.estimate.total)
+    return None, (f"nothing fits: the least is {least.estimate.recipe} at {least.estimate.total / GiB:.1f} GiB per "
+                  "process; use more GPUs, a shorter max_seq_length, or per_device_train_batch_size=1")
+
+
+def breakdown(est: Estimate) -> str:
+    """'params 29.9 + grads 29.9 + ... GiB' in one line."""
+    short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optimizer", "activations": "activations",
+             "logits": "logits", "overhead": "overhead"}
+    return " + ".join(f"{short[c]} {getattr(est, c) / GiB:.1f}" for c in CATEGORIES) + " GiB"
