@@ -11,6 +11,7 @@ from conftest import REPO
 
 
 @pytest.mark.parametrize("args", [["--help"], ["ls"], ["show", "fsdp"], ["config", "zero3-offload", "--num-processes", "8"],
+                                  ["plan", "--gpu-memory", "24GiB", "--host-memory", "64GiB"],
                                   ["config", "--help"]])
 def test_fast_paths_import_no_torch(args):
     code = textwrap.dedent(f"""
