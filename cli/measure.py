@@ -64,3 +64,32 @@ def _checkpointing(model) -> bool:
         if name in dir(type(base)):
             return bool(getattr(base, name))
     return False
+
+
+def start_trackers(accelerator, recipe, out) -> bool:
+    """accelerate's own trackers (tensorboard, wandb) for the run folder, once the folder is known.
+    Returns False (with one line saying what to install) when the tracker's package is missing."""
+    if recipe.report_to == "none":
+        return False
+    from accelerate.tracking import filter_trackers
+
+    accelerator.project_configuration.set_directories(str(out))
+    accelerator.log_with = filter_trackers([recipe.report_to], accelerator.logging_dir)
+    if not accelerator.log_with:
+        accelerator.print(f"memrecipe: report_to {recipe.report_to} is not installed (pip install "
+                          f"'memrecipe[tracking]' for tensorboard, or wandb): training without it")
+        return False
+    accelerator.init_trackers("tracking", config=flat_config(recipe.to_dict()))
+    return True
+
+
+def flat_config(tree: dict, prefix: str = "") -> dict:
+    """{'lora': {'r': 8}} -> {'lora.r': 8}: trackers take scalars (TensorBoard's hparams)."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out |= flat_config(value, f"{name}.")
+        else:
+            out[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out

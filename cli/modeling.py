@@ -180,5 +180,7 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, per_sequence: bool = 
     return losses.view(labels.shape[0], -1).sum(-1) if per_sequence else losses.sum()
 
 
-def count_targets(labels: torch.Tensor) -> int:
-    return int((labels[:, 1:] != -100).sum())
+def count_targets(labels: torch.Tensor, per_sequence: bool = False):
+    """Target tokens (those the loss counts): one int, or a tensor with one count per sequence."""
+    mask = labels[:, 1:] != -100
+    return mask.sum(-1) if per_sequence else int(mask.sum())

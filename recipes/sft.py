@@ -30,7 +30,7 @@ from transformers import get_scheduler
 
 from memrecipe.data import Collator, prepare_datasets
 from memrecipe.errors import RecipeError
-from memrecipe.measure import describe_setup, optimizer_state_dtypes, peak_memory
+from memrecipe.measure import describe_setup, optimizer_state_dtypes, peak_memory, start_trackers
 from memrecipe.modeling import (count_targets, load_model, load_tokenizer, make_accelerator, make_optimizer,
                                 embedded_model, token_loss)
 from memrecipe.registry import load_recipe
@@ -86,7 +86,7 @@ def evaluate(model, dataloader, accelerator):
     for batch in dataloader:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         per_sequence = token_loss(logits, batch["labels"], per_sequence=True)
-        counts = (batch["labels"][:, 1:] != -100).sum(-1)
+        counts = count_targets(batch["labels"], per_sequence=True)
         per_sequence, counts = accelerator.gather_for_metrics((per_sequence, counts))
         loss_sum, targets = loss_sum + per_sequence.sum().item(), targets + counts.sum().item()
     model.train()
@@ -96,12 +96,11 @@ def evaluate(model, dataloader, accelerator):
 def main(argv=None):
     args = parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
-    report_to = None if recipe.report_to == "none" else recipe.report_to
 
     # 1. Accelerator: the launch config (accelerate YAML / DeepSpeed JSON) says how processes share the work.
     # (The embedded default model is built first: under ZeRO-3 the Accelerator makes every model a collective.)
     model_path = recipe.model_name_or_path or embedded_model()
-    accelerator = make_accelerator(recipe, log_with=report_to)
+    accelerator = make_accelerator(recipe)
     deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
     stamp = [datetime.now().strftime("%Y%m%d-%H%M%S")]
     broadcast_object_list(stamp)  # one folder name for all processes
@@ -141,8 +140,7 @@ def main(argv=None):
     scheduler = get_scheduler(recipe.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
     setup = describe_setup(accelerator, model, optimizer)
-    if report_to:
-        accelerator.init_trackers(recipe.name, config={"recipe": recipe.to_dict()})
+    tracking = start_trackers(accelerator, recipe, out)  # TensorBoard / W&B through accelerate, if asked for
     world = accelerator.num_processes
     say(f"memrecipe sft: recipe {recipe.name} | {world} process(es), {setup['distributed_type']} on "
         f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
@@ -183,7 +181,7 @@ def main(argv=None):
             if eval_loader is not None and recipe.eval_steps and step % recipe.eval_steps == 0:
                 record["eval_loss"] = evaluate(model, eval_loader, accelerator)
             history.append(record)
-            if report_to:
+            if tracking:
                 accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}",
