@@ -18,6 +18,8 @@ COMMANDS = {  # name -> module in memrecipe.commands (imported only when that co
     "run": "run",
     "cp": "cp",
     "plan": "plan",
+    "report": "report",
+    "compare": "compare",
 }
 
 

@@ -93,3 +93,65 @@ def flat_config(tree: dict, prefix: str = "") -> dict:
         else:
             out[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
     return out
+
+
+def held_bytes(model, optimizer) -> dict:
+    """Bytes of parameters, gradients and optimizer state this process really holds right after an
+    optimizer step (before zero_grad): FSDP's local shards, DeepSpeed ZeRO-3's partitions and its
+    (possibly offloaded) fp32 master weights, gradients and moments. Each storage counted once."""
+    seen: set[int] = set()
+
+    def size(t) -> int:
+        if t is None:
+            return 0
+        t = t.to_local() if type(t).__name__ == "DTensor" else t
+        if not torch.is_tensor(t) or t.numel() == 0 or t.untyped_storage().data_ptr() in seen:
+            return 0
+        seen.add(t.untyped_storage().data_ptr())
+        return t.untyped_storage().nbytes()
+
+    params = list(model.parameters())
+    engine_optimizer = getattr(model, "optimizer", None) if hasattr(model, "zero_optimization_stage") else None
+    out = {"parameters": sum(size(getattr(p, "ds_tensor", p)) for p in params)}
+    if engine_optimizer is not None and hasattr(engine_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        out["gradients"] = size(getattr(engine_optimizer, "grad_partitions_flat_buffer", None))
+        inner = engine_optimizer.optimizer
+        state = sum(size(v) for s in inner.state.values() for v in s.values())
+        out["optimizer_state"] = sum(size(t) for t in engine_optimizer.fp32_partitioned_groups_flat) + state
+    else:
+        out["gradients"] = sum(size(p.grad) for p in params)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        out["optimizer_state"] = sum(size(v) for s in inner.state.values() for v in s.values())
+    return out
+
+
+class MemorySnapshot:
+    """Memory over the first steps: on CUDA the allocator's history for 3 steps (open the .pickle at
+    https://pytorch.org/memory_viz); elsewhere the profiler's memory timeline by category for the
+    first step (the profiler's stack tracing makes that step ~10x slower)."""
+
+    def __init__(self, out, accelerator):
+        self.out, self.rank, self.cuda = out, accelerator.process_index, accelerator.device.type == "cuda"
+        self.steps, self.saved = (3 if self.cuda else 1), False
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        else:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True, record_shapes=True, with_stack=True)
+            self.profiler.__enter__()
+
+    def save(self) -> str:
+        self.saved = True
+        if self.cuda:
+            path = self.out / f"memory_snapshot_rank{self.rank}.pickle"
+            torch.cuda.memory._dump_snapshot(str(path))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            return str(path)
+        self.profiler.__exit__(None, None, None)
+        path = self.out / f"memory_timeline_rank{self.rank}.json"
+        self.profiler.export_memory_timeline(str(path), device="cpu")
+        try:  # the HTML page draws the timeline (needs matplotlib)
+            self.profiler.export_memory_timeline(str(path.with_suffix(".html")), device="cpu")
+        except ImportError:
+            pass
+        return str(path)

@@ -30,10 +30,12 @@ from transformers import get_scheduler
 
 from memrecipe.data import Collator, prepare_datasets
 from memrecipe.errors import RecipeError
-from memrecipe.measure import describe_setup, optimizer_state_dtypes, peak_memory, start_trackers
+from memrecipe.measure import (MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes, peak_memory,
+                               start_trackers)
 from memrecipe.modeling import (count_targets, load_model, load_tokenizer, make_accelerator, make_optimizer,
                                 embedded_model, token_loss)
 from memrecipe.registry import load_recipe
+from memrecipe.report import build, card, plot_loss
 
 
 def parse_args(argv=None):
@@ -41,6 +43,8 @@ def parse_args(argv=None):
     parser.add_argument("--recipe", required=True, help="a recipe name or YAML file")
     parser.add_argument("--output-dir", default=None, help="run folder (default: runs/<recipe>-<time>)")
     parser.add_argument("--overwrite", action="store_true", help="train into a folder that holds a finished run")
+    parser.add_argument("--memory-snapshot", action="store_true",
+                        help="record memory over the first steps (CUDA allocator history, or CPU profiler timeline)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. max_steps=10")
     return parser.parse_args(argv)
 
@@ -107,6 +111,8 @@ def main(argv=None):
     out = Path(args.output_dir or f"runs/{recipe.name}-{stamp[0]}")
     if (out / "final").exists() and not args.overwrite:
         raise RecipeError(f"{out} already holds a finished run: pass --overwrite, or another --output-dir")
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
     set_seed(recipe.seed)
     say = tqdm.write if accelerator.is_main_process else (lambda *a, **k: None)
 
@@ -152,7 +158,8 @@ def main(argv=None):
         say(f"note: the last {dropped} micro batch(es) of each epoch do not fill a window and are skipped")
 
     # 5. The loop: one optimizer step per window of micro batches.
-    history, started, step, epoch = [], time.perf_counter(), 0, 0
+    history, started, step, epoch, local_tokens = [], time.perf_counter(), 0, 0, 0
+    snapshot = MemorySnapshot(out, accelerator) if args.memory_snapshot else None
     bar = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_main_process)
     model.train()
     while step < total_steps:
@@ -166,13 +173,16 @@ def main(argv=None):
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
             optimizer.step()
             scheduler.step()
+            if step == 0:  # what this process really holds, once the optimizer state exists
+                held, setup["optimizer_state_dtypes"] = held_bytes(model, optimizer), optimizer_state_dtypes(optimizer)
             optimizer.zero_grad()
             step += 1
+            if snapshot is not None and step == snapshot.steps:
+                snapshot.save()
 
-            if step == 1:
-                setup["optimizer_state_dtypes"] = optimizer_state_dtypes(optimizer)
-            real_tokens = accelerator.reduce(
-                torch.tensor(sum(int(b["attention_mask"].sum()) for b in window), device=accelerator.device), "sum")
+            window_tokens = sum(int(b["attention_mask"].sum()) for b in window)  # real tokens, not padding
+            local_tokens += window_tokens
+            real_tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device), "sum")
             record = {"step": step, "loss": loss,
                       "lr": scheduler.get_last_lr()[0], "tokens": int(real_tokens),
                       "seconds": time.perf_counter() - tick}
@@ -202,23 +212,19 @@ def main(argv=None):
     state_dict = accelerator.get_state_dict(model)
     accelerator.unwrap_model(model).save_pretrained(final, state_dict=state_dict, safe_serialization=True,
                                                     is_main_process=accelerator.is_main_process)
-    ranks = gather_object([{"process_index": accelerator.process_index,
-                                        "num_processes": accelerator.num_processes,
-                                        **peak_memory(accelerator.device)}])
+    ranks = gather_object([{"process_index": accelerator.process_index, "num_processes": accelerator.num_processes,
+                            "held": held, "tokens": local_tokens, **peak_memory(accelerator.device)}])
+    if snapshot is not None and not snapshot.saved:
+        snapshot.save()
+
+    # 7. Report: measured next to planned, report.json and loss.png in the run folder.
     if accelerator.is_main_process:
         tokenizer.save_pretrained(final)  # with its chat template
-        tokens = sum(r["tokens"] for r in history)
-        report = {"recipe": recipe.to_dict(), "model": model_path, "output_dir": str(out), "setup": setup,
-                  "processes": ranks, "steps": step, "epochs": epoch, "wall_seconds": wall,
-                  "tokens_per_second": tokens / wall, "final_train_loss": history[-1]["loss"],
-                  "final_eval_loss": eval_loss, "history": history}
+        report = build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eval_loss)
         (out / "report.json").write_text(json.dumps(report, indent=2))
-        kind = "CUDA allocated" if "cuda_max_allocated_bytes" in ranks[0] else "RSS"
-        peaks = ", ".join(f"{r.get('cuda_max_allocated_bytes', r['peak_rss_bytes']) / 2**30:.2f}" for r in ranks)
-        say(f"done: {step} steps in {wall:.1f} s | {tokens / wall:,.0f} tok/s | train loss "
-            f"{history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}"
-            + (f" | eval loss {eval_loss:.3f}" if eval_loss is not None else "")
-            + f" | peak {kind} per process: {peaks} GiB | saved {final}")
+        plotted = plot_loss(report, out / "loss.png")
+        say(card(report))
+        say(f"saved {final}; report.json" + (", loss.png" if plotted else " (pip install 'memrecipe[plot]' for loss.png)"))
     accelerator.end_training()
 
 

@@ -52,6 +52,7 @@ def real_model_state_bytes(model, optimizer):
     return sum(seen.values()), grads, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "medium"])
 @pytest.mark.parametrize("recipe", ["adamw-8bit", "single-gpu-lora", "adamw-8bit:adamw_torch"])
 def test_model_states_equal_the_bytes_held_after_a_real_step(models, name, recipe):
@@ -139,6 +140,7 @@ ACTIVATION_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "medium"])
 @pytest.mark.parametrize("recipe, overrides", ACTIVATION_CASES)
 def test_activation_estimate_is_within_20_percent_of_what_autograd_saves(models, name, recipe, overrides):
@@ -148,6 +150,7 @@ def test_activation_estimate_is_within_20_percent_of_what_autograd_saves(models,
     assert est["saved_peak"] == pytest.approx(measured, rel=0.2), (est["saved_peak"], measured)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "medium"])
 @pytest.mark.parametrize("recipe, overrides", ACTIVATION_CASES[:2])
 def test_one_layers_activations_are_within_20_percent(models, name, recipe, overrides):
@@ -157,6 +160,7 @@ def test_one_layers_activations_are_within_20_percent(models, name, recipe, over
     assert est["layer"] == pytest.approx(two - one, rel=0.2), (est["layer"], two - one)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "medium"])
 @pytest.mark.parametrize("recipe", ["adamw-8bit", "single-gpu-lora"])
 def test_with_gradient_checkpointing_the_forward_keeps_what_the_planner_says(models, name, recipe):

@@ -37,10 +37,10 @@ def runs(tmp_path_factory):
             dest = base / "copied"
             assert launch(["memrecipe", "cp", name, str(dest)]).returncode == 0
             done = launch(["--config_file", "single_gpu_lora_cpu1.yaml", "sft.py", "--recipe", "single-gpu-lora.yaml",
-                           "--output-dir", str(folder), *SHORT], cwd=dest)
+                           "--output-dir", str(folder), *SHORT, "report_to=tensorboard"], cwd=dest)
             assert done.returncode == 0, done.stderr[-3000:]
         elif name == "adamw-8bit":
-            memrecipe_run(folder, name, "--num-processes", "1")
+            memrecipe_run(folder, name, "--num-processes", "1", "--memory-snapshot")
         else:
             memrecipe_run(folder, name)
         cache[name] = folder
@@ -152,3 +152,59 @@ def test_adamw_8bit_keeps_8bit_optimizer_state(runs):
     assert s["optimizer_class"] == "AdamW8bit" and "uint8" in s["optimizer_state_dtypes"]
     assert s["gradient_checkpointing"] and s["trainable_params"] == s["params"]
     assert_full_model_saved(folder, tolerance=1e-5)
+
+
+# The report card (issue: what the run measured next to what the planner predicted).
+
+@pytest.mark.parametrize("name", ["single-gpu-lora", "adamw-8bit"])
+def test_one_process_model_states_match_the_plan(runs, name):
+    r = report(runs(name))
+    (held,) = [p["held"] for p in r["processes"]]
+    for category in ("parameters", "gradients", "optimizer_state"):
+        assert held[category] == pytest.approx(r["plan"][category], rel=0.01), category  # the planner's tolerance
+
+
+@pytest.mark.parametrize("name, bytes_per_param", [("fsdp", 4), ("zero3-offload", 2)])
+def test_sharded_recipes_hold_half_the_parameters_per_process(runs, name, bytes_per_param):
+    r = report(runs(name))
+    params = r["setup"]["params"]
+    for p in r["processes"]:  # FSDP: fp32 local shards; ZeRO-3: bf16 partitions
+        assert p["held"]["parameters"] == pytest.approx(bytes_per_param * params / 2, rel=0.05)
+    zero = r["processes"][0]["held"]
+    if name == "zero3-offload":  # fp32 master + two moments of this rank's half
+        assert zero["optimizer_state"] == pytest.approx(12 * params / 2, rel=0.05)
+
+
+def test_report_json_and_card_hold_what_was_measured(runs, cli, tmp_path):
+    folder = runs("adamw-8bit")
+    r = report(folder)
+    assert set(r["versions"]) >= {"torch", "accelerate", "transformers", "peft", "deepspeed", "bitsandbytes"}
+    assert r["versions"]["torch"] and r["resolved_config"]["distributed_type"] == "NO"
+    assert r["throughput"]["tokens_per_second"] > 0 and r["throughput"]["mfu"] is None  # no GPU: no MFU
+    assert all({"step", "loss", "lr", "tokens", "seconds"} <= set(h) for h in r["history"])
+    assert r["plan"]["total"] > 0 and r["advice"].startswith("CPU smoke test passed")
+    assert (folder / "loss.png").stat().st_size > 10_000
+    log = (folder / "train.log").read_text()
+    assert "memrecipe report: adamw-8bit" in log and "optimizer state" in log
+    again = cli("report", str(folder))
+    assert again.returncode == 0 and "PLANNED" in again.stdout and "throughput:" in again.stdout
+    chart = tmp_path / "compare.png"
+    both = cli("compare", str(folder), str(runs("single-gpu-lora")), "--plot", str(chart))
+    assert both.returncode == 0 and "adamw-8bit" in both.stdout and "single-gpu-lora" in both.stdout
+    assert chart.stat().st_size > 10_000
+
+
+def test_cpu_memory_snapshot_is_the_profilers_timeline_by_category(runs):
+    timeline = json.loads((runs("adamw-8bit") / "memory_timeline_rank0.json").read_text())
+    times, sizes = timeline
+    assert len(times) == len(sizes) > 10 and max(max(s) for s in sizes) > 0
+
+
+def test_tensorboard_event_file_holds_the_loss(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = (runs("single-gpu-lora") / "tracking").glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    losses = [e.value for e in acc.Scalars("loss")]
+    assert len(losses) == 20 and losses[-1] < losses[0]

@@ -22,9 +22,16 @@ def test_the_readme_job_learns_and_runs_twice_into_two_folders(tmp_path):
     assert r["final_eval_loss"] < 0.6 * losses[0]
     assert sorted(p.name for p in first.iterdir()) >= ["accelerate_config.yaml", "final", "recipe.yaml",
                                                       "report.json", "train.log"]
-    again = launch(["memrecipe", "run", "sft", "--recipe", "single-gpu-lora", "max_steps=2"], cwd=tmp_path)
+    # again, on a machine without matplotlib: the run still works and says what to install
+    hide = tmp_path / "no-plots"
+    (hide / "matplotlib").mkdir(parents=True)
+    (hide / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    again = launch(["memrecipe", "run", "sft", "--recipe", "single-gpu-lora", "max_steps=2"], cwd=tmp_path,
+                   env=child_env(PYTHONPATH=f"{hide}:{REPO / 'tests'}"))
     assert again.returncode == 0, again.stderr[-3000:]
-    assert len(list((tmp_path / "runs").iterdir())) == 2
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2 and (runs[0] / "loss.png").is_file() and not (runs[1] / "loss.png").exists()
+    assert "pip install 'memrecipe[plot]'" in again.stdout + again.stderr
 
 
 def test_dry_run_prints_the_command_and_writes_nothing(tmp_path, cli):
@@ -67,6 +74,7 @@ def _bad_runs(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_bad_runs_are_refused_in_one_line_before_any_folder_exists(tmp_path, cli):
     for args, words, folder in _bad_runs(tmp_path):
         out = folder or tmp_path / "never"

@@ -25,9 +25,11 @@ from ..registry import load_recipe
 @click.option("--overwrite", is_flag=True, help="Replace the run in a non-empty --output-dir.")
 @click.option("--dry-run", is_flag=True, help="Print the command and the files; write and run nothing.")
 @click.option("--force", is_flag=True, help="Launch even if the planner says it will not fit.")
+@click.option("--memory-snapshot", is_flag=True,
+              help="Record memory over the first steps: CUDA allocator history, or the CPU profiler's timeline.")
 @overrides_argument
 def command(script, recipe, model, dataset, output_dir, num_processes, num_machines, machine_rank, main_process_ip,
-            main_process_port, cpu, report_to, overwrite, dry_run, force, overrides):
+            main_process_port, cpu, report_to, overwrite, dry_run, force, memory_snapshot, overrides):
     """Train with a recipe, checked and launched with accelerate.
 
     \b
@@ -47,7 +49,7 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
     verdict = check_fits(r, topo, machine, [*overrides, *flags], force)
     folder = output_dir or default_output_dir(r)
     files = run_files(r, topo)
-    command_words = launch_command(script, topo, machine.cores)
+    command_words = launch_command(script, topo, machine.cores, ["--memory-snapshot"] if memory_snapshot else [])
     env = launch_env(r, topo)
     mode = "CPU smoke-test mode: no GPU, gloo" if topo.cpu else f"{topo.describe()}"
     need = verdict.estimate.host_total() if topo.cpu else verdict.estimate.total

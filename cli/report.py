@@ -1,0 +1,234 @@
+"""The run's report card: what it measured next to what the planner predicted, and what to try next.
+
+Shared by the loop (printed at the end of a run) and `memrecipe report` / `memrecipe compare`
+(which read report.json again). Pure functions over the report dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .errors import RecipeError
+from .table import table
+
+GiB = 2**30
+REQUIRED = ("recipe", "topology", "plan", "processes", "throughput", "history", "final_train_loss", "wall_seconds")
+# Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets (no sparsity). A device not
+# listed reports no MFU rather than a wrong one.
+BF16_PEAK = {"H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 NVL": 835e12,
+             "H100 PCIe": 756e12, "H100": 756e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
+             "L4": 121e12, "A10G": 70e12, "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "A6000": 155e12}
+
+
+def bf16_peak(device_name: str | None) -> float | None:
+    """Peak dense bf16 FLOP/s for a CUDA device name; the longest matching table key wins."""
+    if not device_name:
+        return None
+    matches = [k for k in BF16_PEAK if k.lower() in device_name.lower()]
+    return BF16_PEAK[max(matches, key=len)] if matches else None
+
+
+def flops_per_token(params: int, trainable: int, layers: int, hidden: int, seq: int) -> float:
+    """Model FLOPs per trained token: 6N for full fine-tuning (forward 2N, backward 4N), 4N when only
+    adapters train (no weight gradients for the frozen base), plus attention's 12 x layers x hidden x seq."""
+    weights = 6 * params if trainable >= params else 4 * params + 2 * trainable
+    return weights + 12 * layers * hidden * seq
+
+
+def load(run_dir) -> dict:
+    path = Path(run_dir) / "report.json"
+    if not path.is_file():
+        raise RecipeError(f"{run_dir} has no report.json: is it a finished memrecipe run folder?")
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{path} is not valid JSON ({e.msg}): the run may have been cut off") from None
+    missing = [k for k in REQUIRED if k not in report]
+    if missing:
+        raise RecipeError(f"{path} lacks {', '.join(missing)}: written by an older memrecipe, or not by memrecipe")
+    return report
+
+
+def card(report: dict) -> str:
+    """The report card as text: memory predicted vs measured, throughput, MFU, loss, advice."""
+    plan, procs = report.get("plan") or {}, report["processes"]
+    lines = [f"memrecipe report: {report['recipe']['name']} on {report['topology']['describe']}, "
+             f"{report['steps']} steps in {report['wall_seconds']:.1f} s"]
+    rows = []
+    for category in ("parameters", "gradients", "optimizer_state"):
+        measured = [p["held"][category] for p in procs]
+        rows.append([category.replace("_", " "), _gib(plan.get(category)), *[_gib(m) for m in measured]])
+    peak_key = "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in procs[0] else "peak_rss_bytes"
+    rows.append(["activations + logits", _gib((plan.get("activations") or 0) + (plan.get("logits") or 0)),
+                 *["-" for _ in procs]])
+    rows.append(["total / peak" + (" (CUDA allocated)" if peak_key.startswith("cuda") else " (RSS)"),
+                 _gib(plan.get("total")), *[_gib(p[peak_key]) for p in procs]])
+    lines.append(table(["MEMORY GiB", "PLANNED", *[f"RANK {p['process_index']}" for p in procs]], rows))
+    if peak_key == "peak_rss_bytes":
+        lines.append("(on CPU peak RSS is mostly libraries and kernel caches; the model-state rows are exact)")
+    tput = report["throughput"]
+    mfu = f"{tput['mfu']:.1%}" if tput.get("mfu") is not None else "n/a (" + tput.get("mfu_note", "") + ")"
+    lines.append(f"throughput: {tput['tokens_per_second']:,.0f} tokens/s total, "
+                 f"{tput['tokens_per_second_per_process']:,.0f} per process, {tput['seconds_per_step']:.2f} s/step | "
+                 f"MFU {mfu}")
+    loss = f"loss: {report['history'][0]['loss']:.3f} -> {report['final_train_loss']:.3f}"
+    if report.get("final_eval_loss") is not None:
+        loss += f", eval {report['final_eval_loss']:.3f}"
+    lines.append(loss)
+    lines.append(f"advice: {report.get('advice', '')}")
+    return "\n".join(lines)
+
+
+def advice(report: dict, gpu_memory: int | None, bigger_micro_batch: int | None) -> str:
+    """One line drawn from the figures: raise the micro batch, or the next technique in the flow."""
+    recipe, procs = report["recipe"], report["processes"]
+    if gpu_memory is None:
+        return (f"CPU smoke test passed; before renting GPUs, check the real run with "
+                f"`memrecipe plan --recipe {recipe['name']} --model MODEL --gpu-memory 80GB`")
+    peak = max(p.get("cuda_max_reserved_bytes", 0) for p in procs)
+    used = peak / gpu_memory
+    if used < 0.75 and bigger_micro_batch and bigger_micro_batch > recipe["per_device_train_batch_size"]:
+        return (f"{1 - used:.0%} of the GPU left: raise per_device_train_batch_size to {bigger_micro_batch} "
+                f"(and lower gradient_accumulation_steps to keep the global batch)")
+    if used > 0.9:
+        if not recipe["gradient_checkpointing"] and not (recipe.get("fsdp") or {}).get("activation_checkpointing"):
+            return f"{used:.0%} of the GPU used: turn on gradient_checkpointing=true before anything else"
+        if recipe["distributed_type"] in ("no", "ddp"):
+            return f"{used:.0%} of the GPU used: shard the model states next (fsdp, or zero3-offload on 1 GPU)"
+        if (recipe.get("deepspeed") or {}).get("offload_optimizer", "none") == "none":
+            return f"{used:.0%} of the GPU used: offload to CPU next (zero3-offload)"
+        return f"{used:.0%} of the GPU used: lower max_seq_length or per_device_train_batch_size"
+    return f"{used:.0%} of the GPU used at peak: the recipe fits with room to spare"
+
+
+def _gib(n) -> str:
+    """GiB to three significant digits: 0.00163, 0.52, 29.9, 132."""
+    return "-" if n is None else f"{n / GiB:.3g}"
+
+
+def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eval_loss) -> dict:
+    """report.json's content, from what the loop measured and what the planner predicts."""
+    import importlib.metadata as md
+
+    import torch
+
+    from .architecture import read_config, structure
+    from .planner import estimate, largest_micro_batch
+    from .topology import Topology
+
+    shape = structure(read_config(model_path))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    machines = max(1, accelerator.num_processes // local)
+    cuda = accelerator.device.type == "cuda"
+    gpu_memory = torch.cuda.get_device_properties(accelerator.device).total_memory if cuda else None
+    name = torch.cuda.get_device_name(accelerator.device) if cuda else "cpu"
+    topo = Topology(accelerator.num_processes, machines, cpu=not cuda)
+    plan = estimate(recipe, shape, topo)
+    tokens = sum(r["tokens"] for r in history)
+    steps = len(history)
+    per_process = tokens / wall / accelerator.num_processes
+    fpt = flops_per_token(shape.params, setup["trainable_params"], shape.layers, shape.hidden, recipe.max_seq_length)
+    peak = bf16_peak(name) if cuda else None
+    throughput = {"tokens_per_second": tokens / wall, "tokens_per_second_per_process": per_process,
+                  "seconds_per_step": wall / max(steps, 1), "flops_per_token": fpt,
+                  "mfu": fpt * per_process / peak if peak else None,
+                  "mfu_note": "no GPU" if not cuda else (None if peak else f"{name} is not in the peak table")}
+    versions = {}
+    for package in ("torch", "accelerate", "transformers", "peft", "deepspeed", "bitsandbytes", "datasets"):
+        try:
+            versions[package] = md.version(package)
+        except md.PackageNotFoundError:
+            versions[package] = None
+    resolved = {"distributed_type": accelerator.distributed_type.value, "mixed_precision": accelerator.mixed_precision,
+                "gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
+    if accelerator.state.deepspeed_plugin is not None:
+        resolved["deepspeed"] = accelerator.state.deepspeed_plugin.deepspeed_config
+    if getattr(accelerator.state, "fsdp_plugin", None) is not None:
+        plugin = accelerator.state.fsdp_plugin
+        resolved["fsdp"] = {"version": plugin.fsdp_version, "reshard_after_forward": str(plugin.reshard_after_forward),
+                            "state_dict_type": str(plugin.state_dict_type),
+                            "activation_checkpointing": plugin.activation_checkpointing}
+    report = {"recipe": recipe.to_dict(), "model": model_path, "output_dir": str(out), "versions": versions,
+              "resolved_config": resolved, "setup": setup, "device": name,
+              "topology": {"processes": accelerator.num_processes, "machines": machines, "describe": topo.describe(),
+                           "gpu_memory": gpu_memory},
+              "plan": plan.as_dict(), "processes": ranks, "throughput": throughput, "steps": steps,
+              "wall_seconds": wall, "final_train_loss": history[-1]["loss"], "final_eval_loss": eval_loss,
+              "history": history}
+    bigger = largest_micro_batch(recipe, shape, topo, gpu_memory, None, 4 * recipe.per_device_train_batch_size) \
+        if cuda else None
+    report["advice"] = advice(report, gpu_memory, bigger)
+    return report
+
+
+def plot_loss(report: dict, path) -> str | None:
+    """loss.png: train (and eval) loss and the learning rate over steps; None without matplotlib."""
+    from .plots import pyplot
+
+    try:
+        plt = pyplot()
+    except RecipeError:
+        return None
+    history = report["history"]
+    steps = [h["step"] for h in history]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [h["loss"] for h in history], label="train loss", color="#4c72b0")
+    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss", color="#c44e52")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss per target token")
+    lr = ax.twinx()
+    lr.plot(steps, [h["lr"] for h in history], label="learning rate", color="#999999", linestyle="--")
+    lr.set_ylabel("learning rate")
+    handles = ax.get_legend_handles_labels()[0] + lr.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], loc="upper right")
+    ax.set_title(f"{report['recipe']['name']}: {report['topology']['describe']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def compare_rows(reports: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Runs side by side: recipe, processes, peak memory, tokens/s, MFU, final loss."""
+    headers = ["RUN", "RECIPE", "PROCESSES", "PEAK GiB", "TOKENS/S", "MFU", "TRAIN LOSS", "EVAL LOSS"]
+    rows = []
+    for r in reports:
+        procs = r["processes"]
+        key = "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in procs[0] else "peak_rss_bytes"
+        mfu = r["throughput"].get("mfu")
+        rows.append([Path(r["output_dir"]).name, r["recipe"]["name"], str(r["topology"]["processes"]),
+                     _gib(max(p[key] for p in procs)) + (" (RSS)" if key == "peak_rss_bytes" else ""),
+                     f"{r['throughput']['tokens_per_second']:,.0f}", "-" if mfu is None else f"{mfu:.1%}",
+                     f"{r['final_train_loss']:.3f}",
+                     "-" if r.get("final_eval_loss") is None else f"{r['final_eval_loss']:.3f}"])
+    return headers, rows
+
+
+def compare_chart(reports: list[dict], path) -> str:
+    """Bars per run: peak memory per process and tokens/s."""
+    from .plots import pyplot
+
+    plt = pyplot()
+    names = [f"{Path(r['output_dir']).name}\n{r['recipe']['name']}" for r in reports]
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(4 + 2 * len(reports), 4))
+    key = lambda r: "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in r["processes"][0] else "peak_rss_bytes"  # noqa: E731
+    mem.bar(names, [max(p[key(r)] for p in r["processes"]) / GiB for r in reports], color="#4c72b0")
+    mem.set_ylabel("peak GiB per process")
+    mem.set_title("memory")
+    speed.bar(names, [r["throughput"]["tokens_per_second"] for r in reports], color="#55a868")
+    speed.set_ylabel("tokens / s (real, all processes)")
+    speed.set_title("throughput")
+    for ax in (mem, speed):
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise RecipeError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+    return str(path)
