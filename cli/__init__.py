@@ -4,4 +4,13 @@ The CLI lives in memrecipe.main; recipes/sft.py imports the training helpers fro
 memrecipe.training. Importing this package imports no torch.
 """
 
+import logging
+import warnings
+
 __version__ = "0.1.0"
+
+# Library notices that say nothing about a run: bitsandbytes' optional CPU 4-bit kernel, a
+# peft/transformers deprecation, and torch's rename of collectives that DeepSpeed still calls.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated.*", category=FutureWarning)

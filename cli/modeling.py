@@ -3,21 +3,13 @@ local folder, or the embedded tiny default), LoRA, gradient checkpointing, the o
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
 
 from .errors import RecipeError
-
-# Library notices that say nothing about this run: bitsandbytes' optional CPU 4-bit kernel, a
-# peft/transformers deprecation, and torch's rename of collectives that DeepSpeed still calls.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated.*", category=FutureWarning)
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "data" / "tiny-llama"
 

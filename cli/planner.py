@@ -64,13 +64,16 @@ class Estimate:
 
 def adam_state_bytes(tensors: list[int], eight_bit: bool) -> int:
     """AdamW state: two fp32 moments (+ a step scalar) per tensor; bitsandbytes 8-bit: two uint8
-    moments with block-wise float32 absmax and a qmap each, for tensors of >= 4096 elements."""
+    moments with a float32 absmax per 256-element block, for tensors of >= 4096 elements (smaller
+    ones keep fp32 moments), plus two 256-entry quantisation maps shared by all tensors."""
     total = 0
     for n in tensors:
         if eight_bit and n >= BNB_MIN_8BIT:
-            total += 2 * (n + 4 * math.ceil(n / BNB_BLOCK) + 4 * 256)
+            total += 2 * (n + 4 * math.ceil(n / BNB_BLOCK))
         else:
             total += 8 * n + (0 if eight_bit else 4)
+    if eight_bit and any(n >= BNB_MIN_8BIT for n in tensors):
+        total += 2 * 4 * 256
     return total
 
 

@@ -22,6 +22,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import memrecipe  # noqa: F401  (first: it quiets library notices that say nothing about the run)
 import torch
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch.utils.data import DataLoader

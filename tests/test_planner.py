@@ -42,14 +42,16 @@ def batch(vocab, b=2, s=48):
 
 
 def real_model_state_bytes(model, optimizer):
-    """Bytes really held after an optimizer step: parameters, their .grad, the optimizer's state tensors."""
-    seen = {}
-    for p in model.parameters():
-        seen[p.data_ptr()] = p.numel() * p.element_size()
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    """Bytes really held after an optimizer step: parameters, their .grad, the optimizer's state
+    tensors; each storage once (bitsandbytes shares its quantisation maps between parameters)."""
+    def total(tensors):
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if torch.is_tensor(t)}
+        return sum(storages.values())
+
+    params = list(model.parameters())
     inner = getattr(optimizer, "optimizer", optimizer)
-    state = sum(v.numel() * v.element_size() for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
-    return sum(seen.values()), grads, state
+    state = [v for s in inner.state.values() for v in s.values()]
+    return total(params), total(p.grad for p in params if p.grad is not None), total(state)
 
 
 @pytest.mark.slow
