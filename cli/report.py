@@ -126,13 +126,14 @@ def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eva
     name = torch.cuda.get_device_name(accelerator.device) if cuda else "cpu"
     topo = Topology(accelerator.num_processes, machines, cpu=not cuda)
     plan = estimate(recipe, shape, topo)
-    tokens = sum(r["tokens"] for r in history)
+    this_session = [r for r in history if r["step"] > setup.get("resumed_at_step", 0)]  # what `wall` timed
+    tokens = sum(r["tokens"] for r in this_session)
     steps = len(history)
     per_process = tokens / wall / accelerator.num_processes
     fpt = flops_per_token(shape.params, setup["trainable_params"], shape.layers, shape.hidden, recipe.max_seq_length)
     peak = bf16_peak(name) if cuda else None
     throughput = {"tokens_per_second": tokens / wall, "tokens_per_second_per_process": per_process,
-                  "seconds_per_step": wall / max(steps, 1), "flops_per_token": fpt,
+                  "seconds_per_step": wall / max(len(this_session), 1), "flops_per_token": fpt,
                   "mfu": fpt * per_process / peak if peak else None,
                   "mfu_note": "no GPU" if not cuda else (None if peak else f"{name} is not in the peak table")}
     versions = {}

@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from datetime import datetime
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from memrecipe.checkpoint import resume_state, save
 from memrecipe.data import Collator, prepare_datasets
 from memrecipe.errors import RecipeError
 from memrecipe.measure import (MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes, peak_memory,
@@ -44,6 +46,7 @@ def parse_args(argv=None):
     parser.add_argument("--recipe", required=True, help="a recipe name or YAML file")
     parser.add_argument("--output-dir", default=None, help="run folder (default: runs/<recipe>-<time>)")
     parser.add_argument("--overwrite", action="store_true", help="train into a folder that holds a finished run")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     parser.add_argument("--memory-snapshot", action="store_true",
                         help="record memory over the first steps (CUDA allocator history, or CPU profiler timeline)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. max_steps=10")
@@ -82,6 +85,29 @@ def accumulate_window(model, window, accelerator):
     return accelerator.reduce(loss_sum, "sum").item() / targets, targets
 
 
+class StopRequest:
+    """SIGTERM (preemption) or SIGINT (Ctrl-C) asks the run to stop: it finishes the step, all
+    processes agree on it, and a checkpoint is written. A second signal stops at once."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._request)
+
+    def _request(self, signum, frame):
+        self.signum = signum
+        signal.signal(signum, signal.SIG_DFL)
+
+    @property
+    def name(self):
+        return signal.Signals(self.signum).name
+
+    def agreed(self, accelerator) -> bool:
+        flag = torch.tensor(self.signum, device=accelerator.device)
+        self.signum = int(accelerator.reduce(flag, "max"))  # no rank waits in a collective the others left
+        return self.signum != 0
+
+
 @torch.no_grad()
 def evaluate(model, dataloader, accelerator):
     """Mean loss per target token over the eval set, over all processes (each sequence once:
@@ -110,7 +136,7 @@ def main(argv=None):
     stamp = [datetime.now().strftime("%Y%m%d-%H%M%S")]
     broadcast_object_list(stamp)  # one folder name for all processes
     out = Path(args.output_dir or f"runs/{recipe.name}-{stamp[0]}")
-    if (out / "final").exists() and not args.overwrite:
+    if (out / "final").exists() and not args.overwrite and not args.resume:
         raise RecipeError(f"{out} already holds a finished run: pass --overwrite, or another --output-dir")
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -125,8 +151,10 @@ def main(argv=None):
     with accelerator.main_process_first():
         train_set, eval_set = prepare_datasets(recipe, tokenizer)
     collate = Collator(tokenizer.pad_token_id)
+    # Its own generator: starting an epoch's iterator must not draw from the global RNG that dropout
+    # uses, or a resumed run would see other dropout masks than the run it continues.
     train_loader = DataLoader(train_set, batch_size=recipe.per_device_train_batch_size, shuffle=True,
-                              collate_fn=collate)
+                              collate_fn=collate, generator=torch.Generator().manual_seed(recipe.seed))
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_train_batch_size, collate_fn=collate) \
         if eval_set is not None else None
 
@@ -146,6 +174,7 @@ def main(argv=None):
     # Stepped once per optimizer step, by the loop (not prepared: accelerate would step it per process).
     scheduler = get_scheduler(recipe.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
+    accelerator.register_for_checkpointing(scheduler)
     setup = describe_setup(accelerator, model, optimizer)
     tracking = start_trackers(accelerator, recipe, out)  # TensorBoard / W&B through accelerate, if asked for
     world = accelerator.num_processes
@@ -159,22 +188,33 @@ def main(argv=None):
         say(f"note: the last {dropped} micro batch(es) of each epoch do not fill a window and are skipped")
 
     # 5. The loop: one optimizer step per window of micro batches.
-    history, started, step, epoch, local_tokens = [], time.perf_counter(), 0, 0, 0
+    history, step, epoch, consumed, held = [], 0, 0, 0, None
+    if args.resume:  # model, optimizer, scheduler and RNG states, and where the data stood
+        state = resume_state(accelerator, out)
+        history, step, epoch, consumed = state["history"], state["step"], state["epoch"], state["consumed"]
+        setup["resumed_at_step"] = step
+        say(f"resumed from {state['path']} at step {step} (epoch {epoch}, {consumed} micro batches in)")
+    started, local_tokens, stop = time.perf_counter(), 0, StopRequest()
     snapshot = MemorySnapshot(out, accelerator) if args.memory_snapshot else None
-    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_main_process)
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     model.train()
     while step < total_steps:
         if hasattr(train_loader, "set_epoch"):
             train_loader.set_epoch(epoch)  # a new, seeded shuffle each epoch, the same on every process
-        for window in windows(train_loader, accumulation):
+        batches = accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader
+        for window in windows(batches, accumulation):
             tick = time.perf_counter()
             loss, targets = accumulate_window(model, window, accelerator)
+            consumed += accumulation
+            if not math.isfinite(loss):  # stop before the update; the last checkpoint stays the last good one
+                raise RecipeError(f"the loss is {loss} at step {step + 1}: stopped without saving (lower "
+                                  f"learning_rate, or check the data); the newest checkpoint is still good")
             grad_norm = None
             if recipe.max_grad_norm and not deepspeed:  # DeepSpeed clips by its JSON's gradient_clipping
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            if step == 0:  # what this process really holds, once the optimizer state exists
+            if held is None:  # what this process really holds, once the optimizer state exists
                 held, setup["optimizer_state_dtypes"] = held_bytes(model, optimizer), optimizer_state_dtypes(optimizer)
             optimizer.zero_grad()
             step += 1
@@ -201,9 +241,19 @@ def main(argv=None):
                 say(f"step {step}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                     f"{record['tokens'] / record['seconds']:,.0f} tok/s"
                     + (f" | eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
+            stopping = stop.agreed(accelerator)  # every process stops at the same step
+            if (recipe.save_steps and step % recipe.save_steps == 0 and step < total_steps) or stopping:
+                path = save(accelerator, out, {"step": step, "epoch": epoch, "consumed": consumed, "history": history,
+                                               "num_processes": accelerator.num_processes}, recipe.save_total_limit)
+                say(f"checkpoint {path}")
+            if stopping:
+                say(f"stopped by {stop.name} at step {step}; resume with: memrecipe run sft --resume --output-dir {out}")
+                accelerator.end_training()
+                sys.exit(128 + stop.signum)
             if step >= total_steps:
                 break
-        epoch += 1
+        else:
+            epoch, consumed = epoch + 1, 0
     bar.close()
     wall = time.perf_counter() - started
     eval_loss = evaluate(model, eval_loader, accelerator) if eval_loader is not None else None

@@ -1,0 +1,66 @@
+"""Checkpoints a killed run can continue from exactly: written whole or not at all.
+
+A checkpoint is accelerate's `save_state` (model, optimizer and LR scheduler, sharded the way the
+engine shards them: FSDP state, DeepSpeed ZeRO checkpoint with offloaded optimizer state; the RNG
+states of every process) plus `trainer_state.json` (step, epoch, micro batches consumed in the
+epoch, world size, the per-step history). It is written into `checkpoints/.tmp-step-N/` by every
+process and renamed to `checkpoints/step-N/` once all of them are done, so a reader never takes a
+partial checkpoint for the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from .errors import RecipeError
+
+STATE = "trainer_state.json"
+NAME = re.compile(r"step-(\d+)$")
+
+
+def complete_checkpoints(out) -> list[Path]:
+    """Complete checkpoints of a run folder, oldest first."""
+    folder = Path(out) / "checkpoints"
+    found = [p for p in folder.glob("step-*") if NAME.match(p.name) and (p / STATE).is_file()] if folder.is_dir() else []
+    return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)))
+
+
+def save(accelerator, out, state: dict, keep: int | None) -> Path:
+    """Every process calls this at the same optimizer step; returns the finished checkpoint."""
+    folder = Path(out) / "checkpoints"
+    final = folder / f"step-{state['step']}"
+    staging = folder / f".tmp-step-{state['step']}"
+    if accelerator.is_local_main_process:
+        shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed while saving
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    if accelerator.is_main_process:
+        (staging / STATE).write_text(json.dumps(state))
+    accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process and staging.exists():
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+        if keep:
+            for old in complete_checkpoints(out)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def resume_state(accelerator, out) -> dict:
+    """Load the newest complete checkpoint into the prepared objects; returns its trainer state."""
+    found = complete_checkpoints(out)
+    if not found:
+        raise RecipeError(f"no complete checkpoint in {Path(out) / 'checkpoints'}: nothing to resume "
+                          "(set save_steps to write checkpoints)")
+    newest = found[-1]
+    state = json.loads((newest / STATE).read_text())
+    if state["num_processes"] != accelerator.num_processes:
+        raise RecipeError(f"{newest.name} was written by {state['num_processes']} processes, this run has "
+                          f"{accelerator.num_processes}: resume with --num-processes {state['num_processes']} "
+                          "(resharding a checkpoint is not supported)")
+    accelerator.load_state(str(newest))
+    return state | {"path": str(newest)}
