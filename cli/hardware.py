@@ -45,3 +45,11 @@ def host_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not POSIX
         return 0
+
+
+def quiet_deepspeed() -> None:
+    """Before importing DeepSpeed without a GPU: name its CPU accelerator (it warns when it guesses)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

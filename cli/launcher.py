@@ -9,17 +9,23 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
+import yaml
+
+from .architecture import read_config, structure
+from .checkpoint import complete_checkpoints
 from .errors import RecipeError
-from .hardware import Machine
 from .generator import accelerate_config, deepspeed_config, render_json, render_yaml
-from .recipe import Recipe
-from .registry import data_dir
+from .hardware import Machine
+from .planner import breakdown, estimate, judge
+from .recipe import Recipe, parse_overrides
+from .registry import data_dir, load_recipe, recipe_names
 from .topology import Topology, check_supported, make_topology
 
 SCRIPTS = ("sft",)
@@ -104,28 +110,45 @@ def default_output_dir(recipe: Recipe) -> Path:
     return folder
 
 
-def prepare_folder(folder: Path, overwrite: bool) -> None:
-    """Refuse a non-empty folder (unless overwrite); remove the old run's outputs when overwriting."""
+def make_folder(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         raise RecipeError(f"--output-dir {folder} is a file: pick a folder")
-    if folder.is_dir() and any(folder.iterdir()):
-        if not overwrite:
-            raise RecipeError(f"{folder} is not empty: pass --overwrite to replace its run, or pick another --output-dir")
-        for child in folder.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RecipeError(f"cannot create {folder}: {e.strerror}: pick another --output-dir") from None
 
 
-def stream(command: list[str], cwd: Path, env: dict, log: Path) -> int:
-    """Run the launch; its output goes to the terminal and to train.log (progress-bar redraws left out)."""
-    with open(log, "w", encoding="utf-8") as sink:
+def clear_folder(folder: Path, overwrite: bool) -> None:
+    """Under our lock: refuse a non-empty folder, or (overwrite) remove the old run's files."""
+    old = [child for child in folder.iterdir() if child.name != ".lock"]
+    if old and not overwrite:
+        raise RecipeError(f"{folder} is not empty: pass --overwrite to replace its run, --resume to continue it, "
+                          "or pick another --output-dir")
+    for child in old:
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def stream(command: list[str], cwd: Path, env: dict, log: Path) -> tuple[int, int]:
+    """Run the launch; its output goes to the terminal and to train.log (progress-bar redraws left
+    out). SIGTERM and SIGINT are passed on to every process of the launch, which then checkpoints
+    and stops; returns (exit status, the signal that asked it to stop or 0)."""
+    received = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    with open(log, "a", encoding="utf-8") as sink:
         proc = subprocess.Popen(command, cwd=cwd, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             pending = b""
+            # the pipe closes when the last process of the launch (worker included) has exited
             while chunk := proc.stdout.read1(65536):
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.buffer.flush()
@@ -136,13 +159,120 @@ def stream(command: list[str], cwd: Path, env: dict, log: Path) -> int:
                 sink.flush()
             if pending:
                 sink.write(pending.rsplit(b"\r", 1)[-1].decode("utf-8", "replace") + "\n")
-            return proc.wait()
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            return proc.wait()
+            return proc.wait(), (received[0] if received else 0)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class RunLock:
+    """One run per folder: `.lock` holds the owner's pid and host; a lock whose process is dead on
+    this host is stale, named and taken over."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / ".lock"
+        self.taken_over: str | None = None
+
+    def acquire(self) -> RunLock:
+        me = f"{os.getpid()} {socket.gethostname()}"
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pid, _, host = self.path.read_text().strip().partition(" ")
+                if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+                    self.taken_over = pid
+                    self.path.unlink(missing_ok=True)
+                    continue
+                raise RecipeError(f"{self.path.parent} is in use by process {pid} on {host or 'this host'} "
+                                  f"(its .lock): wait for it, or remove the lock if that run is gone") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            return self
+        raise RecipeError(f"cannot take {self.path}: another run keeps taking it")
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def shell_form(command: list[str], env: dict, cwd: Path) -> str:
     words = [f"{k}={shlex.quote(v)}" for k, v in env.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"]
     return f"cd {shlex.quote(str(cwd))} && " + " ".join(words + [shlex.join(command)])
 
+
+RESUMABLE_KEYS = ("max_steps", "num_train_epochs")
+
+
+def resumable(folder, recipe_ref, words, num_processes, machine):
+    """The run folder's own recipe (only max_steps / num_train_epochs may change) and topology."""
+    if folder is None:
+        raise RecipeError("--resume needs the run folder: --output-dir runs/NAME")
+    if not (folder / "recipe.yaml").is_file() or not (folder / "accelerate_config.yaml").is_file():
+        raise RecipeError(f"{folder} is not a memrecipe run folder (no recipe.yaml / accelerate_config.yaml)")
+    if not complete_checkpoints(folder):
+        raise RecipeError(f"{folder} has no complete checkpoint to resume from (the run needs save_steps)")
+    changed = [key for key in parse_overrides(words) if key not in RESUMABLE_KEYS]
+    if changed:
+        raise RecipeError(f"a resumed run keeps its recipe: {changed[0]} cannot change on --resume "
+                          f"(only {' and '.join(RESUMABLE_KEYS)} can)")
+    r = load_recipe(str(folder / "recipe.yaml"), words)
+    if recipe_ref and recipe_ref not in (r.name, str(folder / "recipe.yaml")):
+        raise RecipeError(f"{folder} is a run of recipe {r.name}, not {recipe_ref}")
+    config = yaml.safe_load((folder / "accelerate_config.yaml").read_text())
+    original = config["num_processes"]
+    if num_processes is not None and num_processes != original:
+        raise RecipeError(f"{folder} was trained by {original} processes: resume it with --num-processes {original} "
+                          "(resharding its checkpoints is not supported)")
+    topo = make_topology(original, config.get("num_machines", 1), config.get("machine_rank", 0),
+                         config.get("main_process_ip"), config.get("main_process_port"),
+                         cpu=machine.gpus == 0, bf16=machine.bf16)
+    return r, topo
+
+
+def preflight(recipe):
+    """Fail fast, with one line and before any folder exists: model, tokenizer, dataset columns."""
+    from .data import detect_format, load_any
+    from .modeling import check_model
+
+    if recipe.model_name_or_path:
+        check_model(recipe.model_name_or_path, recipe.trust_remote_code)
+    for source in (recipe.dataset, recipe.eval_dataset):
+        if source:
+            detect_format(load_any(source).column_names, recipe.dataset_format)
+
+
+def check_fits(recipe, topo, machine, words, force):
+    """The planner's verdict; a run that will not fit is refused with its breakdown and what would fit."""
+    shape = structure(read_config(recipe.model_name_or_path))
+    verdict = judge(estimate(recipe, shape, topo), machine.gpu_memory, machine.host_memory or None)
+    if verdict.fits or force:
+        return verdict
+    others = []
+    for name in recipe_names():
+        if name == recipe.name:
+            continue
+        try:
+            other = load_recipe(name, words)
+            check_supported(other, topo)
+        except RecipeError:
+            continue
+        v = judge(estimate(other, shape, topo), machine.gpu_memory, machine.host_memory or None)
+        if v.fits:
+            others.append((v.estimate.speed_cost, name, v.estimate.total))
+    est = verdict.estimate
+    where = (f"host RAM {est.host_total() / 2**30:.1f} GiB > {machine.host_memory / 2**30:.1f} GiB"
+             if not verdict.host_fits else f"{est.total / 2**30:.1f} GiB per GPU > {machine.gpu_memory / 2**30:.1f} GiB")
+    instead = (f"{min(others)[1]} would fit ({min(others)[2] / 2**30:.1f} GiB per process)" if others
+               else "no recipe fits on this topology: more GPUs, a shorter max_seq_length, or a smaller micro batch")
+    raise RecipeError(f"recipe {recipe.name} will not fit: {where} ({breakdown(est)}); {instead}; "
+                      "--force launches anyway")

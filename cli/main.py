@@ -20,6 +20,7 @@ COMMANDS = {  # name -> module in memrecipe.commands (imported only when that co
     "plan": "plan",
     "report": "report",
     "compare": "compare",
+    "export": "export",
 }
 
 

@@ -39,13 +39,11 @@ def check_accelerate_config(path: Path) -> str:
 
 def check_deepspeed_json(path: Path) -> str:
     """The zero_optimization section through DeepSpeed's own config model; no train_batch_size."""
-    import os
-
-    import torch
     from pydantic import ValidationError
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed warning that it guessed
+    from .hardware import quiet_deepspeed
+
+    quiet_deepspeed()
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     try:

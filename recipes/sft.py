@@ -16,7 +16,6 @@ therefore trains like one big batch, however unevenly the tokens fall.
 import argparse
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -87,7 +86,8 @@ def accumulate_window(model, window, accelerator):
 
 class StopRequest:
     """SIGTERM (preemption) or SIGINT (Ctrl-C) asks the run to stop: it finishes the step, all
-    processes agree on it, and a checkpoint is written. A second signal stops at once."""
+    processes agree on it, and a checkpoint is written. A second Ctrl-C stops at once; repeated
+    SIGTERMs (the launcher's and torchrun's) are one request."""
 
     def __init__(self):
         self.signum = 0
@@ -95,8 +95,9 @@ class StopRequest:
             signal.signal(sig, self._request)
 
     def _request(self, signum, frame):
-        self.signum = signum
-        signal.signal(signum, signal.SIG_DFL)
+        self.signum = self.signum or signum
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.default_int_handler)
 
     @property
     def name(self):
@@ -242,12 +243,13 @@ def main(argv=None):
                     f"{record['tokens'] / record['seconds']:,.0f} tok/s"
                     + (f" | eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
             stopping = stop.agreed(accelerator)  # every process stops at the same step
-            if (recipe.save_steps and step % recipe.save_steps == 0 and step < total_steps) or stopping:
+            if (recipe.save_steps and (step % recipe.save_steps == 0 or step == total_steps)) or stopping:
                 path = save(accelerator, out, {"step": step, "epoch": epoch, "consumed": consumed, "history": history,
                                                "num_processes": accelerator.num_processes}, recipe.save_total_limit)
                 say(f"checkpoint {path}")
             if stopping:
-                say(f"stopped by {stop.name} at step {step}; resume with: memrecipe run sft --resume --output-dir {out}")
+                say(f"stopped by {stop.name} at step {step}; resume with: memrecipe run sft --resume "
+                    f"--output-dir {out.resolve()}")
                 accelerator.end_training()
                 sys.exit(128 + stop.signum)
             if step >= total_steps:

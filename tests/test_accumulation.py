@@ -1,7 +1,6 @@
 """Gradient accumulation is exact: micro batch x accumulation (x processes) equals one big batch,
 with sequences of very uneven length, in fp32."""
 
-import json
 import sys
 
 import pytest

@@ -5,7 +5,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import yaml
 
 from memrecipe.generator import (accelerate_config, deepspeed_config, generate, resolve_precision,

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from memrecipe.architecture import read_config, structure
-from memrecipe.data import Collator
 from memrecipe.errors import RecipeError
 from memrecipe.modeling import load_model, make_optimizer, token_loss
 from memrecipe.planner import estimate, judge

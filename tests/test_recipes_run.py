@@ -5,14 +5,12 @@ Each recipe runs once per session (a module fixture); several tests assert on th
 """
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, child_env, launch
+from helpers import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SHORT = ["max_steps=20", "eval_steps=10", "logging_steps=5"]

@@ -1,0 +1,105 @@
+"""Turn a run's final save or any checkpoint into a standalone Hugging Face model folder.
+
+Checkpoint formats, as accelerate's save_state writes them: `model.safetensors` (1 GPU, DDP),
+`pytorch_model_fsdp.bin` (FSDP full state dict), `pytorch_model_fsdp_0/` (FSDP sharded, merged
+with accelerate's merge_fsdp_weights), `pytorch_model/` (a DeepSpeed ZeRO checkpoint, gathered to
+fp32 with DeepSpeed's zero_to_fp32). LoRA runs give an adapter, or with `merge` a full model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .checkpoint import complete_checkpoints
+from .errors import RecipeError
+
+DTYPES = ("bf16", "fp32")
+
+
+def source_of(run: Path, checkpoint: str | None) -> Path:
+    if checkpoint is None:
+        if not (run / "final").is_dir():
+            raise RecipeError(f"{run} has no final/ (the run did not finish): pick one with --checkpoint "
+                              f"({', '.join(p.name for p in complete_checkpoints(run)) or 'none written'})")
+        return run / "final"
+    path = run / "checkpoints" / checkpoint
+    if path not in complete_checkpoints(run):
+        names = ", ".join(p.name for p in complete_checkpoints(run)) or "none"
+        raise RecipeError(f"{run} has no complete checkpoint {checkpoint}; it has: {names}")
+    return path
+
+
+def checkpoint_state_dict(path: Path) -> dict:
+    import torch
+
+    if (path / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(path / "model.safetensors")
+    if (path / "pytorch_model_fsdp.bin").is_file():
+        return torch.load(path / "pytorch_model_fsdp.bin", map_location="cpu", weights_only=True)
+    if (path / "pytorch_model_fsdp_0").is_dir():
+        import tempfile
+
+        from accelerate.utils import merge_fsdp_weights
+
+        with tempfile.TemporaryDirectory() as tmp:
+            merge_fsdp_weights(str(path / "pytorch_model_fsdp_0"), tmp, safe_serialization=True)
+            from safetensors.torch import load_file
+
+            return load_file(Path(tmp) / "model.safetensors")
+    if (path / "pytorch_model").is_dir():
+        from .hardware import quiet_deepspeed
+
+        quiet_deepspeed()
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(path), tag="pytorch_model")
+    raise RecipeError(f"{path} holds no model state memrecipe knows (model.safetensors, pytorch_model_fsdp*, "
+                      "or a DeepSpeed pytorch_model/ folder)")
+
+
+def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool = False, dtype: str = "fp32") -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .modeling import embedded_model
+    from .registry import load_recipe
+
+    if not (run / "recipe.yaml").is_file():
+        raise RecipeError(f"{run} is not a memrecipe run folder (no recipe.yaml)")
+    if output.exists() and any(output.iterdir()):
+        raise RecipeError(f"{output} is not empty: pick a new folder")
+    recipe = load_recipe(str(run / "recipe.yaml"))
+    source = source_of(run, checkpoint)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    base_path = recipe.model_name_or_path or embedded_model()
+    tokenizer = AutoTokenizer.from_pretrained(run / "final" if (run / "final").is_dir() else base_path)
+    if recipe.lora:
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        if source.name == "final":
+            model = PeftModel.from_pretrained(base, source)
+        else:
+            lora = recipe.lora
+            targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+            model = get_peft_model(base, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                    target_modules=targets, task_type="CAUSAL_LM"))
+            model.load_state_dict(checkpoint_state_dict(source))
+        model = model.merge_and_unload() if merge else model
+    else:
+        if merge:
+            raise RecipeError(f"recipe {recipe.name} is a full fine-tune: there is no adapter to --merge")
+        if source.name == "final":
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+            model.load_state_dict(checkpoint_state_dict(source))
+    model = model.to(torch_dtype)
+    model.save_pretrained(output, safe_serialization=True)
+    tokenizer.save_pretrained(output)
+    (output / "memrecipe_export.json").write_text(json.dumps({"run": str(run.resolve()), "source": source.name,
+                                                              "merged": merge, "dtype": dtype}, indent=2))
+    return output

@@ -1,0 +1,171 @@
+"""A run survives being killed: checkpoints are whole or absent, resume is exact, signals stop
+cleanly, the run folder is locked, a non-finite loss stops the run.
+
+Determinism: fp32 (mixed_precision=no), a seeded sampler (every epoch's order comes from the seed
+and the epoch, and a resumed epoch skips the micro batches it had consumed), a loader with its own
+generator (starting an iterator must not draw from the RNG that dropout uses), and accelerate's
+save_state / load_state restoring every process's RNG states."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import child_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+EXACT = ["mixed_precision=no", "max_steps=6", "save_steps=2", "eval_steps=null", "logging_steps=1"]
+
+
+def start(args, folder):
+    """`memrecipe run sft ...` in its own process group, output to folder.log."""
+    log = open(f"{folder}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "memrecipe", "run", "sft", "--output-dir", str(folder), *args],
+                            env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(predicate, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended early ({proc.returncode})"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def finish(args, folder):
+    proc = start(args, folder)
+    assert proc.wait(timeout=600) == 0, open(f"{folder}.log").read()[-3000:]
+
+
+def losses(folder):
+    return [h["loss"] for h in json.loads((folder / "report.json").read_text())["history"]]
+
+
+def final_weights(folder):
+    from safetensors.torch import load_file
+
+    final = folder / "final"
+    name = "adapter_model.safetensors" if (final / "adapter_model.safetensors").exists() else "model.safetensors"
+    return load_file(final / name)
+
+
+@pytest.mark.parametrize("recipe", ["single-gpu-lora", "fsdp", "zero3-offload"])
+def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    finish(["--recipe", recipe, *EXACT], whole)
+    proc = start(["--recipe", recipe, *EXACT], cut)
+    wait_for(lambda: (cut / "checkpoints" / "step-2").is_dir(), proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # no chance to clean up: the lock and maybe a .tmp checkpoint stay
+    proc.wait()
+    assert not (cut / "final").exists()
+    moved = tmp_path / "moved"
+    cut.rename(moved)  # a moved run folder still resumes
+    finish(["--resume"], moved)
+    log = open(f"{moved}.log").read()
+    assert "resumed from checkpoints/step-" in log and "taken over" in log  # the dead run's lock was stale
+    assert losses(moved) == pytest.approx(losses(whole), abs=1e-5)
+    expected, got = final_weights(whole), final_weights(moved)
+    assert expected.keys() == got.keys() and expected
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
+    if recipe == "single-gpu-lora":
+        assert_merged_equals_adapter(moved, tmp_path / "merged")
+    else:  # the last checkpoint (a ZeRO checkpoint, FSDP's state dict) exports to the final weights
+        assert_checkpoint_exports_final(moved, "step-6", tmp_path / "exported")
+
+
+def assert_checkpoint_exports_final(run, checkpoint, output):
+    from safetensors.torch import load_file
+
+    done = subprocess.run([sys.executable, "-m", "memrecipe", "export", str(run), str(output), "--checkpoint",
+                           checkpoint], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported, final = load_file(output / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert exported.keys() == final.keys()
+    for name, tensor in final.items():
+        torch.testing.assert_close(exported[name], tensor.float(), atol=0, rtol=0, msg=name)
+
+
+def assert_merged_equals_adapter(run, output):
+    """--merge folds the adapter into the base: the merged model's logits equal the adapter model's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    done = subprocess.run([sys.executable, "-m", "memrecipe", "export", str(run), str(output), "--merge"],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    base = json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), run / "final")
+    merged = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32)
+    ids = torch.randint(0, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapter.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+@pytest.mark.parametrize("recipe, processes, sig", [("single-gpu-lora", 1, signal.SIGINT),
+                                                     ("fsdp", 2, signal.SIGTERM)])
+def test_a_signal_checkpoints_and_names_the_resume_command(tmp_path, recipe, processes, sig):
+    folder = tmp_path / "run"
+    proc = start(["--recipe", recipe, "max_steps=500", "eval_steps=null"], folder)
+    wait_for(lambda: "step 10/500" in (folder / "train.log").read_text() if (folder / "train.log").exists()
+             else False, proc)
+    proc.send_signal(sig)  # to the launcher alone (a scheduler's SIGTERM; Ctrl-C's SIGINT)
+    assert proc.wait(timeout=120) == 128 + sig
+    log = open(f"{folder}.log").read()
+    assert f"resume with: memrecipe run sft --resume --output-dir {folder}" in log
+    (checkpoint,) = (folder / "checkpoints").glob("step-*")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["step"] >= 10 and state["num_processes"] == processes
+    assert f"stopped by {sig.name} at step {state['step']}" in (folder / "train.log").read_text()
+    assert not (folder / ".lock").exists()
+
+
+def test_resume_keeps_the_recipe_and_the_process_count(tmp_path, cli):
+    folder = tmp_path / "run"
+    finish(["--recipe", "fsdp", "max_steps=2", "save_steps=1"], folder)
+    changed = cli("run", "sft", "--resume", "--output-dir", str(folder), "learning_rate=1e-2")
+    assert changed.returncode == 2 and "learning_rate cannot change on --resume" in changed.stderr
+    fewer = cli("run", "sft", "--resume", "--output-dir", str(folder), "--num-processes", "1")
+    assert fewer.returncode == 2 and "trained by 2 processes: resume it with --num-processes 2" in fewer.stderr
+    longer = cli("run", "sft", "--resume", "--output-dir", str(folder), "max_steps=4", timeout=600)
+    assert longer.returncode == 0, longer.stderr[-2000:]
+    assert len(losses(folder)) == 4 and "max_steps: 4" in (folder / "recipe.yaml").read_text()
+    assert "resumed from checkpoints/step-2 at step 2" in (folder / "train.log").read_text()  # the end was saved too
+    assert_checkpoint_exports_final(folder, "step-4", tmp_path / "exported")  # FSDP's full state dict
+
+
+def test_a_running_folder_is_locked(tmp_path, cli):
+    folder = tmp_path / "run"
+    proc = start(["--recipe", "single-gpu-lora", "max_steps=500", "eval_steps=null"], folder)
+    wait_for(lambda: (folder / ".lock").exists() and (folder / "train.log").exists(), proc)
+    second = cli("run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(folder), "--overwrite")
+    assert second.returncode == 2 and f"in use by process {proc.pid}" in second.stderr
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_non_finite_loss_stops_in_one_line_naming_the_step(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memrecipe.modeling import embedded_model
+
+    poisoned = tmp_path / "poisoned-model"  # one NaN weight: the very first loss is NaN
+    model = AutoModelForCausalLM.from_pretrained(embedded_model())
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    model.save_pretrained(poisoned)
+    AutoTokenizer.from_pretrained(embedded_model()).save_pretrained(poisoned)
+    folder = tmp_path / "run"
+    proc = start(["--recipe", "adamw-8bit", "--num-processes", "1", "--model", str(poisoned), "save_steps=1",
+                  "max_steps=5"], folder)
+    assert proc.wait(timeout=600) != 0
+    log = open(f"{folder}.log").read()
+    assert "memrecipe: error: the loss is nan at step 1: stopped without saving" in log
+    assert not list((folder / "checkpoints").glob("step-*")) if (folder / "checkpoints").exists() else True
+    assert not (folder / "final").exists()
