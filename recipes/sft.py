@@ -143,6 +143,9 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
     set_seed(recipe.seed)
     say = tqdm.write if accelerator.is_main_process else (lambda *a, **k: None)
+    if recipe.mixed_precision not in ("auto", accelerator.mixed_precision):
+        say(f"note: the recipe asks for mixed_precision {recipe.mixed_precision}, the launch config runs "
+            f"{accelerator.mixed_precision}; the config wins (regenerate it with memrecipe config, or use memrecipe run)")
 
     # 2. Model and tokenizer: a hub id, a local folder, or the embedded tiny default.
     tokenizer = load_tokenizer(model_path, recipe.trust_remote_code)
