@@ -208,6 +208,18 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
             if ds.zero3_init:
                 host = 4 * L * local  # zero.Init materialises one layer at a time per process
         notes.append("ZeRO-3 model states follow DeepSpeed's estimate_zero3_model_states_mem_needs")
+    elif recipe.deepspeed:
+        # ZeRO-1/2, DeepSpeed's own accounting (estimate_zero2_model_states_mem_needs): 16-bit weights
+        # replicated; 16-bit and fp32 gradients, fp32 master weights and moments partitioned, or, with
+        # optimizer offload, all of that in host RAM; loading puts a full fp32 copy per process on the host.
+        params = 2 * P
+        if recipe.deepspeed.offload_optimizer != "none":
+            grads, opt = 0, 0
+            host = max(4 * P * local, 16 * Pt // machines)
+        else:
+            grads, opt = 6 * Pt // n, 12 * Pt // n
+            host = 4 * P * local
+        notes.append("ZeRO-1/2 model states follow DeepSpeed's estimate_zero2_model_states_mem_needs")
     elif recipe.fsdp:
         f = recipe.fsdp
         unit = max(s.layer_params, s.root_params)  # one decoder layer, or the root (embeddings, head)

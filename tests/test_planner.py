@@ -303,3 +303,17 @@ def test_run_refuses_what_will_not_fit_and_names_what_would(cli, tmp_path):
     assert done.returncode == 2 and "will not fit" in done.stderr and "params" in done.stderr
     assert "--force" in done.stderr and not out.exists()
     assert judge(estimate(load_recipe("single-gpu-lora"), structure(read_config(None)), CPU1), None, 8 * 2**30).fits
+
+
+@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_zero2_model_states_agree_with_deepspeeds_own_estimator(offload, gpus):
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    s = structure(MEDIUM)
+    r = load_recipe("zero2", [f"deepspeed.offload_optimizer={'cpu' if offload else 'none'}"])
+    est = estimate(r, s, Topology(gpus))
+    cpu, gpu = estimate_zero2_model_states_mem_needs(s.params, num_gpus_per_node=gpus, num_nodes=1,
+                                                     cpu_offload=offload, additional_buffer_factor=1.0)
+    assert est.model_states == pytest.approx(gpu, rel=1e-6)
+    assert est.host_offload == pytest.approx(cpu, rel=1e-6)

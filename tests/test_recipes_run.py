@@ -143,6 +143,24 @@ def test_zero3_offload_partitions_offloads_and_gathers_16bit_weights(runs):
     assert next(model.parameters()).dtype == torch.bfloat16  # the 16-bit weights gathered at save
 
 
+def test_ddp_is_the_plain_data_parallel_baseline(runs):
+    folder = runs("ddp")
+    r = assert_learned(folder, 2)
+    s = r["setup"]
+    assert s["model_class"] == "DistributedDataParallel" and not s["gradient_checkpointing"]
+    assert s["optimizer_class"] == "AdamW" and s["trainable_params"] == s["params"]
+    assert_full_model_saved(folder, tolerance=1e-5)
+
+
+def test_zero2_partitions_and_offloads_the_optimizer(runs):
+    folder = runs("zero2")
+    r = assert_learned(folder, 2)
+    s = r["setup"]
+    assert (s["zero_stage"], s["zero_offload_optimizer"], s["zero_offload_param"]) == (2, True, False)
+    assert s["client_optimizer_class"] == "DeepSpeedCPUAdam"
+    assert_full_model_saved(folder, tolerance=1e-4)
+
+
 def test_adamw_8bit_keeps_8bit_optimizer_state(runs):
     folder = runs("adamw-8bit")
     r = assert_learned(folder, 1)
