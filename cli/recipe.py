@@ -27,6 +27,7 @@ class Supports:
     min_processes: int = spec(1, low=1)
     max_processes: int | None = spec(None, low=1)  # null: any number
     multi_node: bool = True
+    cpu: bool = True  # runs end to end on CPU (smoke-test mode, and in the test suite); false: GPU-only
 
 
 @dataclass(frozen=True)

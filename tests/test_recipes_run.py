@@ -224,3 +224,13 @@ def test_tensorboard_event_file_holds_the_loss(runs):
     acc.Reload()
     losses = [e.value for e in acc.Scalars("loss")]
     assert len(losses) == 20 and losses[-1] < losses[0]
+
+
+def test_every_recipe_that_runs_on_cpu_is_run_here():
+    """`memrecipe ls` says which recipes run end to end on CPU: each of those has a run test above."""
+    from memrecipe.registry import load_recipe, recipe_names
+
+    source = Path(__file__).read_text()
+    for name in recipe_names():
+        if load_recipe(name).supports.cpu:
+            assert f'runs("{name}")' in source, f"{name} claims a CPU run but no test runs it"

@@ -106,3 +106,8 @@ def test_a_gated_model_names_hf_token(monkeypatch):
 def test_unknown_script_gets_did_you_mean(cli):
     done = cli("run", "stf", "--recipe", "fsdp")
     assert done.returncode == 2 and "did you mean 'sft'" in done.stderr
+
+
+def test_a_gpu_only_recipe_is_refused_on_cpu(cli):
+    done = cli("run", "sft", "--recipe", "fsdp", "--dry-run", "supports.cpu=false")
+    assert done.returncode == 2 and "is GPU-only (supports.cpu is false)" in done.stderr

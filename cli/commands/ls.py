@@ -11,7 +11,10 @@ def command():
     rows = []
     for name in recipe_names():
         r = load_recipe(name)
-        rows.append([name, ", ".join(techniques(r)), processes_range(r), r.saves, r.costs])
-    headers = ["RECIPE", "TECHNIQUES", "PROCESSES", "SAVES", "COSTS"]
-    click.echo(table(headers, rows, widths={1: 34, 3: 34, 4: 30}))
-    click.echo("\nmemrecipe show RECIPE prints one with its comments; memrecipe config RECIPE writes its accelerate config.")
+        tested = "runs, tested" if r.supports.cpu else "GPU only"
+        rows.append([name, ", ".join(techniques(r)), processes_range(r), tested, r.saves, r.costs])
+    headers = ["RECIPE", "TECHNIQUES", "PROCESSES", "ON CPU", "SAVES", "COSTS"]
+    click.echo(table(headers, rows, widths={1: 30, 4: 30, 5: 28}))
+    click.echo("\nON CPU: runs end to end in CPU smoke-test mode and in the test suite; GPU only: its configs are "
+               "generated and validated.\nmemrecipe show RECIPE prints one with its comments; memrecipe config RECIPE "
+               "writes its accelerate config; docs/recipes.md says when to use each.")
