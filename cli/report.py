@@ -164,35 +164,6 @@ def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eva
     return report
 
 
-def plot_loss(report: dict, path) -> str | None:
-    """loss.png: train (and eval) loss and the learning rate over steps; None without matplotlib."""
-    from .plots import pyplot
-
-    try:
-        plt = pyplot()
-    except RecipeError:
-        return None
-    history = report["history"]
-    steps = [h["step"] for h in history]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [h["loss"] for h in history], label="train loss", color="#4c72b0")
-    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss", color="#c44e52")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss per target token")
-    lr = ax.twinx()
-    lr.plot(steps, [h["lr"] for h in history], label="learning rate", color="#999999", linestyle="--")
-    lr.set_ylabel("learning rate")
-    handles = ax.get_legend_handles_labels()[0] + lr.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], loc="upper right")
-    ax.set_title(f"{report['recipe']['name']}: {report['topology']['describe']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
-
-
 def compare_rows(reports: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Runs side by side: recipe, processes, peak memory, tokens/s, MFU, final loss."""
     headers = ["RUN", "RECIPE", "PROCESSES", "PEAK GiB", "TOKENS/S", "MFU", "TRAIN LOSS", "EVAL LOSS"]
@@ -207,29 +178,3 @@ def compare_rows(reports: list[dict]) -> tuple[list[str], list[list[str]]]:
                      f"{r['final_train_loss']:.3f}",
                      "-" if r.get("final_eval_loss") is None else f"{r['final_eval_loss']:.3f}"])
     return headers, rows
-
-
-def compare_chart(reports: list[dict], path) -> str:
-    """Bars per run: peak memory per process and tokens/s."""
-    from .plots import pyplot
-
-    plt = pyplot()
-    names = [f"{Path(r['output_dir']).name}\n{r['recipe']['name']}" for r in reports]
-    fig, (mem, speed) = plt.subplots(1, 2, figsize=(4 + 2 * len(reports), 4))
-    key = lambda r: "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in r["processes"][0] else "peak_rss_bytes"  # noqa: E731
-    mem.bar(names, [max(p[key(r)] for p in r["processes"]) / GiB for r in reports], color="#4c72b0")
-    mem.set_ylabel("peak GiB per process")
-    mem.set_title("memory")
-    speed.bar(names, [r["throughput"]["tokens_per_second"] for r in reports], color="#55a868")
-    speed.set_ylabel("tokens / s (real, all processes)")
-    speed.set_title("throughput")
-    for ax in (mem, speed):
-        ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise RecipeError(f"cannot write {path}: {e.strerror}") from None
-    finally:
-        plt.close(fig)
-    return str(path)

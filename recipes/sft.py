@@ -37,7 +37,8 @@ from memrecipe.measure import (MemorySnapshot, describe_setup, held_bytes, optim
 from memrecipe.modeling import (count_targets, load_model, load_tokenizer, make_accelerator, make_optimizer,
                                 embedded_model, token_loss)
 from memrecipe.registry import load_recipe
-from memrecipe.report import build, card, plot_loss
+from memrecipe.plots import plot_loss
+from memrecipe.report import build, card
 
 
 def parse_args(argv=None):

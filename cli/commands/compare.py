@@ -1,6 +1,7 @@
 import click
 
-from ..report import compare_chart, compare_rows, load
+from ..plots import compare_chart
+from ..report import compare_rows, load
 from ..table import table
 
 
