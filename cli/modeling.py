@@ -273,17 +273,3 @@ def make_optimizer(recipe, model, accelerator):
         cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
         return cls(groups, lr=recipe.learning_rate)
     return torch.optim.AdamW(groups, lr=recipe.learning_rate)
-
-
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, per_sequence: bool = False) -> torch.Tensor:
-    """Next-token cross-entropy summed over target tokens (labels != -100), in fp32: one number,
-    or one per sequence."""
-    losses = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                               ignore_index=-100, reduction="none")
-    return losses.view(labels.shape[0], -1).sum(-1) if per_sequence else losses.sum()
-
-
-def count_targets(labels: torch.Tensor, per_sequence: bool = False):
-    """Target tokens (those the loss counts): one int, or a tensor with one count per sequence."""
-    mask = labels[:, 1:] != -100
-    return mask.sum(-1) if per_sequence else int(mask.sum())

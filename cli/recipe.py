@@ -126,6 +126,7 @@ class Recipe:
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
     gradient_checkpointing: bool = False
     activation_offload: bool = False  # checkpointed layers' saved inputs wait in host memory
+    fused_loss: bool = True  # LM head + cross-entropy chunk by chunk, recomputed in backward: no full logits
     lora: Lora | None = None  # null: full fine-tune
     quantization: Quantization | None = None  # null: the base in the compute dtype; needs lora
     fsdp: Fsdp | None = None
@@ -244,6 +245,9 @@ def check_combinations(r: Recipe) -> None:
         if r.fsdp is None or r.fsdp.version != 2:
             raise RecipeError("parallelism.tp_size composes with FSDP2 only (accelerate's ParallelismConfig): set "
                               "distributed_type fsdp and fsdp.version=2")
+        if r.fused_loss:
+            raise RecipeError("fused_loss needs the whole vocabulary on every process, and tensor parallelism splits "
+                              "lm_head's output over tp_size processes: set fused_loss=false")
         if r.lora is not None or q is not None:
             raise RecipeError("the tp recipe trains the full model: LoRA and quantization under tensor parallelism "
                               "are not supported (set lora=null, quantization=null)")

@@ -34,8 +34,8 @@ from memrecipe.data import Collator, prepare_datasets
 from memrecipe.errors import RecipeError
 from memrecipe.measure import (MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes, peak_memory,
                                start_trackers)
-from memrecipe.modeling import (count_targets, embedded_model, load_model, load_tokenizer, make_accelerator, prepare,
-                                token_loss)
+from memrecipe.loss import count_targets, fuse_head, lm_loss
+from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare
 from memrecipe.registry import load_recipe
 from memrecipe.plots import plot_loss
 from memrecipe.report import build, card
@@ -78,8 +78,7 @@ def accumulate_window(model, window, accelerator):
     loss_sum = torch.zeros((), device=accelerator.device)
     for batch in window:
         with accelerator.accumulate(model):  # no gradient sync until the window's last micro batch
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = token_loss(logits, batch["labels"])
+            loss = lm_loss(model, batch)  # summed over the micro batch's target tokens
             accelerator.backward(loss * scale)  # under DeepSpeed the engine also steps here, on the last batch
             loss_sum += loss.detach()
     return accelerator.reduce(loss_sum, "sum").item() / targets, targets
@@ -117,8 +116,7 @@ def evaluate(model, dataloader, accelerator):
     model.eval()
     loss_sum, targets = 0.0, 0
     for batch in dataloader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        per_sequence = token_loss(logits, batch["labels"], per_sequence=True)
+        per_sequence = lm_loss(model, batch, per_sequence=True)
         counts = count_targets(batch["labels"], per_sequence=True)
         per_sequence, counts = accelerator.gather_for_metrics((per_sequence, counts))
         loss_sum, targets = loss_sum + per_sequence.sum().item(), targets + counts.sum().item()
@@ -152,6 +150,10 @@ def main(argv=None):
     tokenizer = load_tokenizer(model_path, recipe.trust_remote_code)
     mesh = accelerator.torch_device_mesh if recipe.parallelism else None  # tensor parallel: split as it loads
     model, offload = load_model(recipe, model_path, accelerator.mixed_precision, accelerator.device, mesh)
+    if recipe.fused_loss:  # the head and the loss run chunk by chunk: the [tokens x vocab] logits are never held
+        not_fused = fuse_head(model)
+        if not_fused:
+            say(f"note: fused_loss is off for this model ({not_fused}): the loss uses the full logits")
 
     # 3. Data: tokenized once (main process first, the others read its cache), padded per batch.
     with accelerator.main_process_first():

@@ -8,7 +8,8 @@ import torch
 
 from helpers import RECIPES, free_port, launch, child_env, tiny_model, uneven_examples
 from memrecipe.data import Collator
-from memrecipe.modeling import make_accelerator, token_loss
+from memrecipe.loss import token_loss
+from memrecipe.modeling import make_accelerator
 from memrecipe.registry import load_recipe
 
 sys.path.insert(0, str(RECIPES))

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from memrecipe.architecture import read_config, structure
-from memrecipe.modeling import embedded_model, load_model, token_loss
+from memrecipe.loss import token_loss
+from memrecipe.modeling import embedded_model, load_model
 from memrecipe.planner import estimate
 from memrecipe.registry import load_recipe
 from memrecipe.topology import Topology

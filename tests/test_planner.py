@@ -9,7 +9,8 @@ import torch
 
 from memrecipe.architecture import read_config, structure
 from memrecipe.errors import RecipeError
-from memrecipe.modeling import load_model, make_optimizer, token_loss
+from memrecipe.loss import token_loss
+from memrecipe.modeling import load_model, make_optimizer
 from memrecipe.planner import estimate, judge
 from memrecipe.registry import load_recipe
 from memrecipe.topology import Topology, make_topology

@@ -58,7 +58,8 @@ def report(folder):
 def reload_eval_loss(folder, model):
     """The eval loss of a reloaded model on the run's own eval split, computed as the loop does."""
     from memrecipe.data import Collator, prepare_datasets
-    from memrecipe.modeling import count_targets, load_tokenizer, token_loss
+    from memrecipe.loss import count_targets, token_loss
+    from memrecipe.modeling import load_tokenizer
     from memrecipe.registry import load_recipe
 
     recipe = load_recipe(str(Path(folder) / "recipe.yaml")) if (Path(folder) / "recipe.yaml").exists() \

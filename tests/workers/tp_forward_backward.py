@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from memrecipe.modeling import embedded_model, load_model, token_loss
+from memrecipe.loss import token_loss
+from memrecipe.modeling import embedded_model, load_model
 from memrecipe.registry import load_recipe
 
 dist.init_process_group("gloo")

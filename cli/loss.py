@@ -1,0 +1,115 @@
+"""The language-model loss, with or without the full logits.
+
+Plain: the model returns [tokens x vocab] logits, upcast to fp32 for the cross-entropy. For a large
+vocabulary that is the biggest tensor of the whole step (Llama-3 8B, 2 x 2048 tokens: 4.9 GiB).
+
+Fused (`fused_loss: true`): the output head's forward is replaced, on the live module, by one that
+takes the labels, keeps only the positions that predict a target (prompts and padding never reach
+the head), and runs head + cross-entropy chunk by chunk under non-reentrant checkpointing, so that
+backward recomputes one chunk's logits at a time. Nothing of [tokens x vocab] is ever held whole.
+
+The head is still called as a module from inside the model's own forward, so every engine's hooks
+see it: DDP's, FSDP2's unshard of the root's parameters, DeepSpeed ZeRO-3's gather (a LoRA-wrapped
+head is made a ZeRO-3 leaf, so its weights are gathered once, as for any module the engine hooks).
+The model then returns one fp32 loss per target token where it would return logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE = -100
+# Logits per chunk (tokens x vocab): 2^23 elements = 32 MiB in fp32, ~65 tokens of a 128k vocabulary.
+# Large enough that a GPU matmul stays efficient, small enough that the loss is never the peak.
+CHUNK_ELEMENTS = 2**23
+# Configs whose CausalLM forward transforms the head's output before the loss: the fused head would
+# skip that transform, so those models keep the plain loss.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, per_sequence: bool = False) -> torch.Tensor:
+    """Next-token cross-entropy summed over target tokens (labels != -100), in fp32: one number,
+    or one per sequence."""
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                             ignore_index=IGNORE, reduction="none")
+    return losses.view(labels.shape[0], -1).sum(-1) if per_sequence else losses.sum()
+
+
+def count_targets(labels: torch.Tensor, per_sequence: bool = False):
+    """Target tokens (those the loss counts): one int, or a tensor with one count per sequence."""
+    mask = labels[:, 1:] != IGNORE
+    return mask.sum(-1) if per_sequence else int(mask.sum())
+
+
+def chunk_tokens(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Target tokens per chunk of the fused loss."""
+    return max(1, chunk_elements // vocab)
+
+
+def fused_blocker(config) -> str | None:
+    """Why the fused loss cannot serve this model (None: it can)."""
+    for key in LOGIT_TRANSFORMS:
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            return f"{config.model_type} transforms its logits ({key}) before the loss"
+    return None
+
+
+def output_head(model):
+    """The module that maps hidden states to logits, through DDP / DeepSpeed / PEFT wrappers."""
+    while hasattr(model, "module"):  # DDP and DeepSpeed engines keep the model as .module
+        model = model.module
+    return model.get_output_embeddings()
+
+
+def fuse_head(model, chunk_elements: int = CHUNK_ELEMENTS) -> str | None:
+    """Give the model's output head the fused loss (call after LoRA, before accelerate's prepare).
+    Returns why not, or None once fused."""
+    blocker = fused_blocker(model.config)
+    head = output_head(model)
+    if blocker is None and head is None:
+        blocker = "the model has no output head"
+    if blocker is not None:
+        return blocker
+    original = head.forward
+    tokens = chunk_tokens(model.config.vocab_size, chunk_elements)
+
+    def forward(hidden, *args, **kwargs):
+        labels = head.memrecipe_labels
+        if labels is None:  # plain logits: generation, or a caller that did not give labels
+            return original(hidden, *args, **kwargs)
+        targets = labels[:, 1:]
+        keep = targets != IGNORE
+        inputs, targets = hidden[:, :-1][keep], targets[keep]  # only positions that predict a target
+        # at least one (possibly empty) chunk, so the head's weights are always in the graph (DDP expects it)
+        starts = range(0, len(targets), tokens) or [0]
+        return torch.cat([checkpoint(_chunk_loss, original, inputs[i:i + tokens], targets[i:i + tokens],
+                                     use_reentrant=False) for i in starts])
+
+    head.forward, head.memrecipe_labels = forward, None
+    if any(True for _ in head.children()):  # e.g. a LoRA-wrapped head: ZeRO-3 gathers all of it at once
+        head._z3_leaf = True
+    return None
+
+
+def _chunk_loss(forward, hidden, targets):
+    return F.cross_entropy(forward(hidden).float(), targets, reduction="none")
+
+
+def lm_loss(model, batch, per_sequence: bool = False) -> torch.Tensor:
+    """The batch's next-token cross-entropy, summed over its target tokens (or per sequence), in fp32:
+    through the fused head when the model has one, else from the full logits."""
+    head = output_head(model)
+    if not hasattr(head, "memrecipe_labels"):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return token_loss(logits, batch["labels"], per_sequence)
+    head.memrecipe_labels = batch["labels"]
+    try:  # the head returns one loss per target token, in the order of the labels' target mask
+        losses = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    finally:
+        head.memrecipe_labels = None
+    if not per_sequence:
+        return losses.sum()
+    rows = (batch["labels"][:, 1:] != IGNORE).nonzero()[:, 0]
+    return losses.new_zeros(batch["labels"].shape[0]).index_add_(0, rows, losses)
