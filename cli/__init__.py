@@ -5,6 +5,7 @@ memrecipe.data, memrecipe.modeling and memrecipe.measure. Importing this package
 """
 
 import logging
+import os
 import warnings
 
 __version__ = "0.1.0"
@@ -14,3 +15,5 @@ __version__ = "0.1.0"
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated.*", category=FutureWarning)
+# The profiler (the loss's memory is measured with it on CPU) announces every start and stop.
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")

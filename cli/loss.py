@@ -20,10 +20,9 @@ import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .planner import CHUNK_ELEMENTS, chunk_tokens
+
 IGNORE = -100
-# Logits per chunk (tokens x vocab): 2^23 elements = 32 MiB in fp32, ~65 tokens of a 128k vocabulary.
-# Large enough that a GPU matmul stays efficient, small enough that the loss is never the peak.
-CHUNK_ELEMENTS = 2**23
 # Configs whose CausalLM forward transforms the head's output before the loss: the fused head would
 # skip that transform, so those models keep the plain loss.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -32,8 +31,8 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, per_sequence: bool = False) -> torch.Tensor:
     """Next-token cross-entropy summed over target tokens (labels != -100), in fp32: one number,
     or one per sequence."""
-    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                             ignore_index=IGNORE, reduction="none")
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # shift the labels, not the logits: no copy of those
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
     return losses.view(labels.shape[0], -1).sum(-1) if per_sequence else losses.sum()
 
 
@@ -41,11 +40,6 @@ def count_targets(labels: torch.Tensor, per_sequence: bool = False):
     """Target tokens (those the loss counts): one int, or a tensor with one count per sequence."""
     mask = labels[:, 1:] != IGNORE
     return mask.sum(-1) if per_sequence else int(mask.sum())
-
-
-def chunk_tokens(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
-    """Target tokens per chunk of the fused loss."""
-    return max(1, chunk_elements // vocab)
 
 
 def fused_blocker(config) -> str | None:
@@ -82,10 +76,11 @@ def fuse_head(model, chunk_elements: int = CHUNK_ELEMENTS) -> str | None:
         targets = labels[:, 1:]
         keep = targets != IGNORE
         inputs, targets = hidden[:, :-1][keep], targets[keep]  # only positions that predict a target
-        # at least one (possibly empty) chunk, so the head's weights are always in the graph (DDP expects it)
-        starts = range(0, len(targets), tokens) or [0]
-        return torch.cat([checkpoint(_chunk_loss, original, inputs[i:i + tokens], targets[i:i + tokens],
-                                     use_reentrant=False) for i in starts])
+        # split, not sliced: backward then joins the chunks' gradients once (a slice's backward writes a
+        # zero-padded full-size gradient per chunk). At least one chunk, even empty: the head's weights
+        # must be in the graph whatever the batch (DDP expects every parameter to get a gradient).
+        return torch.cat([checkpoint(_chunk_loss, original, h, y, use_reentrant=False)
+                          for h, y in zip(inputs.split(tokens), targets.split(tokens))])
 
     head.forward, head.memrecipe_labels = forward, None
     if any(True for _ in head.children()):  # e.g. a LoRA-wrapped head: ZeRO-3 gathers all of it at once

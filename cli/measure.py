@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import resource
 import sys
 
@@ -62,6 +63,68 @@ def peak_memory(device) -> dict:
         out |= {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
                 "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
     return out
+
+
+class LossMemory:
+    """Peak bytes the loss adds, measured once: from the output head's forward until the gradient of
+    its input exists (head, logits or chunks, cross-entropy, their backward), above what was held when
+    the head started. CUDA: the allocator's peak (reset at the head: transients before it leave that
+    figure); CPU: the profiler's allocation events, an allocator-level record of every byte, up to a
+    marker set when the head's input gets its gradient (a profiler cannot stop inside backward)."""
+
+    MARK = "memrecipe::loss_done"
+
+    def __init__(self, head, device):
+        self.device, self._bytes, self._profiler = device, None, None
+        self._hook = head.register_forward_pre_hook(self._start)
+
+    def _start(self, module, args):
+        hidden = args[0] if args else None
+        if hidden is None or not hidden.requires_grad or not torch.is_grad_enabled():
+            return  # eval, or no gradient flows back through the head: wait for a training forward
+        self._hook.remove()
+        # no garbage collection inside the window: freeing an earlier step's tensors there would be
+        # counted against this one (the profiler remembers blocks it saw allocated in earlier profiles)
+        gc.collect()
+        gc.disable()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                    profile_memory=True)
+            self._profiler.__enter__()
+        hidden.register_hook(self._mark)
+
+    def _mark(self, grad):
+        gc.enable()
+        if self.device.type == "cuda":
+            self._bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            with torch.profiler.record_function(self.MARK):
+                pass
+
+    @property
+    def bytes(self) -> int | None:
+        """The measured peak (None before a training micro batch went through the head)."""
+        if self._profiler is not None:  # stop the profile (after backward) and read it
+            self._profiler.__exit__(None, None, None)
+            self._bytes, self._profiler = allocation_peak(self._profiler, until=self.MARK), None
+        return self._bytes
+
+
+def allocation_peak(profiler, until: str | None = None) -> int:
+    """Most bytes allocated at once above the start of a CPU profile made with profile_memory=True,
+    up to the first event named `until` (the whole profile without it)."""
+    events = profiler.profiler.kineto_results.events()
+    stop = min((e.start_ns() for e in events if e.name() == until), default=None) if until else None
+    allocations = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"
+                         and e.device_type() == torch.autograd.DeviceType.CPU and (stop is None or e.start_ns() <= stop))
+    now = peak = 0
+    for _, nbytes in allocations:
+        now += nbytes
+        peak = max(peak, now)
+    return peak
 
 
 def _checkpointing(model) -> bool:

@@ -209,11 +209,12 @@ def load_model(recipe, name_or_path: str, precision: str, device=None, device_me
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=recipe.attn_implementation,
                                                  trust_remote_code=recipe.trust_remote_code, **extra)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
-    if q is not None and recipe.fsdp is None:
+    if q is not None and q.upcast_unquantized:
         from peft import prepare_model_for_kbit_training
 
-        # PEFT's QLoRA preparation: unquantized weights (norms, embeddings, head) to fp32 for stable
-        # training. Not under FSDP, which needs one dtype (as TRL does for sharded QLoRA).
+        # PEFT's QLoRA preparation: unquantized weights (norms, embeddings, head) to fp32, and with them
+        # the residual stream. Off by default: they stay in 16 bits (LoRA then trains the same way as
+        # on a bf16 base; non-reentrant checkpointing needs no input gradients, which PEFT also sets up).
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if q is not None and (device is None or device.type == "cpu"):
         # On CPUs with AVX512-BF16, bitsandbytes 0.50 repacks 4-bit weights for inference in place at

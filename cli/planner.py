@@ -20,6 +20,10 @@ GPU_OVERHEAD = 1 * GiB  # CUDA context, kernels, cuBLAS/NCCL workspaces, allocat
 CPU_OVERHEAD = GiB // 2  # per process on CPU: torch, transformers, accelerate, DeepSpeed (measured RSS ~0.45 GiB)
 BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit state for tensors smaller than this
 BNB_BLOCK = 256  # ... and one float32 absmax per block of 256 per state, plus a 256-entry qmap per state
+# The fused loss's chunk: logits of at most 2^23 elements (tokens x vocab) at a time, 32 MiB in fp32,
+# ~65 tokens of a 128k vocabulary: large enough for an efficient GPU matmul, small enough that the
+# loss is never the step's peak.
+CHUNK_ELEMENTS = 2**23
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits", "overhead")
 
 
@@ -62,6 +66,11 @@ class Estimate:
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
 
 
+def chunk_tokens(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Target tokens per chunk of the fused loss (recipes/sft.py's `fused_loss`)."""
+    return max(1, chunk_elements // vocab)
+
+
 def adam_state_bytes(tensors: list[int], eight_bit: bool) -> int:
     """AdamW state: two fp32 moments (+ a step scalar) per tensor; bitsandbytes 8-bit: two uint8
     moments with a float32 absmax per 256-element block, for tensors of >= 4096 elements (smaller
@@ -92,11 +101,12 @@ def quantized_bytes(numel: int, rows: int, q) -> int:
 def base_bytes(recipe: Recipe, s: Structure, cb: int, layer_only: bool = False) -> int:
     """The frozen LoRA base (the whole model, or one decoder layer): in the compute dtype; or with
     quantization, the decoder layers' linears quantized and the rest (embeddings, head, norms, biases)
-    in fp32 after PEFT's k-bit preparation, or in the 4-bit storage dtype under FSDP."""
+    in the 4-bit storage dtype, or in fp32 after PEFT's k-bit preparation (upcast_unquantized)."""
     q = recipe.quantization
     if q is None:
         return cb * (s.layer_params if layer_only else s.params)
-    other = 4 if recipe.fsdp is None or q.quant_storage == "fp32" else 2
+    # loaded in the float quant_storage dtype (uint8 storage: the compute dtype), or upcast by PEFT
+    other = 4 if q.upcast_unquantized else {"bf16": 2, "fp16": 2, "fp32": 4}.get(q.quant_storage, cb)
     layer = sum(quantized_bytes(lin.in_features * lin.out_features, lin.out_features, q)
                 + (other * lin.out_features if lin.bias else 0) for lin in s.linears)
     layer += other * sum(s.layer_norm_params)
@@ -115,7 +125,7 @@ def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
     """How the weights meet the compute dtype: fp32 | mixed (autocast over fp32 weights) | half | lora | qlora."""
     if compute_bytes == 4:
         return "fp32"
-    if recipe.quantization is not None and recipe.fsdp is None:
+    if recipe.quantization is not None and recipe.quantization.upcast_unquantized:
         return "qlora"  # 4-bit linears; PEFT's k-bit preparation puts embeddings, norms and head in fp32
     if recipe.lora is not None:
         return "lora"  # frozen base stored in half precision (see modeling.load_model)
@@ -171,9 +181,22 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) 
     residual = 2 if mode in ("half", "lora") else 4
     rope = T * 2 * d * (4 if mode in ("fp32", "mixed", "qlora") else 2)
     norm = T * ({"fp32": 12, "mixed": 10, "half": 8, "lora": 4, "qlora": 10}[mode] * h + 4)
-    head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy
+    if recipe.fused_loss:  # the head's matmul no longer keeps its input (the chunks keep the targets' own)
+        norm -= T * h * {"fp32": 4, "mixed": 2, "half": 2, "lora": 0, "qlora": 2}[mode]
+    head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
     small = T * 8 + rope  # input ids, rotary cos/sin
-    saved_logits = (T - b) * V * 4  # fp32 log-softmax kept for the loss's backward
+    if recipe.fused_loss:  # the chunks keep their inputs (the target positions' hidden states, planned as all)
+        saved_logits = T * h * residual
+        # at a chunk's backward: its fp32 log-softmax, the gradient the loss hands it and the log-softmax's
+        # own gradient, three fp32 [chunk x vocab]; beside them the saved inputs and the finished chunks' gradients
+        logits = 12 * min(chunk_tokens(V), T) * V + 2 * T * h * residual
+        # autocast casts the head's weights again in each chunk's recompute: a transient of the loss, not kept
+        logits, head_copy = logits + head_copy, 0
+        if recipe.lora is None:  # a trained head: its weights' gradient, summed over the chunks done so far
+            logits += V * h * (4 if mode == "fp32" else 2)
+    else:
+        saved_logits = (T - b) * V * 4  # fp32 log-softmax kept for the loss's backward
+        logits = 12 * T * V  # the same three fp32 [tokens x vocab] at the log-softmax's backward (measured)
     if recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
         inputs = s.layers * T * h * residual  # each layer keeps only its input; one layer is recomputed at a time
         if recipe.activation_offload:  # ... in host memory; on the device only the one coming back for backward
@@ -184,8 +207,6 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) 
     else:
         acts = s.layers * layer + small + norm + head_copy
         forward_saved = saved_peak = acts + saved_logits
-    logit_bytes = 4 if mode == "fp32" else 2
-    logits = T * V * (logit_bytes + 4 + 4)  # the logits, their fp32 copy, the fp32 log-softmax
     return {"activations": acts, "logits": logits, "saved_peak": saved_peak, "forward_saved": forward_saved,
             "layer": layer, "host": host}
 

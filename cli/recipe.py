@@ -63,6 +63,9 @@ class Quantization:
     double_quant: bool = True  # quantize the quantization constants too (~0.4 bits/param less)
     compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: the run's mixed precision
     quant_storage: Literal["uint8", "bf16", "fp16", "fp32"] = "bf16"  # a float type lets FSDP shard the 4-bit weights
+    # true: PEFT's prepare_model_for_kbit_training, the unquantized weights (embeddings, head, norms) in fp32,
+    # and so an fp32 residual stream; false: they stay in 16 bits, as torchtune keeps them
+    upcast_unquantized: bool = False
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,9 @@ def check_combinations(r: Recipe) -> None:
         if r.deepspeed is not None:
             raise RecipeError("quantization is not supported with DeepSpeed in memrecipe: use the fsdp-qlora recipe "
                               "(FSDP1 + QLoRA) for several GPUs")
+        if r.fsdp is not None and q.upcast_unquantized:
+            raise RecipeError("quantization.upcast_unquantized would mix fp32 and 16-bit weights in one FSDP unit "
+                              "(FSDP shards one dtype): set quantization.upcast_unquantized=false")
         if r.fsdp is not None and (q.bits != 4 or q.quant_storage == "uint8" or r.fsdp.version != 1):
             raise RecipeError("FSDP shards quantized weights only as 4-bit with a float quant_storage under FSDP1: "
                               "set quantization.bits=4, quantization.quant_storage=bf16, fsdp.version=1")

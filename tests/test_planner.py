@@ -9,7 +9,7 @@ import torch
 
 from memrecipe.architecture import read_config, structure
 from memrecipe.errors import RecipeError
-from memrecipe.loss import token_loss
+from memrecipe.loss import fuse_head, lm_loss, token_loss
 from memrecipe.modeling import load_model, make_optimizer
 from memrecipe.planner import estimate, judge
 from memrecipe.registry import load_recipe
@@ -104,8 +104,8 @@ def saved_peak(model, b, autocast):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-        token_loss(logits, b["labels"]).backward()
+            loss = lm_loss(model, b)
+        loss.backward()
     return now[1]
 
 
@@ -124,6 +124,8 @@ def activation_case(models, name, recipe, overrides, layers=None):
             AutoModelForCausalLM.from_config(config).save_pretrained(folder)
         folder = str(folder)
     model, _ = load_model(r, folder, precision)
+    if r.fused_loss:
+        fuse_head(model)
     if r.attn_implementation == "eager":
         model.config._attn_implementation = "eager"
     model.train()

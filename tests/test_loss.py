@@ -1,0 +1,191 @@
+"""The fused loss: the same loss, gradients and eval loss as the full logits, on 1 process (here) and
+on DDP, FSDP2 and ZeRO-3 (launched workers); a measured fraction of the memory; the planner's logits
+figure equal to what the loss step really allocates, for both paths."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, child_env, tiny_model, uneven_examples
+from memrecipe.architecture import structure
+from memrecipe.data import Collator
+from memrecipe.loss import count_targets, fuse_head, lm_loss, output_head, token_loss
+from memrecipe.measure import LossMemory
+from memrecipe.planner import activation_bytes, activation_mode, chunk_tokens
+from memrecipe.registry import load_recipe
+
+
+def batch():
+    return Collator(0)(uneven_examples(8))  # prompts masked, padding, very different lengths
+
+
+def loss_grads_eval(model, fused, chunk_elements=64 * 5):
+    """Loss and gradients (fp32) of one batch, and per-sequence eval losses; the head fused in 5-token chunks."""
+    model = copy.deepcopy(model)
+    if fused:
+        assert fuse_head(model, chunk_elements=chunk_elements) is None
+    b = batch()
+    if fused:
+        loss = lm_loss(model, b)
+    else:  # the full logits, as before the fused loss existed
+        loss = token_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+    loss.backward()
+    with torch.no_grad():
+        per_sequence = lm_loss(model, b, per_sequence=True)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), grads, per_sequence
+
+
+def assert_same(model):
+    plain_loss, plain, plain_eval = loss_grads_eval(model, fused=False)
+    fused_loss, fused, fused_eval = loss_grads_eval(model, fused=True)
+    assert fused_loss == pytest.approx(plain_loss, abs=1e-5 * abs(plain_loss))
+    assert plain.keys() == fused.keys() and any(g.abs().sum() > 0 for g in plain.values())
+    for name in plain:
+        assert torch.allclose(fused[name], plain[name], atol=1e-5, rtol=0), name
+    assert torch.allclose(fused_eval, plain_eval, atol=1e-5, rtol=0)
+    assert fused_eval.sum().item() == pytest.approx(plain_loss, rel=1e-6)
+
+
+def test_fused_equals_plain_for_a_full_fine_tune():
+    assert_same(tiny_model())
+
+
+def test_fused_equals_plain_with_tied_embeddings():
+    model = tiny_model()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    assert_same(model)
+
+
+def test_fused_equals_plain_with_lora_on_the_head_too():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                    target_modules=["q_proj", "v_proj", "lm_head"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: give the adapters something to carry
+            torch.nn.init.normal_(p, std=0.1)
+    assert_same(model)
+    fuse_head(model)  # the LoRA-wrapped head is marked for ZeRO-3 to gather whole
+    assert hasattr(output_head(model), "lora_A") and output_head(model)._z3_leaf
+
+
+def test_prompt_and_padding_positions_never_reach_the_head():
+    model = tiny_model()
+    fuse_head(model)
+    b, rows = batch(), []
+    output_head(model).register_forward_hook(lambda m, args, out: rows.append(len(out)))
+    lm_loss(model, b)
+    assert rows == [count_targets(b["labels"])] and rows[0] < b["labels"].numel() // 2
+
+
+def test_a_batch_without_targets_still_reaches_every_weight():
+    model = tiny_model()
+    fuse_head(model)
+    b = batch()
+    b["labels"][:] = -100
+    loss = lm_loss(model, b)
+    loss.backward()
+    assert loss.item() == 0 and model.lm_head.weight.grad is not None
+
+
+def test_models_that_transform_their_logits_keep_the_plain_loss():
+    model = tiny_model()
+    model.config.final_logit_softcapping = 30.0
+    assert "final_logit_softcapping" in fuse_head(model)
+    assert not hasattr(output_head(model), "memrecipe_labels")
+
+
+def test_tensor_parallelism_refuses_the_fused_loss_with_the_reason():
+    from memrecipe.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="fused_loss=false"):
+        load_recipe("tp", ["fused_loss=true"])
+
+
+# --- memory: measured on a model whose vocabulary dominates --------------------------------------
+
+BIG_VOCAB = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 256, "intermediate_size": 512,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 1024, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def big_vocab_model():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**BIG_VOCAB))
+
+
+def loss_step_bytes(model, recipe, b):
+    """What the loss step allocates at its peak (LossMemory, the report card's measurement)."""
+    model = copy.deepcopy(model)
+    if recipe.lora is not None:  # a frozen bf16 base, as load_model stores it
+        model = model.to(torch.bfloat16).requires_grad_(False)
+        model.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)  # something before the head trains
+    if recipe.fused_loss:
+        fuse_head(model)
+    memory = LossMemory(output_head(model), torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.mixed_precision != "no"):
+        loss = lm_loss(model, b)
+    loss.backward()
+    return memory.bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, overrides", [("single-gpu-lora", []), ("adamw-8bit", []),
+                                               ("adamw-8bit", ["mixed_precision=no"])])
+def test_fused_loss_holds_a_fraction_and_the_planner_counts_both(big_vocab_model, recipe, overrides):
+    B, S = 2, 1024
+    ids = torch.randint(0, BIG_VOCAB["vocab_size"], (B, S), generator=torch.Generator().manual_seed(0))
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    measured, planned = {}, {}
+    for fused in (False, True):
+        r = load_recipe(recipe, [*overrides, f"fused_loss={str(fused).lower()}", f"per_device_train_batch_size={B}",
+                                 f"max_seq_length={S}"])
+        measured[fused] = loss_step_bytes(big_vocab_model, r, b)
+        mode = activation_mode(r, 4 if r.mixed_precision == "no" else 2)
+        planned[fused] = activation_bytes(r, structure(BIG_VOCAB), mode, B, S)["logits"]
+    assert measured[True] * 4 <= measured[False], measured
+    for fused in (False, True):
+        assert planned[fused] == pytest.approx(measured[fused], rel=0.1), (fused, planned, measured)
+    assert chunk_tokens(BIG_VOCAB["vocab_size"]) < B * S // 4  # the chunks, not the batch, bound the loss
+
+
+# --- the engines: one launch each, both losses in it ---------------------------------------------
+
+ENGINES = [
+    ("ddp", []),
+    ("fsdp", []),  # FSDP2, full fine-tune: the head's weights are a sharded unit of its own
+    ("fsdp-lora", ["lora.target_modules=[q_proj,v_proj,lm_head]", "lora.dropout=0"]),  # LoRA on the sharded head
+    ("zero3-offload", []),  # partitioned weights, gathered by the engine's own hooks
+    ("zero3-offload", ["lora.r=8", "lora.target_modules=[q_proj,v_proj,lm_head]", "lora.dropout=0"]),  # a ZeRO-3 leaf
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recipe, overrides", ENGINES, ids=["ddp", "fsdp2", "fsdp2-lora-head", "zero3", "zero3-lora-head"])
+def test_fused_equals_plain_on_every_engine(tmp_path, recipe, overrides):
+    words = [*overrides, "mixed_precision=no", "gradient_accumulation_steps=1"]
+    config = subprocess.run([sys.executable, "-m", "memrecipe", "config", recipe, "--cpu", "--num-processes", "2",
+                             "--output-dir", str(tmp_path), *words], capture_output=True, text=True, env=child_env())
+    assert config.returncode == 0, config.stderr
+    yaml_file, = tmp_path.glob("*.yaml")
+    env = child_env() if recipe.startswith("zero") else child_env(ACCELERATE_USE_CPU="true")
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_file),
+                           str(REPO / "tests" / "workers" / "fused_vs_plain.py"), str(tmp_path / "out.json"), recipe,
+                           *words], capture_output=True, text=True, env=env, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert r["num_processes"] == 2 and r["distributed_type"] == {"ddp": "MULTI_CPU", "zero3-offload": "DEEPSPEED"}.get(
+        recipe, "FSDP")
+    assert r["fused_loss"] == pytest.approx(r["plain_loss"], rel=1e-6)
+    assert r["max_grad"] > 0.1 and r["max_grad_diff"] < 1e-5
+    assert r["head_grads"] >= 1  # the head trains: its own weights, or its adapters
+    assert r["max_eval_diff"] < 1e-5
