@@ -15,5 +15,8 @@ __version__ = "0.1.0"
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated.*", category=FutureWarning)
-# The profiler (the loss's memory is measured with it on CPU) announces every start and stop.
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+# The profiler (the loss's memory is measured with it on CPU) announces every start and stop, and
+# torch's C++ log says it cannot see blocks allocated before it started. Read when torch is first
+# imported (the loop imports memrecipe first); set either variable to see those lines again.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above its highest level (5, USDT)
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

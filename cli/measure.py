@@ -83,6 +83,8 @@ class LossMemory:
         if hidden is None or not hidden.requires_grad or not torch.is_grad_enabled():
             return  # eval, or no gradient flows back through the head: wait for a training forward
         self._hook.remove()
+        if self.device.type != "cuda" and torch.autograd.profiler._is_profiler_enabled:
+            return  # a memory snapshot is profiling this step already: one profiler per thread
         # no garbage collection inside the window: freeing an earlier step's tensors there would be
         # counted against this one (the profiler remembers blocks it saw allocated in earlier profiles)
         gc.collect()

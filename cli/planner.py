@@ -44,12 +44,15 @@ class Estimate:
     cpu: bool
     speed_cost: float  # step time relative to bf16 full fine-tuning on one GPU
     saved_peak: int = 0  # peak bytes saved for backward (activations + the saved log-softmax)
+    # activations and logits at their joint peak: with checkpointing the loss (start of backward) and a
+    # layer's recompute (later) do not overlap, and the larger moment counts; without it, both at once
+    working: int = 0
     notes: tuple[str, ...] = field(default=())
 
     @property
     def total(self) -> int:
-        """Per process, on its device."""
-        return sum(getattr(self, c) for c in CATEGORIES)
+        """Per process, on its device, at the step's peak."""
+        return self.model_states + self.working + self.overhead
 
     @property
     def model_states(self) -> int:
@@ -62,7 +65,7 @@ class Estimate:
 
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("recipe", "processes", "machines", "micro_batch", "seq_length",
-                                             *CATEGORIES, "host_offload", "cpu", "speed_cost", "saved_peak")}
+                                             *CATEGORIES, "host_offload", "cpu", "speed_cost", "saved_peak", "working")}
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
 
 
@@ -204,11 +207,13 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) 
         forward_saved = inputs + small + norm + head_copy + saved_logits
         saved_peak = max(forward_saved, inputs + small + layer)  # the loss's tensors are gone by the recompute
         acts = inputs + small + max(layer, norm + head_copy)
+        working = max(inputs + small + norm + head_copy + logits, inputs + small + layer)  # loss, or a recompute
     else:
         acts = s.layers * layer + small + norm + head_copy
         forward_saved = saved_peak = acts + saved_logits
+        working = acts + logits  # every layer's activations are still held at the loss
     return {"activations": acts, "logits": logits, "saved_peak": saved_peak, "forward_saved": forward_saved,
-            "layer": layer, "host": host}
+            "layer": layer, "host": host, "working": working}
 
 
 def speed_cost(recipe: Recipe, precision: str) -> float:
@@ -313,7 +318,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         notes.append("CPU smoke-test mode: every figure is host RAM")
     return Estimate(recipe.name, n, machines, b, seq, int(params), int(grads), int(opt), int(act["activations"]),
                     int(act["logits"]), CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, int(host), topo.cpu,
-                    speed_cost(recipe, precision), int(act["saved_peak"]), tuple(notes))
+                    speed_cost(recipe, precision), int(act["saved_peak"]), int(act["working"]), tuple(notes))
 
 
 @dataclass(frozen=True)

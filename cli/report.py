@@ -61,13 +61,14 @@ def card(report: dict) -> str:
         measured = [p["held"][category] for p in procs]
         rows.append([category.replace("_", " "), _gib(plan.get(category)), *[_gib(m) for m in measured]])
     peak_key = "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in procs[0] else "peak_rss_bytes"
-    rows.append(["activations + logits", _gib((plan.get("activations") or 0) + (plan.get("logits") or 0)),
-                 *["-" for _ in procs]])
+    rows.append(["activations", _gib(plan.get("activations")), *["-" for _ in procs]])
+    rows.append(["logits (the loss's peak)", _gib(plan.get("logits")), *[_gib(p["held"].get("logits")) for p in procs]])
     rows.append(["total / peak" + (" (CUDA allocated)" if peak_key.startswith("cuda") else " (RSS)"),
                  _gib(plan.get("total")), *[_gib(p[peak_key]) for p in procs]])
     lines.append(table(["MEMORY GiB", "PLANNED", *[f"RANK {p['process_index']}" for p in procs]], rows))
     if peak_key == "peak_rss_bytes":
         lines.append("(on CPU peak RSS is mostly libraries and kernel caches; the model-state rows are exact)")
+    lines.append("(logits: planned for a full max_seq_length of targets, measured on the first micro batch)")
     offloaded = report.get("setup", {}).get("offloaded_bytes_per_micro_batch")
     if offloaded is not None:
         planned = (plan.get("host_offload") or 0) / 2**20

@@ -334,10 +334,67 @@ def test_a_4bit_base_is_half_a_byte_per_layer_weight_and_fsdp_shards_it():
     trained = sum(trainable_tensors(load_recipe("qlora"), s))
     layers = s.layers * sum(lin.params for lin in s.linears)
     q = estimate(load_recipe("qlora"), s, Topology(1))
-    # NF4 + double-quantized scales ~0.516 bytes/weight; embeddings, head and norms fp32 (PEFT's preparation)
-    assert q.parameters - 4 * trained == pytest.approx(0.516 * layers + 4 * (s.params - layers), rel=0.005)
+    # NF4 + double-quantized scales ~0.516 bytes/weight; embeddings, head and norms bf16 (the quant storage),
+    # or fp32 with PEFT's preparation
+    assert q.parameters - 4 * trained == pytest.approx(0.516 * layers + 2 * (s.params - layers), rel=0.005)
+    upcast = estimate(load_recipe("qlora", ["quantization.upcast_unquantized=true"]), s, Topology(1))
+    assert upcast.parameters - q.parameters == 2 * (s.params - layers)
     two, eight = (estimate(load_recipe("fsdp-qlora", ["fsdp.offload_params=false"]), s, Topology(n)) for n in (2, 8))
     assert eight.parameters < two.parameters / 2
     assert two.gradients == pytest.approx(4 * trained / 2, rel=0.01)  # only the adapters have gradients
     offloaded = estimate(load_recipe("fsdp-qlora"), s, Topology(2))
     assert offloaded.parameters < two.parameters and offloaded.host_offload > 0
+
+
+# --- the lean loss and lean QLoRA: what a Llama-3.1-8B job plans, and the step's measured peak ----
+
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+            "max_position_embeddings": 131072, "head_dim": 128}
+TORCHTUNE_JOB = ["per_device_train_batch_size=2", "max_seq_length=2048", "lora.r=8", "lora.alpha=16"]
+
+
+@pytest.mark.parametrize("recipe, overrides, offload, without_offload", [
+    ("single-gpu-lora", ["lora.target_modules=[q_proj,v_proj]"], 16.2, 17.0),  # torchtune on a 4090: 16.2 GiB
+    ("qlora", [], 7.4, 8.0),  # torchtune: 7.4 GiB (LoRA on every linear layer)
+])
+def test_an_8b_job_plans_no_more_than_torchtune_measures(recipe, overrides, offload, without_offload):
+    s = structure(LLAMA_8B)
+    for knob, bound in ((True, offload), (False, without_offload)):
+        r = load_recipe(recipe, [*TORCHTUNE_JOB, *overrides, f"activation_offload={str(knob).lower()}"])
+        est = estimate(r, s, Topology(1))
+        assert (est.total - est.overhead) / 2**30 <= bound, (knob, est)
+        plain = estimate(load_recipe(recipe, [*TORCHTUNE_JOB, *overrides, "fused_loss=false"]), s, Topology(1))
+        assert plain.logits > 30 * est.logits  # 4.9 GiB of logits, vs one chunk's
+    if recipe == "qlora":  # 16-bit embeddings and head, as the quantized base stores them
+        upcast = estimate(load_recipe(recipe, [*TORCHTUNE_JOB, "quantization.upcast_unquantized=true"]), s, Topology(1))
+        assert upcast.parameters - est.parameters == 2 * (s.params - s.layers * sum(lin.params for lin in s.linears))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [[], ["fused_loss=false"], ["gradient_checkpointing=false"],
+                                       ["gradient_checkpointing=false", "fused_loss=false"]])
+def test_the_steps_peak_is_what_the_planner_calls_working_memory(models, overrides):
+    """A whole forward and backward, every allocation recorded by the profiler: with checkpointing the
+    loss and a layer's recompute peak at different moments (the larger counts); without it, together.
+    LoRA, so that the gradients (the adapters') are small beside what is measured."""
+    import gc
+
+    from memrecipe.measure import allocation_peak
+
+    B, S = 2, 256
+    r = load_recipe("single-gpu-lora", [*overrides, f"per_device_train_batch_size={B}", f"max_seq_length={S}"])
+    model, _ = load_model(r, models["medium"], "bf16")
+    if r.fused_loss:
+        fuse_head(model)
+    model.train()  # checkpointing and dropout act in training mode only
+    ids = torch.randint(0, MEDIUM["vocab_size"], (B, S), generator=torch.Generator().manual_seed(0))
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    gc.collect()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(model, b)
+        loss.backward()
+    est = estimate(r, structure(read_config(models["medium"])), CPU1)
+    assert est.working + est.gradients == pytest.approx(allocation_peak(profile), rel=0.1)
+    assert est.working < est.activations + est.logits or not r.gradient_checkpointing
