@@ -8,8 +8,10 @@ from .errors import RecipeError
 
 GiB = 2**30
 
-COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868", "activations": "#c44e52",
-          "logits": "#8172b3", "overhead": "#937860"}
+# the plan's stacked bars: model states, activations and logits at their joint peak (`working`), overhead
+COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868", "working": "#c44e52",
+          "overhead": "#937860"}
+LABELS = {"working": "activations + logits (at their peak)"}
 
 
 def pyplot():
@@ -31,7 +33,7 @@ def plan_chart(verdicts, gpu_memory, path) -> str:
     bottom = [0.0] * len(verdicts)
     for category, color in COLORS.items():
         values = [getattr(v.estimate, category) / 2**30 for v in verdicts]
-        ax.bar(names, values, bottom=bottom, color=color, label=category.replace("_", " "))
+        ax.bar(names, values, bottom=bottom, color=color, label=LABELS.get(category, category.replace("_", " ")))
         bottom = [b + x for b, x in zip(bottom, values)]
     if gpu_memory and not (verdicts and verdicts[0].estimate.cpu):
         ax.axhline(gpu_memory / 2**30, color="black", linestyle="--", linewidth=1)

@@ -108,7 +108,9 @@ def echo_table(rows, gpu, host, topo, global_batch, shapes):
         body.append([r.name, *(f"{getattr(e, c) / GiB:.2f}" for c in CATEGORIES[:5]), f"{e.total / GiB:.2f}",
                      f"{e.host_total() / GiB:.1f}", fits, f"x{e.speed_cost}"] + ([note] if global_batch else []))
     click.echo(table(headers, body))
-    click.echo("GiB per process (HOST: per machine); FITS: spare GiB on the tightest of GPU and host; SPEED: step "
+    click.echo("GiB per process (HOST: per machine); TOTAL counts ACTIV and LOGITS at their joint peak (with "
+               "checkpointing the loss and a layer's recompute come one after the other); FITS: spare GiB on the "
+               "tightest of GPU and host; SPEED: step "
                "time vs plain bf16 on one GPU (rule of thumb); micro batch "
                f"{rows[0][0].per_device_train_batch_size if rows and not global_batch else 'as shown'}, "
                f"{rows[0][0].max_seq_length if rows else ''} tokens per sequence")
