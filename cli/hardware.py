@@ -23,21 +23,32 @@ class Machine:
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         memory = torch.cuda.get_device_properties(0).total_memory if gpus else None
-        bf16 = torch.cuda.is_bf16_supported() if gpus else None
+        # natively: torch counts emulated bf16 too (torch/cuda/__init__.py, is_bf16_supported), which is
+        # slow on compute capability 7.x (V100, T4), where `auto` must mean fp16 with loss scaling
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False) if gpus else None
         return cls(gpus, memory, bf16, os.cpu_count() or 1, host_memory())
 
     @classmethod
     def probe(cls) -> Machine:
         """Without torch (for `plan`): nvidia-smi, if there is one."""
-        memory, count = None, 0
+        memory, count, bf16 = None, 0, None
         if shutil.which("nvidia-smi"):
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=10).stdout.split()
-                count, memory = len(out), int(float(out[0]) * 2**20) if out else None
-            except (OSError, subprocess.SubprocessError, ValueError):
-                pass
-        return cls(count, memory, None, os.cpu_count() or 1, host_memory())
+            out = _smi("memory.total")
+            count, memory = len(out), int(float(out[0]) * 2**20) if out else None
+            cap = _smi("compute_cap")  # older drivers do not know the field: bf16 stays unknown
+            bf16 = float(cap[0]) >= 8 if cap else None  # Ampere or newer
+        return cls(count, memory, bf16, os.cpu_count() or 1, host_memory())
+
+
+def _smi(field: str) -> list[str]:
+    """One nvidia-smi field per GPU ([] if it cannot be read)."""
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10)
+        values = done.stdout.split() if done.returncode == 0 else []
+        return [v for v in values if float(v) >= 0]  # numbers only (ValueError otherwise)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return []
 
 
 def host_memory() -> int:

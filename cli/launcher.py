@@ -23,7 +23,7 @@ from .checkpoint import complete_checkpoints
 from .errors import RecipeError
 from .generator import accelerate_config, deepspeed_config, render_json, render_yaml
 from .hardware import Machine
-from .planner import breakdown, estimate, judge
+from .planner import METHODS, breakdown, estimate, judge, method
 from .recipe import Recipe, parse_overrides
 from .registry import data_dir, load_recipe, recipe_names
 from .topology import Topology, check_supported, make_topology
@@ -97,9 +97,15 @@ def run_files(recipe: Recipe, topo: Topology) -> dict[str, str]:
     return files
 
 
-def launch_env(recipe: Recipe, topo: Topology) -> dict[str, str]:
+def launch_env(recipe: Recipe, topo: Topology, cores: int) -> dict[str, str]:
     """Environment the launch needs on top of the user's."""
     env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    if not topo.cpu and recipe.deepspeed is not None:
+        # accelerate launches DeepSpeed through torchrun, which sets 1 thread per process when a node runs
+        # several (torch/distributed/run.py, "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1),
+        # and --num_cpu_threads_per_process is not applied on that path: DeepSpeed's CPU Adam would run
+        # on one core per rank. Each rank gets its share of the machine's cores.
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // topo.processes_per_machine))
     if topo.cpu:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would guess the CPU anyway, with a warning
         if recipe.deepspeed is None and topo.num_processes > 1:
@@ -274,9 +280,10 @@ def preflight(recipe):
             detect_format(load_any(source).column_names, recipe.dataset_format)
 
 
-def check_fits(recipe, topo, machine, words, force):
-    """The planner's verdict; a run that will not fit is refused with its breakdown and what would fit."""
-    shape = structure(read_config(recipe.model_name_or_path))
+def check_fits(recipe, topo, machine, words, force, shape=None):
+    """The planner's verdict; a run that will not fit is refused with its breakdown and what would fit
+    (a recipe of the same training method first)."""
+    shape = shape or structure(read_config(recipe.model_name_or_path))
     verdict = judge(estimate(recipe, shape, topo), machine.gpu_memory, machine.host_memory or None)
     if verdict.fits or force:
         return verdict
@@ -290,12 +297,17 @@ def check_fits(recipe, topo, machine, words, force):
         except RecipeError:
             continue
         v = judge(estimate(other, shape, topo), machine.gpu_memory, machine.host_memory or None)
-        if v.fits:
-            others.append((v.estimate.speed_cost, name, v.estimate.total))
+        if v.fits:  # the same training method first: another one trains another way
+            others.append((method(other) != method(recipe), v.estimate.speed_cost, name, v.estimate.total,
+                           method(other)))
     est = verdict.estimate
     where = (f"host RAM {est.host_total() / 2**30:.1f} GiB > {machine.host_memory / 2**30:.1f} GiB"
              if not verdict.host_fits else f"{est.total / 2**30:.1f} GiB per GPU > {machine.gpu_memory / 2**30:.1f} GiB")
-    instead = (f"{min(others)[1]} would fit ({min(others)[2] / 2**30:.1f} GiB per process)" if others
-               else "no recipe fits on this topology: more GPUs, a shorter max_seq_length, or a smaller micro batch")
+    if others:
+        other_method, _, name, total, kind = min(others)
+        instead = f"{name} would fit ({total / 2**30:.1f} GiB per process)" + (
+            f", a {METHODS[kind]} recipe: no {METHODS[method(recipe)]} recipe fits" if other_method else "")
+    else:
+        instead = "no recipe fits on this topology: more GPUs, a shorter max_seq_length, or a smaller micro batch"
     raise RecipeError(f"recipe {recipe.name} will not fit: {where} ({breakdown(est)}); {instead}; "
                       "--force launches anyway")

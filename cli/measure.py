@@ -35,6 +35,7 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "trainable_names_all_lora": all("lora_" in n for n, p in model.named_parameters() if p.requires_grad),
         "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
+        "cpu_threads": torch.get_num_threads(),  # what CPU work (DeepSpeed's CPU Adam, collation) runs on
     }
     if hasattr(model, "zero_optimization_stage"):  # a DeepSpeedEngine
         facts["zero_stage"] = model.zero_optimization_stage()

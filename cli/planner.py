@@ -379,6 +379,15 @@ def with_batch(recipe: Recipe, micro: int, accumulation: int) -> Recipe:
     return replace(recipe, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
 
 
+METHODS = {"full": "full fine-tune", "lora": "LoRA", "qlora": "QLoRA"}
+
+
+def method(recipe: Recipe) -> str:
+    """What trains: the whole model (full), adapters on a 16-bit base (lora), or on a quantized one (qlora).
+    A choice of quality, not of speed: recommendations stay within one."""
+    return "qlora" if recipe.quantization else "lora" if recipe.lora else "full"
+
+
 def recommend(verdicts: list[Verdict]) -> tuple[Verdict | None, str]:
     """The cheapest recipe that fits (the tuning flow: plain -> checkpointing -> sharding -> offload),
     and why; or, if none fits, what comes closest."""
@@ -394,6 +403,14 @@ def recommend(verdicts: list[Verdict]) -> tuple[Verdict | None, str]:
     least = min(verdicts, key=lambda v: v.estimate.total)
     return None, (f"nothing fits: the least is {least.estimate.recipe} at {least.estimate.total / GiB:.1f} GiB per "
                   "process; use more GPUs, a shorter max_seq_length, or per_device_train_batch_size=1")
+
+
+def recommend_by_method(recipes: list[Recipe], verdicts: list[Verdict]) -> dict[str, tuple[Verdict | None, str]]:
+    """recommend() within each training method that has a recipe here: {method: (verdict, why)}."""
+    groups: dict[str, list[Verdict]] = {}
+    for r, v in zip(recipes, verdicts):
+        groups.setdefault(method(r), []).append(v)
+    return {m: recommend(groups[m]) for m in METHODS if m in groups}
 
 
 def breakdown(est: Estimate) -> str:

@@ -74,6 +74,9 @@ def card(report: dict) -> str:
         planned = (plan.get("host_offload") or 0) / 2**20
         lines.append(f"activation offload: {offloaded / 2**20:,.2f} MiB of checkpointed inputs per micro batch waited "
                      f"in host memory (planned at full sequence length: {planned:,.2f} MiB per machine)")
+    setup = report.get("setup", {})
+    if setup.get("zero_offload_optimizer") and setup.get("cpu_threads"):
+        lines.append(f"DeepSpeed's CPU Adam: {setup['cpu_threads']} CPU thread(s) per process (OMP_NUM_THREADS)")
     tput = report["throughput"]
     mfu = f"{tput['mfu']:.1%}" if tput.get("mfu") is not None else "n/a (" + tput.get("mfu_note", "") + ")"
     lines.append(f"throughput: {tput['tokens_per_second']:,.0f} tokens/s total, "

@@ -14,12 +14,15 @@ HEAD = "HEAD_NODE"  # placeholder for main_process_ip in the config: the script 
 
 def sbatch_script(recipe_name: str, folder: str, config_file: str, recipe_file: str, nodes: int, per_node: int,
                   port: int, partition: str | None = None, time: str | None = None, overrides=(),
-                  regenerate: str = "", cpu: bool = False, cpu_env: bool = False) -> str:
+                  regenerate: str = "", cpu: bool = False, cpu_env: bool = False, cpus_per_gpu: int = 8) -> str:
     """The sbatch script: submitted as is with `sbatch FILE`, from anywhere (it changes to `folder`).
     `cpu`: the CPU smoke-test form (per_node gloo processes, no GPUs asked for); `cpu_env`: its
-    launches need ACCELERATE_USE_CPU (all but DeepSpeed, see generator.Invocation)."""
+    launches need ACCELERATE_USE_CPU (all but DeepSpeed, see generator.Invocation). On GPUs the one
+    task per node asks for `cpus_per_gpu` cores per GPU: without it Slurm gives the task one core, and
+    all ranks, their data loading and DeepSpeed's CPU Adam would share it."""
     sbatch = [f"--job-name=memrecipe-{recipe_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
-    sbatch += [f"--cpus-per-task={per_node}"] if cpu else [f"--gpus-per-node={per_node}"]
+    sbatch += [f"--cpus-per-task={per_node}"] if cpu else [f"--gpus-per-node={per_node}",
+                                                           f"--cpus-per-task={per_node * cpus_per_gpu}"]
     sbatch += [f"--partition={partition}"] if partition else []
     sbatch += [f"--time={time}"] if time else []
     sbatch.append(f"--output={folder}/%x-%j.out")
@@ -39,6 +42,10 @@ def sbatch_script(recipe_name: str, folder: str, config_file: str, recipe_file: 
         f"export PROCESSES_PER_NODE={per_node}  # one per GPU",
         'export RUN_DIR="runs/' + recipe_name + '-${SLURM_JOB_ID}"',
         *(["export ACCELERATE_USE_CPU=true  # CPU smoke-test form: gloo processes stand in for GPUs"] if cpu_env else []),
+        "# srun no longer inherits sbatch's --cpus-per-task (Slurm >= 22.05): pass it on. Each process gets its",
+        "# share of the cores (torchrun would set 1 thread per process, starving DeepSpeed's CPU Adam).",
+        'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
+        'export OMP_NUM_THREADS="$(( SLURM_CPUS_PER_TASK / PROCESSES_PER_NODE > 0 ? SLURM_CPUS_PER_TASK / PROCESSES_PER_NODE : 1 ))"',
         "",
         "# One launcher per node, each starting PROCESSES_PER_NODE processes. SLURM_NODEID is the node's",
         "# machine rank; the command line replaces the config's placeholder rank and address. Node 0",

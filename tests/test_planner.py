@@ -1,6 +1,7 @@
 """The planner: model states exact, activations honest, ZeRO-3 as DeepSpeed counts it, the CLI."""
 
 import json
+from dataclasses import replace
 import weakref
 from types import SimpleNamespace
 
@@ -261,7 +262,7 @@ def test_plan_recommends_and_finds_micro_batch_and_accumulation(cli, tmp_path):
     done = cli("plan", "--model", str(folder), "--gpu-memory", "24GiB", "--host-memory", "256GiB",
                "max_seq_length=2048", "per_device_train_batch_size=1")
     assert done.returncode == 0, done.stderr
-    assert "8.030B parameters" in done.stdout and "recommended: single-gpu-lora" in done.stdout
+    assert "8.030B parameters" in done.stdout and "LoRA: single-gpu-lora: the fastest" in done.stdout
     assert "adamw-8bit" in done.stdout and "NO" in done.stdout
     data = json.loads(cli("plan", "--model", str(folder), "--gpu-memory", "80GB", "--num-processes", "8",
                           "--host-memory", "1TiB", "--global-batch", "128", "--json", "max_seq_length=2048").stdout)
@@ -398,3 +399,35 @@ def test_the_steps_peak_is_what_the_planner_calls_working_memory(models, overrid
     est = estimate(r, structure(read_config(models["medium"])), CPU1)
     assert est.working + est.gradients == pytest.approx(allocation_peak(profile), rel=0.1)
     assert est.working < est.activations + est.logits or not r.gradient_checkpointing
+
+
+def test_plan_recommends_within_each_training_method(cli, tmp_path):
+    """Full fine-tuning, LoRA and QLoRA are a choice of quality: on 8 x 80 GB an 8B full fine-tune fits
+    (fsdp), and it is recommended as such, not traded for LoRA's faster steps."""
+    folder = tmp_path / "llama-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    args = ["plan", "--model", str(folder), "--gpu-memory", "80GB", "--num-processes", "8", "--host-memory", "1TiB"]
+    data = json.loads(cli(*args, "--json").stdout)
+    picks = {m: r["recipe"] for m, r in data["recommendations"].items()}
+    assert picks == {"full": "fsdp", "lora": "fsdp-lora", "qlora": "fsdp-qlora"}
+    assert {e["recipe"]: e["method"] for e in data["estimates"]}["fsdp"] == "full"
+    text = cli(*args).stdout
+    assert "full fine-tune: fsdp: the fastest recipe that fits" in text and "LoRA: fsdp-lora" in text
+    only = cli(*args, "--method", "full", "--json")
+    assert json.loads(only.stdout)["recommendations"] == {"full": data["recommendations"]["full"]}
+
+
+def test_run_suggests_a_recipe_of_the_same_method_first_and_says_when_it_cannot():
+    from memrecipe.hardware import Machine
+    from memrecipe.launcher import check_fits
+
+    gpu = Machine(gpus=1, gpu_memory=16 * 2**30, bf16=True, cores=16, host_memory=64 * 2**30)
+    words = ["per_device_train_batch_size=2", "max_seq_length=2048"]
+    with pytest.raises(RecipeError) as refused:
+        check_fits(load_recipe("single-gpu-lora", words), Topology(1), gpu, words, force=False, shape=structure(LLAMA_8B))
+    assert "qlora would fit" in str(refused.value) and "a QLoRA recipe: no LoRA recipe fits" in str(refused.value)
+    with pytest.raises(RecipeError) as refused:  # a full fine-tune: the full fine-tune that fits, not LoRA's
+        check_fits(load_recipe("adamw-8bit", words), Topology(1), replace(gpu, host_memory=512 * 2**30), words,
+                   force=False, shape=structure(LLAMA_8B))
+    assert "zero3-offload would fit" in str(refused.value) and "QLoRA" not in str(refused.value)

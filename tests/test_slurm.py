@@ -64,7 +64,20 @@ def test_the_script_launch_line_is_accepted_by_accelerate_with_the_config(cli, t
 
 def test_bad_slurm_requests_are_refused_in_one_line(cli, tmp_path):
     for args, words in ((["single-gpu-lora", "--nodes", "2", "--gpus-per-node", "1"], "supports.max_processes"),
-                        (["fsdp", "--nodes", "0", "--gpus-per-node", "8"], "--nodes and --gpus-per-node must be >= 1")):
+                        (["fsdp", "--nodes", "0", "--gpus-per-node", "8"], "--nodes, --gpus-per-node and --cpus-per-gpu must be >= 1")):
         done = cli("slurm", *args, "--output-dir", str(tmp_path / "x"))
         assert done.returncode == 2 and words in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_a_gpu_script_asks_for_the_nodes_cores_and_shares_them_out(cli, tmp_path):
+    """Without --cpus-per-task Slurm confines the node's one task, and so all 8 ranks, to one core."""
+    write(cli, tmp_path, "zero3-offload", "--nodes", "2", "--gpus-per-node", "8", "--cpus-per-gpu", "12")
+    script = (tmp_path / "zero3-offload.sbatch").read_text()
+    sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)=(.*)$", script, re.M))
+    assert sbatch["cpus-per-task"] == "96" and sbatch["gpus-per-node"] == "8"
+    exports = "\n".join(line for line in script.splitlines() if line.startswith("export ") and "THREADS" in line
+                        or "SRUN_CPUS" in line)
+    shown = subprocess.run(["bash", "-c", f"PROCESSES_PER_NODE=8\n{exports}\necho $SRUN_CPUS_PER_TASK $OMP_NUM_THREADS"],
+                           env={"SLURM_CPUS_PER_TASK": "96", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert shown.stdout.split() == ["96", "12"]  # srun gets the cores; each of the 8 ranks 12 threads

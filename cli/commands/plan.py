@@ -6,7 +6,8 @@ from ..architecture import read_config, structure
 from ..errors import RecipeError
 from ..hardware import Machine
 from ..options import overrides_argument
-from ..planner import (CATEGORIES, GiB, batch_for, estimate, judge, largest_micro_batch, recommend, with_batch)
+from ..planner import (CATEGORIES, METHODS, GiB, batch_for, estimate, judge, largest_micro_batch, method,
+                       recommend, recommend_by_method, with_batch)
 from ..registry import load_recipe, recipe_names
 from ..table import table
 from ..topology import check_supported, make_topology
@@ -21,12 +22,14 @@ from ..units import parse_size
 @click.option("--gpu-memory", default=None, help="Per GPU, e.g. 24GiB or 80GB (default: the detected GPU).")
 @click.option("--host-memory", default=None, help="Per machine, e.g. 512GiB (default: this machine's).")
 @click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step: find micro batch x accumulation.")
+@click.option("--method", "only", type=click.Choice(list(METHODS)), default=None,
+              help="Recommend within this training method only (default: one recommendation per method).")
 @click.option("--cpu", is_flag=True, help="Plan the CPU smoke-test mode (host RAM only).")
 @click.option("--json", "as_json", is_flag=True, help="Print the estimates as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a stacked bar chart (PNG).")
 @overrides_argument
-def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory, global_batch, cpu, as_json, plot,
-            overrides):
+def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory, global_batch, only, cpu, as_json,
+            plot, overrides):
     """Estimate the memory of each recipe before launch, and pick one.
 
     \b
@@ -46,6 +49,7 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
     extra = [f"model_name_or_path={model}"] if model else []
     names = [recipe] if recipe else recipe_names()
     recipes = [load_recipe(name, [*overrides, *extra]) for name in names]
+    recipes = [r for r in recipes if only is None or method(r) == only]
     models = {r.model_name_or_path for r in recipes}
     shapes = {m: structure(read_config(m)) for m in models}
 
@@ -69,13 +73,15 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
         verdicts.append(v)
         rows.append((r, v, batch_note))
 
+    # full fine-tuning, LoRA and QLoRA are a choice of quality, not interchangeable speeds: one pick for each
+    picks = recommend_by_method([r for r, _, _ in rows], verdicts)
     if as_json:
-        best, reason = recommend(verdicts)
         click.echo(json.dumps({"model": model, "processes": n, "machines": num_machines, "gpu_memory": gpu,
                                "host_memory": host, "estimates": [v.estimate.as_dict() | {"fits": v.fits,
-                               "headroom": v.headroom, "batch": note} for _, v, note in rows],
-                               "skipped": dict(skipped), "recommendation": best.estimate.recipe if best else None,
-                               "reason": reason}, indent=2))
+                               "headroom": v.headroom, "batch": note, "method": method(r)} for r, v, note in rows],
+                               "skipped": dict(skipped),
+                               "recommendations": {m: {"recipe": best.estimate.recipe if best else None, "reason": why}
+                                                   for m, (best, why) in picks.items()}}, indent=2))
     else:
         echo_table(rows, gpu, host, topo, global_batch, shapes)
         for name, why in skipped:
@@ -84,11 +90,13 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
         from ..plots import plan_chart
 
         click.echo(f"wrote {plan_chart([v for _, v, _ in rows], gpu, plot)}", err=True)
-    best, reason = recommend(verdicts)
     if not as_json:
-        click.echo(f"\nrecommended: {reason}" if best else "")
-    if best is None:
-        raise RecipeError(reason)
+        click.echo("\nrecommended, for each training method (a choice of quality: the fastest recipe that fits "
+                   "within it):")
+        for m, (best, why) in picks.items():
+            click.echo(f"  {METHODS[m]}: {why}")
+    if not any(best for best, _ in picks.values()):
+        raise RecipeError(recommend(verdicts)[1])  # what comes closest, over all methods
 
 
 def echo_table(rows, gpu, host, topo, global_batch, shapes):

@@ -63,7 +63,7 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
         files = {name: text for name, text in files.items() if name.startswith("recipe.")}
     extra = [flag for flag, on in (("--resume", resume), ("--memory-snapshot", memory_snapshot)) if on]
     command_words = launch_command(script, topo, machine.cores, extra)
-    env = launch_env(r, topo)
+    env = launch_env(r, topo, machine.cores)
     mode = "CPU smoke-test mode: no GPU, gloo" if topo.cpu else f"{topo.describe()}"
     need = verdict.estimate.host_total() if topo.cpu else verdict.estimate.total
     banner = (f"memrecipe: {r.name} on {topo.describe()} ({mode}), planned {need / 2**30:.1f} GiB "

@@ -22,12 +22,15 @@ from ..topology import check_supported, make_topology
 @click.option("--partition", default=None, help="Slurm partition (sbatch --partition).")
 @click.option("--time", default=None, help="Time limit in sbatch's format, e.g. 2-00:00:00 (sbatch --time).")
 @click.option("--port", type=int, default=29500, show_default=True, help="Rendezvous port on the head node.")
+@click.option("--cpus-per-gpu", type=int, default=8, show_default=True,
+              help="Cores asked for per GPU (sbatch --cpus-per-task = GPUs per node x this).")
 @click.option("--cpu", is_flag=True, help="CPU smoke-test form: --gpus-per-node gloo processes per node, no GPUs.")
 @click.option("--output-dir", type=click.Path(path_type=Path), default=None,
               help="Folder for the script and its files (default: slurm/RECIPE-NxGgpu).")
 @click.option("--force", is_flag=True, help="Overwrite existing files in --output-dir.")
 @overrides_argument
-def command(recipe, model, dataset, nodes, gpus_per_node, partition, time, port, cpu, output_dir, force, overrides):
+def command(recipe, model, dataset, nodes, gpus_per_node, partition, time, port, cpus_per_gpu, cpu, output_dir, force,
+            overrides):
     """Write an sbatch script that trains RECIPE on NODES x GPUS-PER-NODE GPUs.
 
     \b
@@ -37,8 +40,9 @@ def command(recipe, model, dataset, nodes, gpus_per_node, partition, time, port,
     words = [_absolute(w) for w in (*overrides, *(f"{key}={value}" for key, value in
                                                  (("model_name_or_path", model), ("dataset", dataset)) if value))]
     r = load_recipe(recipe, words)
-    if nodes < 1 or gpus_per_node < 1:
-        raise RecipeError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
+    if nodes < 1 or gpus_per_node < 1 or cpus_per_gpu < 1:
+        raise RecipeError(f"--nodes, --gpus-per-node and --cpus-per-gpu must be >= 1, got {nodes}, {gpus_per_node} "
+                          f"and {cpus_per_gpu}")
     topo = make_topology(nodes * gpus_per_node, nodes, 0, HEAD, port, cpu)
     check_supported(r, topo)
     folder = (output_dir or Path("slurm") / f"{r.name}-{nodes}x{gpus_per_node}{'cpu' if cpu else 'gpu'}").resolve()
@@ -49,10 +53,11 @@ def command(recipe, model, dataset, nodes, gpus_per_node, partition, time, port,
     files[recipe_file] = recipe_path(recipe).read_text(encoding="utf-8")
     regenerate = shlex.join(["memrecipe", "slurm", recipe, "--nodes", str(nodes), "--gpus-per-node", str(gpus_per_node),
                              *(w for k, v in (("--partition", partition), ("--time", time)) if v for w in (k, v)),
-                             "--port", str(port), *(["--cpu"] if cpu else []), "--output-dir", str(folder), *words])
+                             "--port", str(port), *(["--cpu"] if cpu else ["--cpus-per-gpu", str(cpus_per_gpu)]),
+                             "--output-dir", str(folder), *words])
     files[f"{r.name}.sbatch"] = sbatch_script(r.name, str(folder), config_file, recipe_file, nodes, gpus_per_node,
                                               port, partition, time, words, regenerate, cpu,
-                                              cpu_env=cpu and r.deepspeed is None)
+                                              cpu_env=cpu and r.deepspeed is None, cpus_per_gpu=cpus_per_gpu)
     for path in write_files(folder, files, force):
         click.echo(f"wrote {path}")
     click.echo(f"submit with: sbatch {folder / (r.name + '.sbatch')}   (sft.py needs memrecipe installed on the nodes)")
