@@ -301,7 +301,8 @@ def check_fits(recipe, topo, machine, words, force, shape=None):
             others.append((method(other) != method(recipe), v.estimate.speed_cost, name, v.estimate.total,
                            method(other)))
     est = verdict.estimate
-    where = (f"host RAM {est.host_total() / 2**30:.1f} GiB > {machine.host_memory / 2**30:.1f} GiB"
+    loading = " (loading: every process's copy of the model)" if est.host_load >= est.host_total() else ""
+    where = (f"host RAM {est.host_total() / 2**30:.1f} GiB{loading} > {machine.host_memory / 2**30:.1f} GiB"
              if not verdict.host_fits else f"{est.total / 2**30:.1f} GiB per GPU > {machine.gpu_memory / 2**30:.1f} GiB")
     if others:
         other_method, _, name, total, kind = min(others)

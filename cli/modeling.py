@@ -198,7 +198,15 @@ def load_model(recipe, name_or_path: str, precision: str, device=None, device_me
         extra["quantization_config"] = quantization_config(recipe, precision)
         if q.quant_storage != "uint8":  # FSDP shards one dtype: the unquantized weights match the 4-bit storage
             dtype = DTYPES[q.quant_storage]
-        if device is not None and device.type == "cuda" and recipe.fsdp is None:
+        if recipe.fsdp is not None:
+            # Under FSDP every rank loads the whole 4-bit model (transformers 5.23 has no "CPU or meta under
+            # FSDP" branch any more), and with no device_map the bitsandbytes quantizer would put it on this
+            # rank's GPU (quantizers/quantizer_bnb_4bit.py, update_device_map): a 70B at ~39 GB per GPU.
+            # Quantized on the host instead, FSDP moves each rank's shards to its GPU, and Params4bit.to moves
+            # every weight's quant_state along (bitsandbytes/nn/modules.py, Params4bit.to; FSDP1 moves with
+            # `param.data = param.to(device_id)`, torch/distributed/fsdp/_init_utils.py, _move_states_to_device).
+            extra["device_map"] = {"": "cpu"}
+        elif device is not None and device.type == "cuda":
             extra["device_map"] = {"": device}  # quantize straight onto this process's GPU
     if recipe.parallelism is not None:
         from transformers import DistributedConfig

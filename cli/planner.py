@@ -47,6 +47,8 @@ class Estimate:
     # activations and logits at their joint peak: with checkpointing the loss (start of backward) and a
     # layer's recompute (later) do not overlap, and the larger moment counts; without it, both at once
     working: int = 0
+    # host RAM per machine while the model loads, before it is sharded or moved to the GPUs
+    host_load: int = 0
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -59,13 +61,15 @@ class Estimate:
         return self.parameters + self.gradients + self.optimizer_state
 
     def host_total(self) -> int:
-        """Host RAM one machine needs: offloaded state, plus the processes themselves on CPU."""
+        """Host RAM one machine needs: offloaded state, plus the processes themselves on CPU; or, if
+        more, what loading the model holds."""
         local = self.processes // self.machines
-        return self.host_offload + (local * self.total if self.cpu else 0)
+        return max(self.host_offload + (local * self.total if self.cpu else 0), self.host_load)
 
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("recipe", "processes", "machines", "micro_batch", "seq_length",
-                                             *CATEGORIES, "host_offload", "cpu", "speed_cost", "saved_peak", "working")}
+                                             *CATEGORIES, "host_offload", "host_load", "cpu", "speed_cost", "saved_peak",
+                                             "working")}
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
 
 
@@ -216,6 +220,24 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) 
             "layer": layer, "host": host, "working": working}
 
 
+def loading_bytes(recipe: Recipe, s: Structure, cb: int, local: int) -> int:
+    """Host RAM per machine while the model loads. Every process reads the whole model into host memory
+    before FSDP shards it or accelerate moves it to the GPU (transformers 5.x loads real weights on every
+    rank). Weights converted as they load (fp32 masters from a 16-bit checkpoint, 4-bit quantization)
+    are each process's private copy; a 16-bit frozen base stays mapped from the checkpoint, one copy per
+    machine. Under FSDP2 accelerate upcasts trainable weights to fp32 on every rank before sharding
+    (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model), so loading in bf16 would not save the copies.
+    ZeRO-2 counts its copy with its model states; ZeRO-3 builds the model partitioned (zero.Init)."""
+    if recipe.deepspeed is not None:
+        return 0
+    if recipe.quantization is not None:
+        return base_bytes(recipe, s, cb) * local
+    if recipe.lora is not None:
+        return cb * s.params
+    # tensor parallelism: each rank reads its own slice of every split layer as it loads
+    return 4 * s.params * local // (recipe.parallelism.tp_size if recipe.parallelism else 1)
+
+
 def speed_cost(recipe: Recipe, precision: str) -> float:
     """Rough step time relative to bf16 full fine-tuning on one GPU (docs/memory.md: rules of thumb)."""
     cost = 0.7 if recipe.lora else 1.0  # no weight gradients for the frozen base: ~4N instead of 6N FLOPs
@@ -310,6 +332,9 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         if n > 1:
             grads += 4 * Pt  # DDP's gradient buckets: a second copy of the trainable gradients
         opt = optim
+    load = loading_bytes(recipe, s, cb, local)
+    if load and not topo.cpu:
+        notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")
     act = activation_bytes(recipe, s, mode, b, seq)
     if act["host"]:
         host += act["host"] * local
@@ -318,7 +343,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         notes.append("CPU smoke-test mode: every figure is host RAM")
     return Estimate(recipe.name, n, machines, b, seq, int(params), int(grads), int(opt), int(act["activations"]),
                     int(act["logits"]), CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, int(host), topo.cpu,
-                    speed_cost(recipe, precision), int(act["saved_peak"]), int(act["working"]), tuple(notes))
+                    speed_cost(recipe, precision), int(act["saved_peak"]), int(act["working"]), int(load), tuple(notes))
 
 
 @dataclass(frozen=True)

@@ -66,3 +66,70 @@ def test_a_gpu_deepspeed_launch_gives_each_rank_its_share_of_the_cores(monkeypat
     assert "OMP_NUM_THREADS=12" in command
     fsdp = CliRunner().invoke(cli, [*words, "--recipe", "fsdp"])
     assert fsdp.exit_code == 0 and "OMP_NUM_THREADS" not in fsdp.output  # FSDP computes on the GPUs only
+
+
+def test_fsdp_qlora_quantizes_on_the_host_and_fsdp_moves_each_quant_state_with_its_weight(monkeypatch):
+    """On a GPU box, with no device_map the bitsandbytes quantizer loads the whole 4-bit model onto every
+    rank's GPU. Under FSDP the loop asks for the host; FSDP's own move to its device then carries each
+    weight's quant_state: FSDP1 moves with `param.data = param.to(device_id)`, and the `param.to` half
+    moves the quant_state the parameter shares (checked to the meta device: no GPU here, and meta data
+    cannot be set into a CPU tensor, the assignment half)."""
+    from transformers import AutoModelForCausalLM
+
+    from memrecipe.modeling import embedded_model, load_model
+
+    seen = {}
+    real = AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    recipe = load_recipe("fsdp-qlora")
+    model, _ = load_model(recipe, embedded_model(), "bf16", device=torch.device("cuda", 0))
+    assert seen["device_map"] == {"": "cpu"}
+    quantized = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
+    assert quantized and all(p.quant_state.absmax.device.type == "cpu" for p in quantized)
+    for p in quantized:
+        moved = p.to(torch.device("meta"))
+        state = p.quant_state  # the original parameter's: the one the layer's forward reads
+        tensors = [state.absmax, state.code] + ([state.state2.absmax, state.state2.code] if state.nested else [])
+        assert moved.device.type == "meta" and all(t.device.type == "meta" for t in tensors)
+    seen.clear()
+    load_model(load_recipe("qlora"), embedded_model(), "bf16", device=torch.device("cpu"))
+    assert "device_map" not in seen  # one process without FSDP: quantized where it runs
+
+
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
+
+
+def test_fsdp_counts_every_ranks_copy_of_the_model_while_it_loads(monkeypatch, tmp_path, capsys):
+    """FSDP2 full fine-tuning: each of a node's 8 ranks loads (and accelerate upcasts) a whole fp32 copy
+    before sharding: a 70B needs ~2.2 TB of host RAM per node at load. `run` says so before launching."""
+    import json
+
+    from memrecipe.architecture import structure
+    from memrecipe.commands import run
+    from memrecipe.main import main
+    from memrecipe.planner import estimate
+    from memrecipe.topology import Topology
+
+    s = structure(LLAMA_70B)
+    full = estimate(load_recipe("fsdp"), s, Topology(8))
+    assert full.host_load == 4 * s.params * 8 and full.host_total() / 2**40 > 2
+    assert estimate(load_recipe("fsdp"), s, Topology(16, 2)).host_load == full.host_load  # per machine
+    lora = estimate(load_recipe("fsdp-lora"), s, Topology(8))
+    assert lora.host_load == 2 * s.params  # the bf16 base, mapped once per machine
+    assert estimate(load_recipe("zero3-offload"), s, Topology(8)).host_load == 0  # built partitioned
+    folder = tmp_path / "llama-70b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_70B))
+    node = Machine(gpus=8, gpu_memory=80 * 2**30, bf16=True, cores=96, host_memory=512 * 2**30)
+    monkeypatch.setattr(run.Machine, "detect", classmethod(lambda cls: node))
+    with pytest.raises(SystemExit) as done:
+        main(["run", "sft", "--recipe", "fsdp", "--model", str(folder), "--dry-run", "--output-dir", str(tmp_path / "r")])
+    said = capsys.readouterr().err
+    assert done.value.code == 2 and "loading: every process's copy of the model" in said
+    assert "> 512.0 GiB" in said and not (tmp_path / "r").exists()
