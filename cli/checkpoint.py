@@ -10,9 +10,11 @@ partial checkpoint for the newest.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RecipeError
@@ -28,7 +30,28 @@ def complete_checkpoints(out) -> list[Path]:
     return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)))
 
 
-def save(accelerator, out, state: dict, keep: int | None) -> Path:
+@contextmanager
+def frozen_base_left_out(accelerator, model):
+    """Under FSDP, accelerate's save_state / load_state write and read the model through save_fsdp_model /
+    load_fsdp_model, which gather the whole model to rank 0: with LoRA the frozen base too (~140 GB of host
+    RAM and of file for a 70B, per checkpoint). Their `adapter_only` option keeps what trains, but
+    save_state does not pass it on: within this block it does. The base is the run's model_name_or_path."""
+    from accelerate.utils import is_peft_model
+
+    if accelerator.distributed_type.value != "FSDP" or not is_peft_model(accelerator.unwrap_model(model)):
+        yield
+        return
+    import accelerate.accelerator as engine
+
+    saved = engine.save_fsdp_model, engine.load_fsdp_model
+    engine.save_fsdp_model, engine.load_fsdp_model = (functools.partial(f, adapter_only=True) for f in saved)
+    try:
+        yield
+    finally:
+        engine.save_fsdp_model, engine.load_fsdp_model = saved
+
+
+def save(accelerator, model, out, state: dict, keep: int | None) -> Path:
     """Every process calls this at the same optimizer step; returns the finished checkpoint."""
     folder = Path(out) / "checkpoints"
     final = folder / f"step-{state['step']}"
@@ -36,7 +59,8 @@ def save(accelerator, out, state: dict, keep: int | None) -> Path:
     if accelerator.is_local_main_process:
         shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed while saving
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
+    with frozen_base_left_out(accelerator, model):
+        accelerator.save_state(str(staging))
     if accelerator.is_main_process:
         (staging / STATE).write_text(json.dumps(state))
     accelerator.wait_for_everyone()
@@ -50,7 +74,7 @@ def save(accelerator, out, state: dict, keep: int | None) -> Path:
     return final
 
 
-def resume_state(accelerator, out) -> dict:
+def resume_state(accelerator, model, out) -> dict:
     """Load the newest complete checkpoint into the prepared objects; returns its trainer state."""
     found = complete_checkpoints(out)
     if not found:
@@ -62,5 +86,20 @@ def resume_state(accelerator, out) -> dict:
         raise RecipeError(f"{newest.name} was written by {state['num_processes']} processes, this run has "
                           f"{accelerator.num_processes}: resume with --num-processes {state['num_processes']} "
                           "(resharding a checkpoint is not supported)")
-    accelerator.load_state(str(newest))
+    with frozen_base_left_out(accelerator, model):
+        accelerator.load_state(str(newest))
     return state | {"path": str(newest)}
+
+
+def trained_state_dict(accelerator, model) -> dict:
+    """The state dict to save the finished model from: what trains, gathered once. Under FSDP with LoRA
+    only the adapters are gathered (torch's get_model_state_dict with ignore_frozen_params), not the
+    frozen base, which the saved adapter points at anyway."""
+    from accelerate.utils import is_peft_model
+
+    if accelerator.distributed_type.value == "FSDP" and is_peft_model(accelerator.unwrap_model(model)):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        return get_model_state_dict(model, options=options)
+    return accelerator.get_state_dict(model)

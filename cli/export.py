@@ -87,7 +87,12 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
             targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
             model = get_peft_model(base, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                     target_modules=targets, task_type="CAUSAL_LM"))
-            model.load_state_dict(checkpoint_state_dict(source))
+            # a checkpoint holds the whole model, or (FSDP) the adapters only: every adapter weight must be there
+            loaded = model.load_state_dict(checkpoint_state_dict(source), strict=False)
+            missing = [k for k in loaded.missing_keys if "lora_" in k]
+            if loaded.unexpected_keys or missing:
+                raise RecipeError(f"{source} does not match the recipe's LoRA settings: "
+                                  f"{(loaded.unexpected_keys or missing)[0]} (and {len(loaded.unexpected_keys) + len(missing) - 1} more)")
         model = model.merge_and_unload() if merge else model
     else:
         if merge:

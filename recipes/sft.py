@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from memrecipe.checkpoint import resume_state, save
+from memrecipe.checkpoint import resume_state, save, trained_state_dict
 from memrecipe.data import Collator, prepare_datasets
 from memrecipe.errors import RecipeError
 from memrecipe.measure import (LossMemory, MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes,
@@ -197,7 +197,7 @@ def main(argv=None):
     # 5. The loop: one optimizer step per window of micro batches.
     history, step, epoch, consumed, held = [], 0, 0, 0, None
     if args.resume:  # model, optimizer, scheduler and RNG states, and where the data stood
-        state = resume_state(accelerator, out)
+        state = resume_state(accelerator, model, out)
         history, step, epoch, consumed = state["history"], state["step"], state["epoch"], state["consumed"]
         setup["resumed_at_step"] = step
         say(f"resumed from {state['path']} at step {step} (epoch {epoch}, {consumed} micro batches in)")
@@ -254,7 +254,7 @@ def main(argv=None):
                     + (f" | eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
             stopping = stop.agreed(accelerator)  # every process stops at the same step
             if (recipe.save_steps and (step % recipe.save_steps == 0 or step == total_steps)) or stopping:
-                path = save(accelerator, out, {"step": step, "epoch": epoch, "consumed": consumed, "history": history,
+                path = save(accelerator, model, out, {"step": step, "epoch": epoch, "consumed": consumed, "history": history,
                                                "num_processes": accelerator.num_processes}, recipe.save_total_limit)
                 say(f"checkpoint {path}")
             if stopping:
@@ -272,7 +272,7 @@ def main(argv=None):
 
     # 6. Save: gather the full weights (FSDP shards, ZeRO-3 16-bit partitions) or the LoRA adapter.
     final = out / "final"
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = trained_state_dict(accelerator, model)  # under FSDP with LoRA: the adapters only
     accelerator.unwrap_model(model).save_pretrained(final, state_dict=state_dict, safe_serialization=True,
                                                     is_main_process=accelerator.is_main_process)
     ranks = gather_object([{"process_index": accelerator.process_index, "num_processes": accelerator.num_processes,

@@ -54,7 +54,7 @@ def final_weights(folder):
     return load_file(final / name)
 
 
-@pytest.mark.parametrize("recipe", ["single-gpu-lora", "fsdp", "zero3-offload"])
+@pytest.mark.parametrize("recipe", ["single-gpu-lora", "fsdp", "zero3-offload", "fsdp-lora"])
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     finish(["--recipe", recipe, *EXACT], whole)
@@ -75,6 +75,14 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe):
         torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
     if recipe == "single-gpu-lora":
         assert_merged_equals_adapter(moved, tmp_path / "merged")
+    elif recipe == "fsdp-lora":  # FSDP saves what trains: no checkpoint or final save gathers the frozen base
+        model_file = moved / "checkpoints" / "step-6" / "pytorch_model_fsdp.bin"
+        state = torch.load(model_file, weights_only=True)
+        assert state and all("lora_" in name for name in state)
+        params = json.loads((moved / "report.json").read_text())["setup"]["params"]
+        for saved in (model_file, moved / "final" / "adapter_model.safetensors"):
+            assert saved.stat().st_size < 4 * params / 4  # the adapters (~15% of the parameters), not the model
+        assert_merged_equals_adapter(moved, tmp_path / "merged", checkpoint="step-6")  # and they are the trained ones
     else:  # the last checkpoint (a ZeRO checkpoint, FSDP's state dict) exports to the final weights
         assert_checkpoint_exports_final(moved, "step-6", tmp_path / "exported")
 
@@ -91,12 +99,14 @@ def assert_checkpoint_exports_final(run, checkpoint, output):
         torch.testing.assert_close(exported[name], tensor.float(), atol=0, rtol=0, msg=name)
 
 
-def assert_merged_equals_adapter(run, output):
-    """--merge folds the adapter into the base: the merged model's logits equal the adapter model's."""
+def assert_merged_equals_adapter(run, output, checkpoint=None):
+    """--merge folds the adapter (final/, or a checkpoint's) into the base: the merged model's logits
+    equal the final adapter model's."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    done = subprocess.run([sys.executable, "-m", "memrecipe", "export", str(run), str(output), "--merge"],
+    pick = ["--checkpoint", checkpoint] if checkpoint else []
+    done = subprocess.run([sys.executable, "-m", "memrecipe", "export", str(run), str(output), "--merge", *pick],
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     base = json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
