@@ -32,23 +32,44 @@ def complete_checkpoints(out) -> list[Path]:
 
 @contextmanager
 def frozen_base_left_out(accelerator, model):
-    """Under FSDP, accelerate's save_state / load_state write and read the model through save_fsdp_model /
-    load_fsdp_model, which gather the whole model to rank 0: with LoRA the frozen base too (~140 GB of host
-    RAM and of file for a 70B, per checkpoint). Their `adapter_only` option keeps what trains, but
-    save_state does not pass it on: within this block it does. The base is the run's model_name_or_path."""
+    """Within this block accelerate's save_state writes, and load_state reads, only what trains when the
+    base is frozen (LoRA, QLoRA): the base is the run's model_name_or_path, and saving it again each
+    time costs a model's worth of disk (and, under FSDP, of rank 0's host RAM: ~140 GB for a 70B);
+    a 4-bit base's quantization state does not even load back into the PEFT model. Yields the keyword
+    arguments load_state needs. DeepSpeed checkpoints are left as the engine writes them.
+    - FSDP: accelerate's save_fsdp_model / load_fsdp_model have an `adapter_only` option that save_state
+      and load_state do not pass on: here they do.
+    - one process or DDP: a save_state pre-hook keeps the trainable entries of the gathered weights, and
+      load_state loads them non-strictly (resume_state checks that every trainable tensor was there)."""
     from accelerate.utils import is_peft_model
 
-    if accelerator.distributed_type.value != "FSDP" or not is_peft_model(accelerator.unwrap_model(model)):
-        yield
-        return
-    import accelerate.accelerator as engine
+    kind = accelerator.distributed_type.value
+    if kind == "DEEPSPEED" or all(p.requires_grad for p in model.parameters()):
+        yield {}
+    elif kind == "FSDP":
+        if not is_peft_model(accelerator.unwrap_model(model)):
+            yield {}
+            return
+        import accelerate.accelerator as engine
 
-    saved = engine.save_fsdp_model, engine.load_fsdp_model
-    engine.save_fsdp_model, engine.load_fsdp_model = (functools.partial(f, adapter_only=True) for f in saved)
-    try:
-        yield
-    finally:
-        engine.save_fsdp_model, engine.load_fsdp_model = saved
+        saved = engine.save_fsdp_model, engine.load_fsdp_model
+        engine.save_fsdp_model, engine.load_fsdp_model = (functools.partial(f, adapter_only=True) for f in saved)
+        try:
+            yield {}
+        finally:
+            engine.save_fsdp_model, engine.load_fsdp_model = saved
+    else:
+        handle = accelerator.register_save_state_pre_hook(_keep_trained)
+        try:
+            yield {"strict": False}
+        finally:
+            handle.remove()
+
+
+def _keep_trained(models, weights, output_dir):
+    for i, model in enumerate(models):
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        weights[i] = {name: tensor for name, tensor in weights[i].items() if name in trained}
 
 
 def save(accelerator, model, out, state: dict, keep: int | None) -> Path:
@@ -86,8 +107,17 @@ def resume_state(accelerator, model, out) -> dict:
         raise RecipeError(f"{newest.name} was written by {state['num_processes']} processes, this run has "
                           f"{accelerator.num_processes}: resume with --num-processes {state['num_processes']} "
                           "(resharding a checkpoint is not supported)")
-    with frozen_base_left_out(accelerator, model):
-        accelerator.load_state(str(newest))
+    with frozen_base_left_out(accelerator, model) as load_kwargs:
+        accelerator.load_state(str(newest), **load_kwargs)
+    saved = newest / "model.safetensors"
+    if load_kwargs and saved.is_file():  # loaded non-strictly: every trainable tensor must have been there
+        from safetensors import safe_open
+
+        with safe_open(str(saved), framework="pt") as f:
+            missing = {n for n, p in model.named_parameters() if p.requires_grad} - set(f.keys())
+        if missing:
+            raise RecipeError(f"{newest.name} lacks {len(missing)} trained tensor(s) of this model, e.g. "
+                              f"{sorted(missing)[0]}: it was written by another recipe or LoRA setting")
     return state | {"path": str(newest)}
 
 

@@ -16,6 +16,8 @@ import time
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from helpers import child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -47,14 +49,14 @@ def losses(folder):
 
 
 def final_weights(folder):
-    from safetensors.torch import load_file
-
     final = folder / "final"
     name = "adapter_model.safetensors" if (final / "adapter_model.safetensors").exists() else "model.safetensors"
     return load_file(final / name)
 
 
-@pytest.mark.parametrize("recipe", ["single-gpu-lora", "fsdp", "zero3-offload", "fsdp-lora"])
+# each checkpoint holds something the others do not: an adapter on a bf16 base, FSDP shards, ZeRO partitions
+# with offloaded state, adapters under FSDP, adapters on a 4-bit base, bitsandbytes' 8-bit optimizer state
+@pytest.mark.parametrize("recipe", ["single-gpu-lora", "fsdp", "zero3-offload", "fsdp-lora", "qlora", "adamw-8bit"])
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     finish(["--recipe", recipe, *EXACT], whole)
@@ -73,7 +75,8 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe):
     assert expected.keys() == got.keys() and expected
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
-    if recipe == "single-gpu-lora":
+    if recipe in ("single-gpu-lora", "qlora"):  # a checkpoint keeps the adapters, not the base again
+        assert all("lora_" in name for name in load_file(moved / "checkpoints" / "step-6" / "model.safetensors"))
         assert_merged_equals_adapter(moved, tmp_path / "merged")
     elif recipe == "fsdp-lora":  # FSDP saves what trains: no checkpoint or final save gathers the frozen base
         model_file = moved / "checkpoints" / "step-6" / "pytorch_model_fsdp.bin"
@@ -88,8 +91,6 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe):
 
 
 def assert_checkpoint_exports_final(run, checkpoint, output):
-    from safetensors.torch import load_file
-
     done = subprocess.run([sys.executable, "-m", "memrecipe", "export", str(run), str(output), "--checkpoint",
                            checkpoint], env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
