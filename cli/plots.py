@@ -87,14 +87,16 @@ def compare_chart(reports: list[dict], path) -> str:
     """Bars per run: peak memory per process and tokens/s."""
     plt = pyplot()
     names = [f"{Path(r['output_dir']).name}\n{r['recipe']['name']}" for r in reports]
+    at = list(range(len(reports)))  # one bar per run, at its own place: equal labels never merge two runs
     fig, (mem, speed) = plt.subplots(1, 2, figsize=(4 + 2 * len(reports), 4))
     key = lambda r: "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in r["processes"][0] else "peak_rss_bytes"  # noqa: E731
-    mem.bar(names, [max(p[key(r)] for p in r["processes"]) / GiB for r in reports], color="#4c72b0")
+    mem.bar(at, [max(p[key(r)] for p in r["processes"]) / GiB for r in reports], color="#4c72b0")
     mem.set_ylabel("peak GiB per process")
     mem.set_title("memory")
-    speed.bar(names, [r["throughput"]["tokens_per_second"] for r in reports], color="#55a868")
+    speed.bar(at, [r["throughput"]["tokens_per_second"] for r in reports], color="#55a868")
     speed.set_ylabel("tokens / s (real, all processes)")
     speed.set_title("throughput")
     for ax in (mem, speed):
+        ax.set_xticks(at, names)
         ax.tick_params(axis="x", labelsize=8)
     return save(plt, fig, path)

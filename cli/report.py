@@ -48,7 +48,7 @@ def load(run_dir) -> dict:
     missing = [k for k in REQUIRED if k not in report]
     if missing:
         raise RecipeError(f"{path} lacks {', '.join(missing)}: written by an older memrecipe, or not by memrecipe")
-    return report
+    return report | {"output_dir": str(Path(run_dir).resolve())}  # where it is now (a run folder may move)
 
 
 def card(report: dict) -> str:
@@ -160,7 +160,7 @@ def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eva
         resolved["fsdp"] = {"version": plugin.fsdp_version, "reshard_after_forward": str(plugin.reshard_after_forward),
                             "state_dict_type": str(plugin.state_dict_type),
                             "activation_checkpointing": plugin.activation_checkpointing}
-    report = {"recipe": recipe.to_dict(), "model": model_path, "output_dir": str(out), "versions": versions,
+    report = {"recipe": recipe.to_dict(), "model": model_path, "output_dir": str(Path(out).resolve()), "versions": versions,
               "resolved_config": resolved, "setup": setup, "device": name,
               "topology": {"processes": accelerator.num_processes, "machines": machines, "describe": topo.describe(),
                            "gpu_memory": gpu_memory},
