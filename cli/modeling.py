@@ -264,11 +264,18 @@ def prepare(accelerator, recipe, model, *loaders):
     return accelerator.prepare(model, optimizer, *loaders)
 
 
+def is_matrix(p) -> bool:
+    """A weight matrix (decayed), not a norm or a bias. FSDP1's flat parameters are 1-D: their original
+    tensors' shapes decide (all matrices, as PEFT's wrap policy gives the adapters units of their own)."""
+    shapes = getattr(p, "_shapes", None)  # torch's FlatParameter: the shapes of the tensors it flattens
+    return all(len(shape) >= 2 for shape in shapes) if shapes else p.ndim >= 2
+
+
 def make_optimizer(recipe, model, accelerator):
     """AdamW as the recipe says: torch, bitsandbytes 8-bit (paged on CUDA), or DeepSpeed's CPU Adam
     when DeepSpeed offloads the optimizer (it refuses a client optimizer on offloaded state)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]  # norms and biases
+    decay = [p for p in model.parameters() if p.requires_grad and is_matrix(p)]
+    no_decay = [p for p in model.parameters() if p.requires_grad and not is_matrix(p)]  # norms and biases
     groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     ds = recipe.deepspeed
     if ds is not None and ds.offload_optimizer != "none":

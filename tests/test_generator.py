@@ -206,3 +206,18 @@ def test_recipe_headers_hold_the_exact_launch_commands_of_their_configs():
                             if line.startswith("# Run:"))
             command = run_line.removeprefix("# Run:").strip()
             assert command in header, f"{name}: header lacks `{command}`"
+
+
+def test_config_with_overrides_writes_the_resolved_recipe_its_run_line_trains(cli, tmp_path):
+    """The JSON says micro batch 2: the Run line must not train the shipped recipe's 4 under it."""
+    import re
+    import shlex
+
+    done = cli("config", "zero3-offload", "--cpu", "--num-processes", "2", "per_device_train_batch_size=2",
+               "--output-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    run = re.search(r"^# Run: +(.*)$", (tmp_path / "zero3_offload_cpu2.yaml").read_text(), re.M).group(1)
+    words = shlex.split(run)
+    recipe = load_recipe(words[words.index("--recipe") + 1])
+    assert recipe.per_device_train_batch_size == 2 == json.loads(
+        (tmp_path / "zero3_offload_cpu2.json").read_text())["train_micro_batch_size_per_gpu"]

@@ -133,3 +133,21 @@ def test_fsdp_counts_every_ranks_copy_of_the_model_while_it_loads(monkeypatch, t
     said = capsys.readouterr().err
     assert done.value.code == 2 and "loading: every process's copy of the model" in said
     assert "> 512.0 GiB" in said and not (tmp_path / "r").exists()
+
+
+def test_fsdp1_flat_parameters_keep_weight_decay_for_the_matrices_they_flatten():
+    """FSDP1 (fsdp-qlora) hands the optimizer 1-D flat parameters; torch's FlatParameter keeps the
+    original shapes in `_shapes` (torch/distributed/fsdp/_flat_param.py): adapters' units are all
+    matrices and keep their weight decay, a unit of norms does not."""
+    from memrecipe.modeling import make_optimizer
+
+    adapters = torch.nn.Parameter(torch.zeros(2 * 8 * 16))
+    adapters._shapes = (torch.Size([8, 16]), torch.Size([16, 8]))  # lora_A, lora_B flattened
+    norms = torch.nn.Parameter(torch.zeros(32))
+    norms._shapes = (torch.Size([16]), torch.Size([16]))
+    model = torch.nn.Module()
+    model.adapters, model.norms = adapters, norms
+    optimizer = make_optimizer(load_recipe("fsdp-qlora", ["weight_decay=0.1"]), model,
+                               SimpleNamespace(device=torch.device("cpu")))
+    decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    assert decay == {id(adapters): 0.1, id(norms): 0.0}

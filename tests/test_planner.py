@@ -284,6 +284,7 @@ def test_plan_recommends_and_finds_micro_batch_and_accumulation(cli, tmp_path):
     ([], "no GPU found here: give --gpu-memory"),
     (["--gpu-memory", "1GiB", "per_device_train_batch_size=64"], "nothing fits"),
     (["--gpu-memory", "24GiB", "lora.r=0"], "lora.r must be >= 1"),
+    (["--gpu-memory", "24GiB", "--num-processes", "0"], "--num-processes must be >= 1, got 0"),
 ])
 def test_plan_bad_input_is_one_line_exit_2(cli, args, words, tmp_path):
     done = cli("plan", *args)

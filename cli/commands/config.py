@@ -27,7 +27,16 @@ def command(recipe, num_processes, num_machines, machine_rank, main_process_ip, 
         num_processes = max(r.supports.min_processes, 1)
     topo = make_topology(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, cpu)
     check_supported(r, topo)
-    files = generate(r, topo, output_dir or "", recipe_ref=recipe, overrides=overrides)
+    resolved = None
+    if overrides:  # the Run line must train what the configs were written for: the recipe with the overrides
+        folder = (output_dir or "").rstrip("/")
+        resolved = f"{r.name}.yaml"
+        recipe_file = f"{folder}/{resolved}" if folder not in ("", ".") else resolved
+    files = generate(r, topo, output_dir or "", recipe_ref=recipe, overrides=overrides,
+                     **({"recipe_file": recipe_file} if resolved else {}))
+    if resolved:
+        files[resolved] = (f"# Recipe {r.name} with {' '.join(overrides)}, resolved by memrecipe config: the "
+                           f"Run line of its configs trains this.\n{r.to_yaml()}")
     if output_dir is None:
         for i, (name, text) in enumerate(files.items()):
             if len(files) > 1:

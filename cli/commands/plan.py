@@ -44,7 +44,8 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
         raise RecipeError("no GPU found here: give --gpu-memory (e.g. 24GiB or 80GB), or --cpu to plan the smoke test")
     if global_batch is not None and global_batch < 1:
         raise RecipeError(f"--global-batch must be >= 1, got {global_batch}")
-    n = num_processes or (machine.gpus * num_machines if machine.gpus and not cpu else num_machines)
+    n = num_processes if num_processes is not None else (machine.gpus * num_machines if machine.gpus and not cpu
+                                                         else num_machines)  # 0 is refused, not "detect"
     topo = make_topology(n, num_machines, 0, "planned" if num_machines > 1 else None, None, cpu)
     extra = [f"model_name_or_path={model}"] if model else []
     names = [recipe] if recipe else recipe_names()
