@@ -109,7 +109,8 @@ class Recipe:
     dataset: str | None = None  # null: the embedded default dataset
     dataset_format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"
     eval_dataset: str | None = None
-    eval_size: float = spec(0.0, low=0, high=0.5)  # fraction held out for eval when no eval_dataset
+    # fraction held out for eval when no eval_dataset is given (a given eval_dataset wins); 0 or null: none
+    eval_size: float | None = spec(0.0, low=0, high=0.5)
     max_seq_length: int = spec(512, low=8)
     packing: bool = False
     # batch and schedule
@@ -228,8 +229,6 @@ def check_combinations(r: Recipe) -> None:
         raise RecipeError(f"supports.max_processes ({s.max_processes}) is below supports.min_processes ({s.min_processes})")
     if r.warmup_steps and r.warmup_ratio:
         raise RecipeError("set warmup_steps or warmup_ratio, not both")
-    if r.eval_dataset and r.eval_size:
-        raise RecipeError("set eval_dataset or eval_size, not both")
     if r.activation_offload and not r.gradient_checkpointing:
         raise RecipeError("activation_offload moves the inputs that gradient checkpointing keeps: set "
                           "gradient_checkpointing=true (fsdp.activation_checkpointing cannot offload)")

@@ -96,3 +96,18 @@ def test_embedded_dataset_splits_and_has_targets(tok):
         assert len(ex["input_ids"]) <= recipe.max_seq_length
     packed, _ = prepare_datasets(load_recipe("single-gpu-lora", ["packing=true", "max_seq_length=64"]), tok)
     assert {len(x) for x in packed["input_ids"]} == {64}
+
+
+def test_a_given_eval_dataset_wins_over_eval_size_and_null_means_no_eval(tok, tmp_path):
+    import json
+
+    from memrecipe.data import EMBEDDED_DATASET
+
+    rows = EMBEDDED_DATASET.read_text().splitlines()
+    (tmp_path / "eval.jsonl").write_text("\n".join(rows[:5]) + "\n")
+    r = load_recipe("single-gpu-lora", [f"eval_dataset={tmp_path / 'eval.jsonl'}"])  # the recipe says eval_size 0.1
+    assert r.eval_size == 0.1
+    train, evals = prepare_datasets(r, tok)
+    assert len(evals) == 5 and len(train) == sum(1 for line in rows if json.loads(line))  # nothing held out
+    _, none = prepare_datasets(load_recipe("single-gpu-lora", ["eval_size=null"]), tok)
+    assert none is None
