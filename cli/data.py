@@ -116,8 +116,9 @@ def pack(rows: dict, max_seq_length: int) -> dict:
             "labels": [labels[i: i + max_seq_length] for i in range(0, n, max_seq_length)]}
 
 
-def prepare_datasets(recipe, tokenizer):
-    """(train, eval or None): tokenized datasets of input_ids/labels, as the recipe asks."""
+def prepare_datasets(recipe, tokenizer, say=None):
+    """(train, eval or None): tokenized datasets of input_ids/labels, as the recipe asks. `say` gets one
+    line per split: the format, examples kept and dropped (and why), the share of tokens that are targets."""
     raw = load_any(recipe.dataset)
     fmt = detect_format(raw.column_names, recipe.dataset_format)
     eval_raw = None
@@ -128,15 +129,22 @@ def prepare_datasets(recipe, tokenizer):
         split = raw.train_test_split(test_size=recipe.eval_size, seed=recipe.seed)
         raw, eval_raw = split["train"], split["test"]
 
-    def encode(ds):
+    def encode(ds, name):
         ds = ds.map(tokenize, fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "max_seq_length": recipe.max_seq_length},
                     remove_columns=ds.column_names)
+        rows = len(ds)
         ds = ds.filter(lambda ex: any(label != IGNORE for label in ex["labels"][1:]))  # nothing to learn: drop
+        if say is not None:
+            tokens = sum(len(ids) for ids in ds["input_ids"])
+            targets = sum(sum(label != IGNORE for label in labels[1:]) for labels in ds["labels"])
+            dropped = f", {rows - len(ds)} dropped (no target token within max_seq_length)" if rows > len(ds) else ""
+            say(f"data: {name}: {fmt} format, {len(ds):,} examples kept{dropped}, {tokens:,} tokens of which "
+                f"{targets / max(tokens, 1):.0%} are targets")
         if recipe.packing:
             ds = ds.map(pack, batched=True, fn_kwargs={"max_seq_length": recipe.max_seq_length})
         return ds
 
-    return encode(raw), encode(eval_raw) if eval_raw is not None else None
+    return encode(raw, "train"), encode(eval_raw, "eval") if eval_raw is not None else None
 
 
 class Collator:

@@ -44,13 +44,19 @@ from memrecipe.report import build, card
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", required=True, help="a recipe name or YAML file")
+    parser.add_argument("--model", default=None, help="hub id or local folder (the recipe's model_name_or_path)")
+    parser.add_argument("--dataset", default=None, help="hub id or .jsonl/.json/.parquet/.csv file (the recipe's dataset)")
     parser.add_argument("--output-dir", default=None, help="run folder (default: runs/<recipe>-<time>)")
     parser.add_argument("--overwrite", action="store_true", help="train into a folder that holds a finished run")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     parser.add_argument("--memory-snapshot", action="store_true",
                         help="record memory over the first steps (CUDA allocator history, or CPU profiler timeline)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. max_steps=10")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # the same words as `memrecipe run`: --model and --dataset are overrides of the recipe's keys
+    args.overrides += [f"{key}={value}" for key, value in (("model_name_or_path", args.model),
+                                                            ("dataset", args.dataset)) if value is not None]
+    return args
 
 
 def windows(dataloader, size):
@@ -157,7 +163,7 @@ def main(argv=None):
 
     # 3. Data: tokenized once (main process first, the others read its cache), padded per batch.
     with accelerator.main_process_first():
-        train_set, eval_set = prepare_datasets(recipe, tokenizer)
+        train_set, eval_set = prepare_datasets(recipe, tokenizer, say)  # logs what the loss will learn from
     collate = Collator(tokenizer.pad_token_id)
     # Its own generator: starting an epoch's iterator must not draw from the global RNG that dropout
     # uses, or a resumed run would see other dropout masks than the run it continues.
@@ -235,7 +241,7 @@ def main(argv=None):
             window_tokens = sum(int(b["attention_mask"].sum()) for b in window)  # real tokens, not padding
             local_tokens += window_tokens
             real_tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device), "sum")
-            record = {"step": step, "loss": loss,
+            record = {"step": step, "loss": loss, "targets": targets,
                       "lr": scheduler.get_last_lr()[0], "tokens": int(real_tokens),
                       "seconds": time.perf_counter() - tick}
             if grad_norm is not None:

@@ -34,9 +34,13 @@ def runs(tmp_path_factory):
         if name == "single-gpu-lora":  # the copy path: memrecipe cp, then plain accelerate launch from DEST
             dest = base / "copied"
             assert launch(["memrecipe", "cp", name, str(dest)]).returncode == 0
+            from memrecipe.data import EMBEDDED_DATASET
+
             done = launch(["--config_file", "single_gpu_lora_cpu1.yaml", "sft.py", "--recipe", "single-gpu-lora.yaml",
-                           "--output-dir", str(folder), *SHORT, "report_to=tensorboard"], cwd=dest)
+                           "--dataset", str(EMBEDDED_DATASET), "--output-dir", str(folder), *SHORT,
+                           "report_to=tensorboard"], cwd=dest)  # --dataset: the same words as memrecipe run
             assert done.returncode == 0, done.stderr[-3000:]
+            (base / "copied.log").write_text(done.stdout + done.stderr)
         elif name == "adamw-8bit":
             memrecipe_run(folder, name, "--num-processes", "1", "--memory-snapshot")
         elif name == "fsdp-lora":  # with a checkpoint of the trained weights at the last step
@@ -107,6 +111,12 @@ def test_single_gpu_lora_trains_from_a_copied_folder(runs):
     s = r["setup"]
     assert s["trainable_names_all_lora"] and 0 < s["trainable_params"] < s["params"] / 4
     assert s["gradient_checkpointing"] and s["mixed_precision"] == "bf16"
+    from memrecipe.data import EMBEDDED_DATASET
+
+    assert r["recipe"]["dataset"] == str(EMBEDDED_DATASET)  # sft.py --dataset reached the recipe
+    log = (folder.parent / "copied.log").read_text()
+    assert "data: train: messages format" in log and "are targets" in log  # what the loss learns from
+    assert all(0 < h["targets"] < h["tokens"] for h in r["history"])  # chat data: only the assistant's tokens
     # the fused loss's peak, measured on the first micro batch: within what the plan gives a full-length batch
     (rank,) = r["processes"]
     assert 0 < rank["held"]["logits"] <= r["plan"]["logits"]
