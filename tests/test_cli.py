@@ -146,3 +146,20 @@ def test_cp_copies_side_by_side_and_refuses_to_overwrite(cli, tmp_path):
     assert (dest / "sft.py").read_text() == "# my edits\n"
     assert cli("cp", "fsdp", str(dest), "--force").returncode == 0
     assert (dest / "sft.py").read_text() == (REPO / "recipes" / "sft.py").read_text()
+
+
+def test_ls_and_show_fit_an_80_column_terminal_and_show_stays_the_same_yaml(cli):
+    import os
+
+    import yaml
+
+    narrow = {**os.environ, "COLUMNS": "80"}
+    listed = cli("ls", env=narrow)
+    assert listed.returncode == 0 and max(map(len, listed.stdout.splitlines())) <= 80
+    assert "TECHNIQUES" not in listed.stdout and "zero3-offload  (processes: 1+" in listed.stdout  # a block each
+    for name in ("single-gpu-lora", "qlora", "fsdp"):
+        shown = cli("show", name, env=narrow).stdout
+        shipped = cli("show", name, env={k: v for k, v in narrow.items() if k != "COLUMNS"}).stdout
+        assert yaml.safe_load(shown) == yaml.safe_load(shipped)  # wrapped comments only
+        long = [line for line in shown.splitlines() if len(line) > 80]
+        assert all("#" not in line for line in long), long  # what is still long is a value, not a comment

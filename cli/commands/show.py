@@ -1,6 +1,9 @@
+import textwrap
+
 import click
 
 from ..registry import load_recipe, recipe_path
+from ..table import terminal_width
 
 
 @click.command("show")
@@ -9,4 +12,20 @@ def command(recipe):
     """Print RECIPE's YAML (a name or a file), with its comments."""
     path = recipe_path(recipe)
     load_recipe(recipe)  # refuse a broken recipe file here rather than show it as if it worked
-    click.echo(path.read_text(encoding="utf-8"), nl=False)
+    text = path.read_text(encoding="utf-8")
+    width = terminal_width()  # in a terminal, long comments wrap; piped to a file, the YAML is as shipped
+    click.echo(wrap_comments(text, width) if width else text, nl=False)
+
+
+def wrap_comments(text: str, width: int) -> str:
+    """Wrap each line's trailing comment onto comment lines aligned under it: still the same YAML."""
+    out = []
+    for line in text.splitlines():
+        code, hash_, comment = line.partition("# ")
+        if len(line) <= width or not hash_ or len(code) > width - 20:
+            out.append(line)
+            continue
+        pieces = textwrap.wrap(comment, width - len(code) - 2) or [""]
+        out.append(f"{code}# {pieces[0]}")
+        out += [f"{' ' * len(code)}# {piece}" for piece in pieces[1:]]
+    return "\n".join(out) + "\n"
