@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import textwrap
 
 
 def terminal_width() -> int | None:
-    """The terminal's columns (COLUMNS, else the terminal's own); None when the output is not a terminal."""
-    return shutil.get_terminal_size(fallback=(0, 0)).columns or None
+    """The terminal's columns; None when the output is not a terminal (piped output stays as it is)."""
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 
 def table(headers: list[str], rows: list[list], widths: dict[int, int] | None = None) -> str:
