@@ -23,6 +23,7 @@ def load_any(source: str | None, split: str = "train"):
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its builders log what we raise again in one line
     path = Path(source) if source else EMBEDDED_DATASET
     try:
         if path.suffix in FILE_BUILDERS:
@@ -39,11 +40,34 @@ def load_any(source: str | None, split: str = "train"):
     except RecipeError:
         raise
     except Exception as e:  # the hub and the builders raise many kinds; the user needs one line
+        if path.suffix in (".jsonl", ".json") and path.is_file():
+            _check_json_lines(path)  # names the empty file, or the bad line, when that is the cause
         text = " ".join(str(e).split())
         if "offline" in text.lower() or "connect" in text.lower() or "couldn't find" in text.lower():
             raise RecipeError(f"dataset {source!r} is neither a local file/folder nor reachable on the hub "
                               f"(offline?): give a .jsonl/.json/.parquet/.csv file or a folder") from None
         raise RecipeError(f"cannot load dataset {source!r}: {text[:300]}") from None
+
+
+def _check_json_lines(path: Path) -> None:
+    """A one-line error for an empty JSON(L) file, or the first line that is not a JSON object."""
+    import json
+
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise RecipeError(f"dataset file {path} is empty: give one JSON object per line")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return  # a JSON array: the builder's own message stands
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RecipeError(f"dataset file {path}, line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise RecipeError(f"dataset file {path}, line {number}: a JSON object ({{...}}) per line, got "
+                              f"{type(row).__name__}")
 
 
 def detect_format(columns, declared: str = "auto") -> str:

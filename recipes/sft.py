@@ -293,7 +293,8 @@ def main(argv=None):
         (out / "report.json").write_text(json.dumps(report, indent=2))
         plotted = plot_loss(report, out / "loss.png")
         say(card(report))
-        say(f"saved {final}; report.json" + (", loss.png" if plotted else " (pip install 'memrecipe[plot]' for loss.png)"))
+        say(f"run folder {out.resolve()}: final/, report.json" + (", loss.png" if plotted else
+                                                                    " (pip install 'memrecipe[plot]' for loss.png)"))
     accelerator.end_training()
 
 

@@ -111,3 +111,15 @@ def test_a_given_eval_dataset_wins_over_eval_size_and_null_means_no_eval(tok, tm
     assert len(evals) == 5 and len(train) == sum(1 for line in rows if json.loads(line))  # nothing held out
     _, none = prepare_datasets(load_recipe("single-gpu-lora", ["eval_size=null"]), tok)
     assert none is None
+
+
+def test_an_empty_or_malformed_jsonl_is_named_with_its_reason_and_line(tmp_path, capfd):
+    from memrecipe.errors import RecipeError
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n\n{"text": "b"\n')
+    with pytest.raises(RecipeError, match="empty.jsonl is empty"):
+        load_any(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(RecipeError, match=r"bad.jsonl, line 3: not valid JSON"):
+        load_any(str(tmp_path / "bad.jsonl"))
+    assert "Failed to load JSON" not in capfd.readouterr().err  # one line: the builder's log stays quiet

@@ -149,7 +149,9 @@ def test_fsdp_shards_over_two_processes_and_saves_the_full_model(runs):
     assert s["dtensor_params"] > 0  # parameters are sharded DTensors
     for name in ("recipe.yaml", "accelerate_config.yaml", "train.log", "report.json"):
         assert (folder / name).is_file(), name
-    assert "step 20/20" in (folder / "train.log").read_text()
+    log = (folder / "train.log").read_text()
+    assert "step 20/20" in log
+    assert f"run folder {folder.resolve()}: final/" in log.strip().splitlines()[-1]  # the last line says where
     # FSDP2 computed with bf16-cast parameters, the reload with bf16 autocast: equal to ~0.05%
     assert_full_model_saved(folder, tolerance=2e-3)
 
