@@ -137,17 +137,20 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     """Tensors saved for backward inside this context wait in host memory (pinned on CUDA, so the
     copies can overlap compute) and come back to their device in backward. Counts what it holds."""
 
-    def __init__(self):
-        self.tensors = self.bytes = 0
+    def __init__(self, copy_on_cpu: bool = False):
+        self.tensors = self.bytes = self.copied = 0
+        self.copy_on_cpu = copy_on_cpu  # CPU smoke-test mode keeps the tensor where it is (host memory already)
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor):
         self.tensors += 1
         self.bytes += tensor.numel() * tensor.element_size()
-        if tensor.device.type == "cpu":  # CPU smoke-test mode: already in host memory
+        if tensor.device.type == "cpu" and not self.copy_on_cpu:
             return tensor.device, tensor
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
+                           pin_memory=tensor.device.type == "cuda")  # pinned: the copy overlaps compute
         host.copy_(tensor, non_blocking=True)
+        self.copied += 1
         return tensor.device, host
 
     @staticmethod

@@ -19,6 +19,8 @@ def step(offload):
     recipe = load_recipe("single-gpu-lora", ["lora.dropout=0", f"activation_offload={str(offload).lower()}"])
     torch.manual_seed(0)
     model, hooks = load_model(recipe, embedded_model(), "bf16")
+    if hooks is not None:  # copy to a separate host tensor, as on CUDA: else on CPU both runs hold one tensor
+        hooks.copy_on_cpu = True
     ids = torch.randint(0, model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
     model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -33,7 +35,7 @@ def test_offload_moves_one_input_per_checkpointed_layer_and_keeps_the_gradients(
     none, plain, _ = step(offload=False)
     assert none is None
     # each decoder layer's checkpoint saves its input (bf16 hidden states) and nothing else
-    assert hooks.tensors == config.num_hidden_layers
+    assert hooks.tensors == hooks.copied == config.num_hidden_layers  # each parked in a copy of its own
     assert hooks.bytes == config.num_hidden_layers * B * S * config.hidden_size * 2
     assert grads.keys() == plain.keys() and len(grads) > 0
     for name in grads:

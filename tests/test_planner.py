@@ -149,21 +149,21 @@ ACTIVATION_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "medium"])
 @pytest.mark.parametrize("recipe, overrides", ACTIVATION_CASES)
-def test_activation_estimate_is_within_20_percent_of_what_autograd_saves(models, name, recipe, overrides):
+def test_activation_estimate_is_within_10_percent_of_what_autograd_saves(models, name, recipe, overrides):
     """Measured with saved_tensors_hooks: exactly the tensors autograd keeps for backward (the
     profiler's ACTIVATION category also counts short-lived forward temporaries)."""
     measured, est = activation_case(models, name, recipe, overrides)
-    assert est["saved_peak"] == pytest.approx(measured, rel=0.2), (est["saved_peak"], measured)
+    assert est["saved_peak"] == pytest.approx(measured, rel=0.1), (est["saved_peak"], measured)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "medium"])
 @pytest.mark.parametrize("recipe, overrides", ACTIVATION_CASES[:3])
-def test_one_layers_activations_are_within_20_percent(models, name, recipe, overrides):
+def test_one_layers_activations_are_within_10_percent(models, name, recipe, overrides):
     """What one more decoder layer adds: the term gradient checkpointing recomputes one layer at a time."""
     one, est = activation_case(models, name, recipe, overrides, layers=1)
     two, _ = activation_case(models, name, recipe, overrides, layers=2)
-    assert est["layer"] == pytest.approx(two - one, rel=0.2), (est["layer"], two - one)
+    assert est["layer"] == pytest.approx(two - one, rel=0.1), (est["layer"], two - one)
 
 
 @pytest.mark.slow
@@ -173,7 +173,7 @@ def test_with_gradient_checkpointing_the_forward_keeps_what_the_planner_says(mod
     """With checkpointing autograd keeps each layer's input (checkpoint's own hooks hold the recompute,
     measured by the test above); the planner's peak adds one recomputed layer to this."""
     measured, est = activation_case(models, name, recipe, ["gradient_checkpointing=true"])
-    assert est["forward_saved"] == pytest.approx(measured, rel=0.2), (est["forward_saved"], measured)
+    assert est["forward_saved"] == pytest.approx(measured, rel=0.1), (est["forward_saved"], measured)
     assert est["saved_peak"] >= est["forward_saved"]
 
 
@@ -265,13 +265,15 @@ def test_plan_recommends_and_finds_micro_batch_and_accumulation(cli, tmp_path):
     assert "8.030B parameters" in done.stdout and "LoRA: single-gpu-lora: the fastest" in done.stdout
     assert "adamw-8bit" in done.stdout and "NO" in done.stdout
     data = json.loads(cli("plan", "--model", str(folder), "--gpu-memory", "80GB", "--num-processes", "8",
-                          "--host-memory", "1TiB", "--global-batch", "128", "--json", "max_seq_length=2048").stdout)
+                          "--host-memory", "1TiB", "--global-batch", "512", "--json", "max_seq_length=2048").stdout)
     fsdp = next(e for e in data["estimates"] if e["recipe"] == "fsdp")
     micro, acc = (int(x) for x in fsdp["batch"].split(" x "))
-    assert micro * acc * 8 == 128 and fsdp["fits"] and fsdp["micro_batch"] == micro
-    bigger = estimate(load_recipe("fsdp", [f"per_device_train_batch_size={micro + 1}", "max_seq_length=2048"]),
-                      structure(read_config(str(folder))), Topology(8))
-    assert bigger.total > 80e9 or 16 % (micro + 1) or micro + 1 > 16  # the next micro batch would not fit (or not divide)
+    assert micro * acc * 8 == 512 and fsdp["fits"] and fsdp["micro_batch"] == micro and acc > 1
+    # the next micro batch that divides the 64 sequences per process does not fit (so the pick is the largest)
+    bigger = min(m for m in range(micro + 1, 65) if 64 % m == 0)
+    over = estimate(load_recipe("fsdp", [f"per_device_train_batch_size={bigger}", "max_seq_length=2048"]),
+                    structure(read_config(str(folder))), Topology(8))
+    assert not judge(over, 80 * 10**9, 2**40).fits and over.total > 80 * 10**9
     plot = tmp_path / "plan.png"
     assert cli("plan", "--model", str(folder), "--gpu-memory", "24GiB", "--plot", str(plot)).returncode == 0
     assert plot.stat().st_size > 10_000

@@ -65,11 +65,15 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe):
     os.killpg(proc.pid, signal.SIGKILL)  # no chance to clean up: the lock and maybe a .tmp checkpoint stay
     proc.wait()
     assert not (cut / "final").exists()
+    partial = cut / "checkpoints" / ".tmp-step-5"  # a save cut off by a kill: never taken for a checkpoint
+    partial.mkdir(exist_ok=True)
+    (partial / "model.safetensors").write_bytes(b"cut off mid-write")
     moved = tmp_path / "moved"
     cut.rename(moved)  # a moved run folder still resumes
     finish(["--resume"], moved)
     log = open(f"{moved}.log").read()
     assert "resumed from checkpoints/step-" in log and "taken over" in log  # the dead run's lock was stale
+    assert "step-5" not in log
     assert losses(moved) == pytest.approx(losses(whole), abs=1e-5)
     expected, got = final_weights(whole), final_weights(moved)
     assert expected.keys() == got.keys() and expected
