@@ -434,3 +434,17 @@ def test_run_suggests_a_recipe_of_the_same_method_first_and_says_when_it_cannot(
         check_fits(load_recipe("adamw-8bit", words), Topology(1), replace(gpu, host_memory=512 * 2**30), words,
                    force=False, shape=structure(LLAMA_8B))
     assert "zero3-offload would fit" in str(refused.value) and "QLoRA" not in str(refused.value)
+
+
+def test_plan_for_other_machines_gpus_does_not_judge_them_by_this_machines_ram(cli, tmp_path):
+    folder = tmp_path / "llama-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    args = ["plan", "--model", str(folder), "--gpu-memory", "80GB", "--num-processes", "8"]
+    text = cli(*args).stdout
+    assert "host RAM not given (--host-memory): HOST is not checked" in text
+    data = json.loads(cli(*args, "--json").stdout)
+    assert data["host_memory"] is None
+    assert {e["recipe"]: e["fits"] for e in data["estimates"]}["zero3-offload"]  # not refused by a laptop's RAM
+    given = json.loads(cli(*args, "--host-memory", "64GiB", "--json").stdout)
+    assert not {e["recipe"]: e["fits"] for e in given["estimates"]}["zero3-offload"]  # 135 GiB of offload > 64

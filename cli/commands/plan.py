@@ -39,7 +39,10 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
     """
     machine = Machine.probe()
     gpu = parse_size(gpu_memory, "--gpu-memory") if gpu_memory else machine.gpu_memory
-    host = parse_size(host_memory, "--host-memory") if host_memory else machine.host_memory or None
+    # this machine's RAM is the host's only when the GPUs planned for are this machine's (or in CPU mode);
+    # for other machines' GPUs an unknown host is not judged, and the output says so
+    elsewhere = gpu_memory is not None and not cpu and gpu != machine.gpu_memory
+    host = parse_size(host_memory, "--host-memory") if host_memory else None if elsewhere else machine.host_memory or None
     if gpu is None and not cpu:
         raise RecipeError("no GPU found here: give --gpu-memory (e.g. 24GiB or 80GB), or --cpu to plan the smoke test")
     if global_batch is not None and global_batch < 1:
@@ -106,7 +109,8 @@ def echo_table(rows, gpu, host, topo, global_batch, shapes):
         click.echo(f"model: {s.model_type}, {s.params / 1e9:.3f}B parameters, {s.layers} layers, hidden {s.hidden}"
                    + (f" ({', '.join(s.notes)})" if s.notes else ""))
     cap = f"{gpu / GiB:.1f} GiB per GPU" if gpu and not topo.cpu else "host RAM only"
-    click.echo(f"topology: {topo.describe()}, {cap}" + (f", {host / GiB:.0f} GiB host RAM per machine" if host else "")
+    click.echo(f"topology: {topo.describe()}, {cap}" + (f", {host / GiB:.0f} GiB host RAM per machine" if host else
+                                                         ", host RAM not given (--host-memory): HOST is not checked")
                + "\n")
     headers = ["RECIPE", "PARAMS", "GRADS", "OPTIM", "ACTIV", "LOGITS", f"TOTAL/{where.split()[0]}", "HOST",
                "FITS", "SPEED"] + (["MICRO x ACC"] if global_batch else [])
