@@ -93,6 +93,16 @@ class Structure:
         return picked
 
 
+def _load_json(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): a model's config.json is") from None
+    if not isinstance(config, dict):
+        raise RecipeError(f"{path} holds a JSON {type(config).__name__}, not a model config (a JSON object)")
+    return config
+
+
 def read_config(model: str | None) -> dict:
     """config.json of a local folder, a hub id (that file alone), or the embedded default (None)."""
     if model is None:
@@ -101,9 +111,9 @@ def read_config(model: str | None) -> dict:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise RecipeError(f"{model} has no config.json")
-        return json.loads((path / "config.json").read_text())
+        return _load_json(path / "config.json")
     if path.suffix == ".json" and path.is_file():
-        return json.loads(path.read_text())
+        return _load_json(path)
     if model.startswith((".", "/", "~")):
         raise RecipeError(f"model path {model} does not exist")
     try:
@@ -119,7 +129,17 @@ def read_config(model: str | None) -> dict:
 
 
 def structure(config: dict) -> Structure:
-    """The Structure of a config dict; multimodal configs use their text part."""
+    """The Structure of a config dict; multimodal configs use their text part. A config that lacks a
+    key its architecture needs is refused in one line, naming the key."""
+    try:
+        return _structure(config)
+    except KeyError as e:
+        kind = config.get("model_type", "?")
+        raise RecipeError(f"the model's config.json ({kind}) lacks {e.args[0]}, which the planner needs: is it a "
+                          "complete causal LM config?") from None
+
+
+def _structure(config: dict) -> Structure:
     config = config.get("text_config", config) if "text_config" in config and "vocab_size" not in config else config
     kind = config.get("model_type", "")
     if kind in LLAMA_LIKE:

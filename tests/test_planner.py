@@ -448,3 +448,22 @@ def test_plan_for_other_machines_gpus_does_not_judge_them_by_this_machines_ram(c
     assert {e["recipe"]: e["fits"] for e in data["estimates"]}["zero3-offload"]  # not refused by a laptop's RAM
     given = json.loads(cli(*args, "--host-memory", "64GiB", "--json").stdout)
     assert not {e["recipe"]: e["fits"] for e in given["estimates"]}["zero3-offload"]  # 135 GiB of offload > 64
+
+
+@pytest.mark.parametrize("content, words", [
+    ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100}',
+     "lacks intermediate_size"),
+    ('{"model_type": "llama",', "is not valid JSON"),
+])
+def test_a_broken_model_config_is_one_line_in_plan_and_run(cli, tmp_path, content, words):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(content)
+    model = str(tmp_path / "model")
+    for args in (["plan", "--model", model, "--gpu-memory", "24GiB"],
+                 ["run", "sft", "--recipe", "single-gpu-lora", "--model", model, "--output-dir", str(tmp_path / "r")],
+                 ["run", "sft", "--recipe", "single-gpu-lora", "--model", model, "--dry-run", "--force",
+                  "--output-dir", str(tmp_path / "r")]):
+        done = cli(*args)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.stderr[-500:])
+        assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists(), args
+    assert words in cli("plan", "--model", model, "--gpu-memory", "24GiB").stderr
