@@ -64,7 +64,9 @@ def plan_topology(recipe: Recipe, machine: Machine, num_processes=None, num_mach
         raise RecipeError(f"{local} processes per machine need {local} GPUs; this machine has {machine.gpus}: "
                           f"lower --num-processes")
     if cpu and local > machine.cores:
-        raise RecipeError(f"{local} CPU processes need {local} cores; this machine has {machine.cores}")
+        raise RecipeError(f"{local} CPU processes need {local} cores; this machine has {machine.cores} (to prepare "
+                          f"a GPU run from here: memrecipe config {recipe.name} --num-processes {num_processes}, "
+                          f"or memrecipe slurm {recipe.name}, write its files)")
     return topo
 
 

@@ -43,7 +43,9 @@ def test_dry_run_prints_the_command_and_writes_nothing(tmp_path, cli):
     assert "max_steps: 5" in done.stdout and "distributed_type: FSDP" in done.stdout
     assert not out.exists()
     ds = cli("run", "sft", "--recipe", "zero3-offload", "--output-dir", str(out), "--dry-run")
-    assert "ACCELERATE_USE_CPU" not in ds.stdout.splitlines()[0]  # it would switch DeepSpeed off
+    command = next(line for line in ds.stdout.splitlines() if "accelerate launch" in line or "launch --config" in line)
+    assert "ACCELERATE_USE_CPU" not in command  # it would switch DeepSpeed off
+    assert f"# memrecipe run would create it, write the 3 file(s) shown below into {out}, then run:" in ds.stdout
     assert "deepspeed_config_file: deepspeed_config.json" in ds.stdout
 
 
@@ -67,7 +69,7 @@ def _bad_runs(tmp_path):
         (["--model", str(not_causal)], "not a causal language model", None),
         (["--dataset", str(no_columns)], "it has: question, answer", None),
         (["--dataset", str(tmp_path / "missing.jsonl")], "does not exist", None),
-        (["--num-processes", "4", "--recipe", "fsdp"], "4 CPU processes need 4 cores", None),
+        (["--num-processes", "4", "--recipe", "fsdp"], "(to prepare a GPU run from here: memrecipe config fsdp --num-processes 4", None),
         (["--recipe", "single-gpu-lora", "--num-processes", "2"], "at most 1 process", None),
         (["learning_rate=fast"], "learning_rate must be a number", None),
         ([], "is not empty: pass --overwrite", existing),

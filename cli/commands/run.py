@@ -68,8 +68,10 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
     need = verdict.estimate.host_total() if topo.cpu else verdict.estimate.total
     banner = (f"memrecipe: {r.name} on {topo.describe()} ({mode}), planned {need / 2**30:.1f} GiB "
               f"{'of host RAM' if topo.cpu else 'per GPU'} -> {folder}")
-    if dry_run:
+    if dry_run:  # what `run` would do here, step by step; nothing is written
         click.echo(banner, err=True)
+        made = "" if folder.is_dir() else "create it, "
+        click.echo(f"# memrecipe run would {made}write the {len(files)} file(s) shown below into {folder}, then run:")
         click.echo(shell_form(command_words, env, folder))
         for name, text in files.items():
             click.echo(f"\n==> {folder / name} <==")
