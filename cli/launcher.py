@@ -273,10 +273,11 @@ def resumable(folder, recipe_ref, words, num_processes, machine, machine_rank=0)
 def preflight(recipe):
     """Fail fast, with one line and before any folder exists: model, tokenizer, dataset columns."""
     from .data import detect_format, load_any
-    from .modeling import check_model
+    from .modeling import check_model, check_tokenizer
 
     if recipe.model_name_or_path:
         check_model(recipe.model_name_or_path, recipe.trust_remote_code)
+        check_tokenizer(recipe.model_name_or_path, recipe.trust_remote_code)
     for source in (recipe.dataset, recipe.eval_dataset):
         if source:
             detect_format(load_any(source).column_names, recipe.dataset_format)

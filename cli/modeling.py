@@ -107,6 +107,16 @@ def check_model(name_or_path: str, trust_remote_code: bool = False):
     return config
 
 
+def check_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> None:
+    """A loadable tokenizer beside the model, or a one-line error (before anything is launched)."""
+    try:
+        load_tokenizer(name_or_path, trust_remote_code)
+    except Exception as e:  # sentencepiece, tiktoken, missing files: each library raises its own kind
+        text = " ".join(str(e).split())[:200]
+        raise RecipeError(f"model {name_or_path} has no tokenizer memrecipe can load (save it beside the model with "
+                          f"tokenizer.save_pretrained, e.g. tokenizer.json): {text}") from None
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 

@@ -59,6 +59,9 @@ def _bad_runs(tmp_path):
     not_causal = tmp_path / "vit"
     not_causal.mkdir()
     (not_causal / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()  # a Llama config and nothing else: the tokenizer would fail only after launch
+    (no_tokenizer / "config.json").write_text((REPO / "cli" / "data" / "tiny-llama" / "config.json").read_text())
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "notes.txt").write_text("mine")
@@ -67,6 +70,7 @@ def _bad_runs(tmp_path):
         (["--model", "./no/such/model"], "model path ./no/such/model does not exist", None),
         (["--model", str(remote)], "trust_remote_code=true", None),
         (["--model", str(not_causal)], "not a causal language model", None),
+        (["--model", str(no_tokenizer)], "has no tokenizer memrecipe can load", None),
         (["--dataset", str(no_columns)], "it has: question, answer", None),
         (["--dataset", str(tmp_path / "missing.jsonl")], "does not exist", None),
         (["--num-processes", "4", "--recipe", "fsdp"], "(to prepare a GPU run from here: memrecipe config fsdp --num-processes 4", None),
