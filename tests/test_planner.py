@@ -11,7 +11,7 @@ import torch
 from memrecipe.architecture import read_config, structure
 from memrecipe.errors import RecipeError
 from memrecipe.loss import fuse_head, lm_loss, token_loss
-from memrecipe.modeling import load_model, make_optimizer
+from memrecipe.modeling import EMBEDDED_MODEL, load_model, make_optimizer
 from memrecipe.planner import estimate, judge
 from memrecipe.registry import load_recipe
 from memrecipe.topology import Topology, make_topology
@@ -306,6 +306,8 @@ def test_run_refuses_what_will_not_fit_and_names_what_would(cli, tmp_path):
     (folder / "config.json").write_text(json.dumps(
         {"model_type": "llama", "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
          "intermediate_size": 28672, "vocab_size": 128256, "num_hidden_layers": 80}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # run checks the tokenizer before the fit
+        (folder / name).write_text((EMBEDDED_MODEL / name).read_text())
     out = tmp_path / "run"
     done = cli("run", "sft", "--recipe", "single-gpu-lora", "--model", str(folder), "--output-dir", str(out))
     assert done.returncode == 2 and "will not fit" in done.stderr and "params" in done.stderr
