@@ -195,6 +195,23 @@ def enable_checkpointing(model, offload: bool) -> HostOffload | None:
     return hooks
 
 
+def tensor_parallel(model, tp_size: int, device_mesh) -> None:
+    """Split the model's linears over the mesh's "tp" dimension with its own TP plan (colwise/rowwise per
+    linear); FSDP2 then shards over the mesh's other dimensions. transformers' from_pretrained(distributed_config)
+    would build a mesh of its own that must span every process (transformers/distributed/utils.py,
+    initialize_distributed_mesh), so a tp 2 x dp 2 run on 4 ranks fails there: the plan is applied here
+    on accelerate's mesh instead. Every rank holds the loaded weights and keeps its own slice of each
+    (distribute_tensor with src_data_rank=None: no communication)."""
+    from transformers import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    config = DistributedConfig(tp_plan="auto", tp_size=tp_size)
+    plan, _, _ = model._resolve_parallel_plans(config)
+    tp_mesh = device_mesh["tp"] if device_mesh.mesh_dim_names != ("tp",) else device_mesh
+    apply_tensor_parallelism(model, tp_mesh, plan)
+    model.config.distributed_config = config  # where accelerate reads the TP size (utils/other.py, get_model_tp_size)
+
+
 def load_model(recipe, name_or_path: str, precision: str, device=None, device_mesh=None):
     """from_pretrained with the recipe's memory techniques: quantization, tensor parallelism (split
     over the mesh's "tp" dimension as it loads), LoRA, gradient checkpointing (+ activation offload),
@@ -221,15 +238,11 @@ def load_model(recipe, name_or_path: str, precision: str, device=None, device_me
             extra["device_map"] = {"": "cpu"}
         elif device is not None and device.type == "cuda":
             extra["device_map"] = {"": device}  # quantize straight onto this process's GPU
-    if recipe.parallelism is not None:
-        from transformers import DistributedConfig
-
-        # the model's own TP plan (colwise/rowwise per linear); FSDP2 then shards over the other mesh dims
-        extra |= {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=recipe.parallelism.tp_size),
-                  "device_mesh": device_mesh}
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=recipe.attn_implementation,
                                                  trust_remote_code=recipe.trust_remote_code, **extra)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    if recipe.parallelism is not None:
+        tensor_parallel(model, recipe.parallelism.tp_size, device_mesh)
     if q is not None and q.upcast_unquantized:
         from peft import prepare_model_for_kbit_training
 

@@ -234,8 +234,7 @@ def loading_bytes(recipe: Recipe, s: Structure, cb: int, local: int) -> int:
         return base_bytes(recipe, s, cb) * local
     if recipe.lora is not None:
         return cb * s.params
-    # tensor parallelism: each rank reads its own slice of every split layer as it loads
-    return 4 * s.params * local // (recipe.parallelism.tp_size if recipe.parallelism else 1)
+    return 4 * s.params * local  # (tensor parallelism too: each rank loads all, then keeps its slices)
 
 
 def speed_cost(recipe: Recipe, precision: str) -> float:

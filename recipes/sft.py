@@ -191,6 +191,7 @@ def main(argv=None):
     setup = describe_setup(accelerator, model, optimizer)
     tracking = start_trackers(accelerator, recipe, out)  # TensorBoard / W&B through accelerate, if asked for
     world = accelerator.num_processes
+    tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch: count it once
     say(f"memrecipe sft: recipe {recipe.name} | {world} process(es), {setup['distributed_type']} on "
         f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
         f"{setup['params']:,} parameters train")
@@ -241,8 +242,8 @@ def main(argv=None):
             window_tokens = sum(int(b["attention_mask"].sum()) for b in window)  # real tokens, not padding
             local_tokens += window_tokens
             real_tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device), "sum")
-            record = {"step": step, "loss": loss, "targets": targets,
-                      "lr": scheduler.get_last_lr()[0], "tokens": int(real_tokens),
+            record = {"step": step, "loss": loss, "targets": targets // tp_share,
+                      "lr": scheduler.get_last_lr()[0], "tokens": int(real_tokens) // tp_share,
                       "seconds": time.perf_counter() - tick}
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)

@@ -1,6 +1,7 @@
 """The tp recipe: accelerate refuses tensor parallelism on CPU, so what can run here does: the
 generated config through accelerate's launcher, the planner's division by tp_size, and the
-recipe's own model loading split over 2 gloo ranks by transformers' tensor-parallel plan."""
+recipe's own model loading split by transformers' tensor-parallel plan over the "tp" dimension of a
+2 x 2 mesh on 4 gloo ranks (a run's real shape: TP within FSDP2's data-parallel shards)."""
 
 import json
 import sys
@@ -17,11 +18,11 @@ from memrecipe.topology import Topology, check_supported
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_rank_tensor_parallel_forward_backward_equals_the_whole_model(tmp_path):
+def test_tp2_by_dp2_on_four_ranks_forward_backward_equals_the_whole_model(tmp_path):
     import subprocess
 
     out = tmp_path / "tp.json"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
                            str(free_port()), str(REPO / "tests" / "workers" / "tp_forward_backward.py"), str(out)],
                           env=child_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,5 +1,6 @@
-"""Worker: the tp recipe's model loading on 2 gloo ranks (transformers' tensor-parallel plan over a
-"tp" mesh), one forward and backward next to the unsplit model; rank 0 saves what it saw."""
+"""Worker: the tp recipe's model loading on 4 gloo ranks, a dp_shard 2 x tp 2 mesh as accelerate's
+ParallelismConfig builds it (transformers' tensor-parallel plan over its "tp" dimension), one forward and
+backward next to the unsplit model; rank 0 saves what it saw."""
 
 import json
 import sys
@@ -13,7 +14,7 @@ from memrecipe.modeling import embedded_model, load_model
 from memrecipe.registry import load_recipe
 
 dist.init_process_group("gloo")
-mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
 recipe = load_recipe("tp", ["mixed_precision=no"])
 path = embedded_model()
 split, _ = load_model(recipe, path, "no", device_mesh=mesh)  # the loop's own loading code
