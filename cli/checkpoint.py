@@ -41,13 +41,11 @@ def frozen_base_left_out(accelerator, model):
       and load_state do not pass on: here they do.
     - one process or DDP: a save_state pre-hook keeps the trainable entries of the gathered weights, and
       load_state loads them non-strictly (resume_state checks that every trainable tensor was there)."""
-    from accelerate.utils import is_peft_model
-
     kind = accelerator.distributed_type.value
     if kind == "DEEPSPEED" or all(p.requires_grad for p in model.parameters()):
         yield {}
     elif kind == "FSDP":
-        if not is_peft_model(accelerator.unwrap_model(model)):
+        if not _fsdp_adapters(accelerator, model):
             yield {}
             return
         import accelerate.accelerator as engine
@@ -64,6 +62,13 @@ def frozen_base_left_out(accelerator, model):
             yield {"strict": False}
         finally:
             handle.remove()
+
+
+def _fsdp_adapters(accelerator, model) -> bool:
+    """FSDP over a PEFT model: accelerate's and torch's adapter-only state dicts apply."""
+    from accelerate.utils import is_peft_model
+
+    return accelerator.distributed_type.value == "FSDP" and is_peft_model(accelerator.unwrap_model(model))
 
 
 def _keep_trained(models, weights, output_dir):
@@ -125,9 +130,7 @@ def trained_state_dict(accelerator, model) -> dict:
     """The state dict to save the finished model from: what trains, gathered once. Under FSDP with LoRA
     only the adapters are gathered (torch's get_model_state_dict with ignore_frozen_params), not the
     frozen base, which the saved adapter points at anyway."""
-    from accelerate.utils import is_peft_model
-
-    if accelerator.distributed_type.value == "FSDP" and is_peft_model(accelerator.unwrap_model(model)):
+    if _fsdp_adapters(accelerator, model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)

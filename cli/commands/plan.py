@@ -20,7 +20,8 @@ from ..units import parse_size
 @click.option("--num-processes", type=int, default=None, help="Total processes = GPUs (default: this machine's, or 1).")
 @click.option("--num-machines", type=int, default=1, show_default=True)
 @click.option("--gpu-memory", default=None, help="Per GPU, e.g. 24GiB or 80GB (default: the detected GPU).")
-@click.option("--host-memory", default=None, help="Per machine, e.g. 512GiB (default: this machine's).")
+@click.option("--host-memory", default=None,
+              help="Per machine, e.g. 512GiB (default: this machine's, unless --gpu-memory names other GPUs).")
 @click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step: find micro batch x accumulation.")
 @click.option("--method", "only", type=click.Choice(list(METHODS)), default=None,
               help="Recommend within this training method only (default: one recommendation per method).")
@@ -42,7 +43,10 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
     # this machine's RAM is the host's only when the GPUs planned for are this machine's (or in CPU mode);
     # for other machines' GPUs an unknown host is not judged, and the output says so
     elsewhere = gpu_memory is not None and not cpu and gpu != machine.gpu_memory
-    host = parse_size(host_memory, "--host-memory") if host_memory else None if elsewhere else machine.host_memory or None
+    if host_memory:
+        host = parse_size(host_memory, "--host-memory")
+    else:
+        host = None if elsewhere else machine.host_memory or None
     if gpu is None and not cpu:
         raise RecipeError("no GPU found here: give --gpu-memory (e.g. 24GiB or 80GB), or --cpu to plan the smoke test")
     if global_batch is not None and global_batch < 1:
