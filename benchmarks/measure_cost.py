@@ -22,7 +22,8 @@ from sft import accumulate_window  # noqa: E402
 
 from memrecipe.data import Collator, prepare_datasets  # noqa: E402
 from memrecipe.measure import held_bytes, optimizer_state_dtypes, peak_memory  # noqa: E402
-from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, make_optimizer  # noqa: E402
+from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator  # noqa: E402
+from memrecipe.optimizers import make_optimizer  # noqa: E402
 from memrecipe.registry import load_recipe  # noqa: E402
 
 

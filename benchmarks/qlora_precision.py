@@ -10,24 +10,19 @@ runs are deterministic), times are medians.
 """
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from runs import memrecipe_run
 
 VARIANTS = {"bf16 (default)": "quantization.upcast_unquantized=false",
             "fp32 upcast (PEFT)": "quantization.upcast_unquantized=true"}
 
 
 def run(folder: Path, override: str, steps: int) -> dict:
-    cmd = [sys.executable, "-m", "memrecipe", "run", "sft", "--recipe", "qlora", "--output-dir", str(folder),
-           override, f"max_steps={steps}", "eval_steps=null", "logging_steps=1000", "seed=7"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(done.stderr[-2000:])
-    return json.loads((folder / "report.json").read_text())
+    return memrecipe_run(folder, "qlora", override, f"max_steps={steps}", "eval_steps=null", "logging_steps=1000",
+                         "seed=7")
 
 
 def main():

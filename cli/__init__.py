@@ -13,6 +13,11 @@ __version__ = "0.1.0"
 # Library notices that say nothing about a run: bitsandbytes' optional CPU 4-bit kernel, a
 # peft/transformers deprecation, and torch's rename of collectives that DeepSpeed still calls.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# torchao (the adamw_torch_8bit optimizer; peft imports it too once installed): its CUDA-only kernels
+# do not load on a machine without them, and its enums use a torch.compile registration torch deprecates.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching.*", category=UserWarning)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated.*", category=FutureWarning)
 # The profiler (the loss's memory is measured with it on CPU) announces every start and stop, and

@@ -7,6 +7,7 @@ LM falls back to building it on the meta device (that path imports torch and tra
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,19 @@ class Linear:
     @property
     def params(self) -> int:
         return self.in_features * self.out_features + (self.out_features if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One trained parameter tensor as an optimizer sees it."""
+
+    name: str  # its module's name (q_proj, lm_head, embed_tokens, norm)
+    shape: tuple[int, ...]
+    kind: str  # "embedding", "linear" (a weight matrix of an nn.Linear), or "other" (norms, biases, adapters)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -61,11 +75,18 @@ class Structure:
     def params(self) -> int:
         return self.layers * self.layer_params + sum(self.top_params)
 
-    def tensors(self) -> list[int]:
-        """Every parameter tensor's numel (biases separate), as an optimizer sees them."""
-        per_layer = [lin.in_features * lin.out_features for lin in self.linears]
-        per_layer += [lin.out_features for lin in self.linears if lin.bias] + list(self.layer_norm_params)
-        return per_layer * self.layers + list(self.top_params)
+    def tensors(self) -> list[Tensor]:
+        """Every parameter tensor (biases separate), as an optimizer sees them. Of the tensors outside the
+        layers the first is the token embedding, a second [vocab x hidden] one the untied head; the others
+        (final norm, learned positions) count by size alone."""
+        per_layer = [Tensor(lin.name, (lin.out_features, lin.in_features), "linear") for lin in self.linears]
+        per_layer += [Tensor(lin.name, (lin.out_features,), "other") for lin in self.linears if lin.bias]
+        per_layer += [Tensor("norm", (n,), "other") for n in self.layer_norm_params]
+        top = [Tensor("embed_tokens", (self.vocab, self.hidden), "embedding")]
+        for n in self.top_params[1:]:
+            head = n == self.vocab * self.hidden and not self.tied_embeddings
+            top.append(Tensor("lm_head", (self.vocab, self.hidden), "linear") if head else Tensor("other", (n,), "other"))
+        return per_layer * self.layers + top
 
     @property
     def largest_module(self) -> int:

@@ -33,7 +33,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         # bitsandbytes weights (Params4bit/Int8Params): their numel above is the packed storage's
         "quantized_weights": sum(type(p).__name__ in ("Params4bit", "Int8Params") for p in params),
         "trainable_names_all_lora": all("lora_" in n for n, p in model.named_parameters() if p.requires_grad),
-        "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+        "optimizer_class": _optimizer_class(optimizer),
+        "optimizer_in_backward": hasattr(getattr(optimizer, "optimizer", optimizer), "optimizers"),
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
         "cpu_threads": torch.get_num_threads(),  # what CPU work (DeepSpeed's CPU Adam, collation) runs on
     }
@@ -48,12 +49,20 @@ def describe_setup(accelerator, model, optimizer) -> dict:
     return facts
 
 
+def _optimizer_class(optimizer) -> str:
+    """The optimizer's class; with the step in backward, the class of the per-parameter optimizers."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    each = getattr(inner, "optimizers", None)
+    return type(next(iter(each.values()))).__name__ if each else type(inner).__name__
+
+
 def optimizer_state_dtypes(optimizer) -> list[str]:
     """The dtypes of the optimizer's state tensors (8-bit bitsandbytes state shows as uint8)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     state = getattr(inner, "state", {})
-    return sorted({str(v.dtype).removeprefix("torch.") for s in state.values() for v in s.values()
-                   if torch.is_tensor(v) and v.numel() > 1})
+    # torchao's 8-bit state shows its float dtype outside; its codes are what it stores
+    stored = [getattr(v, "codes", v) for s in state.values() for v in s.values() if torch.is_tensor(v)]
+    return sorted({str(v.dtype).removeprefix("torch.") for v in stored if v.numel() > 1})
 
 
 def peak_memory(device) -> dict:
@@ -170,14 +179,20 @@ def flat_config(tree: dict, prefix: str = "") -> dict:
 def held_bytes(model, optimizer) -> dict:
     """Bytes of parameters, gradients and optimizer state this process really holds right after an
     optimizer step (before zero_grad): FSDP's local shards, DeepSpeed ZeRO-3's partitions and its
-    (possibly offloaded) fp32 master weights, gradients and moments. Each storage counted once."""
+    (possibly offloaded) fp32 master weights, gradients and moments, torchao's 8-bit state tensors,
+    APOLLO's projection matrices. Each storage counted once. With the step in backward no gradient
+    outlives its parameter's update: `gradients` is the most that was alive at once in the first backward."""
     seen: set[int] = set()
 
     def size(t) -> int:
         if t is None:
             return 0
         t = t.to_local() if type(t).__name__ == "DTensor" else t
-        if not torch.is_tensor(t) or t.numel() == 0 or t.untyped_storage().data_ptr() in seen:
+        if not torch.is_tensor(t):
+            return sum(map(size, vars(t).values())) if hasattr(t, "__dict__") else 0  # e.g. a projector
+        if hasattr(t, "__tensor_flatten__"):  # a tensor subclass (torchao's 8-bit state): its inner tensors
+            return sum(size(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        if t.numel() == 0 or t.untyped_storage().data_ptr() in seen:
             return 0
         seen.add(t.untyped_storage().data_ptr())
         return t.untyped_storage().nbytes()
@@ -192,14 +207,15 @@ def held_bytes(model, optimizer) -> dict:
     out = {"parameters": sum(size(getattr(p, "ds_tensor", p)) + sum(map(size, quant_scales(p))) for p in params)}
     # an 8-bit layer moves its weight's row scales into its own state at the first forward
     out["parameters"] += sum(size(getattr(getattr(m, "state", None), "SCB", None)) for m in model.modules())
+    inner = getattr(optimizer, "optimizer", optimizer)
     if engine_optimizer is not None and hasattr(engine_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3
         out["gradients"] = size(getattr(engine_optimizer, "grad_partitions_flat_buffer", None))
         inner = engine_optimizer.optimizer
         state = sum(size(v) for s in inner.state.values() for v in s.values())
         out["optimizer_state"] = sum(size(t) for t in engine_optimizer.fp32_partitioned_groups_flat) + state
     else:
-        out["gradients"] = sum(size(p.grad) for p in params)
-        inner = getattr(optimizer, "optimizer", optimizer)
+        peak = getattr(inner, "gradient_peak", None)  # optimizer_in_backward: measured in its hooks
+        out["gradients"] = peak if peak is not None else sum(size(p.grad) for p in params)
         out["optimizer_state"] = sum(size(v) for s in inner.state.values() for v in s.values())
     return out
 

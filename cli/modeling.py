@@ -1,5 +1,6 @@
 """Model side of the loop: the Accelerator for this machine, tokenizer and model loading (hub id,
-local folder, or the embedded tiny default), LoRA, gradient checkpointing, the optimizer, the loss."""
+local folder, or the embedded tiny default), LoRA, gradient checkpointing, and prepare (the optimizer
+itself is in optimizers.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import RecipeError
+from .optimizers import make_optimizer
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "data" / "tiny-llama"
 
@@ -219,9 +221,9 @@ def load_model(recipe, name_or_path: str, precision: str, device=None, device_me
     from transformers import AutoModelForCausalLM
 
     # A frozen LoRA base is stored in the compute dtype (2 bytes/param); trained weights stay fp32
-    # masters and mixed precision casts them for compute.
+    # masters and mixed precision casts them for compute, unless the recipe trains them in bf16.
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    dtype = half if recipe.lora and half is not None else torch.float32
+    dtype = half if recipe.lora and half is not None else DTYPES[recipe.weight_dtype]
     extra = {}
     q = recipe.quantization
     if q is not None:
@@ -288,30 +290,3 @@ def prepare(accelerator, recipe, model, *loaders):
         return (model, accelerator.prepare(optimizer), *(accelerator.prepare(loader) for loader in loaders))
     optimizer = make_optimizer(recipe, model, accelerator)
     return accelerator.prepare(model, optimizer, *loaders)
-
-
-def is_matrix(p) -> bool:
-    """A weight matrix (decayed), not a norm or a bias. FSDP1's flat parameters are 1-D: their original
-    tensors' shapes decide (all matrices, as PEFT's wrap policy gives the adapters units of their own)."""
-    shapes = getattr(p, "_shapes", None)  # torch's FlatParameter: the shapes of the tensors it flattens
-    return all(len(shape) >= 2 for shape in shapes) if shapes else p.ndim >= 2
-
-
-def make_optimizer(recipe, model, accelerator):
-    """AdamW as the recipe says: torch, bitsandbytes 8-bit (paged on CUDA), or DeepSpeed's CPU Adam
-    when DeepSpeed offloads the optimizer (it refuses a client optimizer on offloaded state)."""
-    decay = [p for p in model.parameters() if p.requires_grad and is_matrix(p)]
-    no_decay = [p for p in model.parameters() if p.requires_grad and not is_matrix(p)]  # norms and biases
-    groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    ds = recipe.deepspeed
-    if ds is not None and ds.offload_optimizer != "none":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam(groups, lr=recipe.learning_rate, adamw_mode=True)
-    if recipe.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
-        import bitsandbytes as bnb
-
-        paged = recipe.optim == "paged_adamw_8bit" and accelerator.device.type == "cuda"  # paging needs CUDA
-        cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
-        return cls(groups, lr=recipe.learning_rate)
-    return torch.optim.AdamW(groups, lr=recipe.learning_rate)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .architecture import Structure
+from .architecture import Structure, Tensor
 from .generator import resolve_precision
 from .recipe import Recipe
 from .topology import Topology
@@ -93,6 +93,50 @@ def adam_state_bytes(tensors: list[int], eight_bit: bool) -> int:
     return total
 
 
+TORCHAO_BLOCK = 256  # torchao's AdamW8bit: one fp32 scale per block of 256, and a 256-entry fp32 map per state
+
+
+def optimizer_state_bytes(recipe: Recipe, tensors: list[Tensor], weight_bytes: int) -> int:
+    """The optimizer state of these trained tensors. AdamW keeps two moments per tensor in its dtype
+    (fp32 masters: 4 bytes each; bf16 weights: 2) and a 4-byte step. bitsandbytes' 8-bit: adam_state_bytes.
+    torchao's 8-bit (adamw_torch_8bit): uint8 moments with an fp32 scale per 256-block and a map of their
+    own, for tensors of >= 4096 elements that split into whole blocks; embeddings keep fp32 moments
+    (optimizers.EMBEDDING_BITS); other tensors, moments in their dtype. APOLLO: a projected m x n matrix
+    keeps its moments in rank x max(m, n) and the projection rank x min(m, n) (in its dtype), and a
+    0-dim norm; the rest are AdamW's moments, with int steps."""
+    if recipe.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
+        return adam_state_bytes([t.numel for t in tensors], eight_bit=True)
+    total = 0
+    if recipe.optim == "adamw_torch_8bit":
+        for t in tensors:
+            n = t.numel
+            if t.kind == "embedding":
+                total += 8 * n
+            elif n >= BNB_MIN_8BIT and n % TORCHAO_BLOCK == 0:
+                total += 2 * (n + 4 * n // TORCHAO_BLOCK + 4 * 256)
+            else:
+                total += 2 * weight_bytes * n
+            total += 4
+        return total
+    if recipe.low_rank:
+        r, projected = recipe.optim_args.rank, set(projected_tensors(recipe, tensors))
+        for i, t in enumerate(tensors):
+            if i in projected:
+                m, n = t.shape
+                total += weight_bytes * (2 * r * max(m, n) + r * min(m, n) + 1)
+            else:
+                total += 2 * weight_bytes * t.numel
+        return total
+    return sum(2 * weight_bytes * t.numel + 4 for t in tensors)
+
+
+def projected_tensors(recipe: Recipe, tensors: list[Tensor]) -> list[int]:
+    """Indices of the weights a low-rank optimizer projects (optimizers.projected_names: the linear weights
+    optim_target_modules names, lm_head included under all-linear)."""
+    targets = recipe.optim_target_modules
+    return [i for i, t in enumerate(tensors) if t.kind == "linear" and (targets == "all-linear" or t.name in targets)]
+
+
 def quantized_bytes(numel: int, rows: int, q) -> int:
     """One bitsandbytes-quantized weight with its scales. 8-bit: a byte per weight and an fp32 scale
     per row. 4-bit: two weights per byte and an absmax per block of 64 weights (fp32; with double
@@ -120,23 +164,24 @@ def base_bytes(recipe: Recipe, s: Structure, cb: int, layer_only: bool = False) 
     return layer if layer_only else s.layers * layer + other * sum(s.top_params)
 
 
-def trainable_tensors(recipe: Recipe, s: Structure) -> list[int]:
+def trainable_tensors(recipe: Recipe, s: Structure) -> list[Tensor]:
     if recipe.lora is None:
         return s.tensors()
     r = recipe.lora.r
-    per_layer = [n for lin in s.lora_linears(recipe.lora.target_modules) for n in (r * lin.in_features, lin.out_features * r)]
+    per_layer = [t for lin in s.lora_linears(recipe.lora.target_modules)
+                 for t in (Tensor("lora_A", (r, lin.in_features), "other"), Tensor("lora_B", (lin.out_features, r), "other"))]
     return per_layer * s.layers
 
 
 def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
     """How the weights meet the compute dtype: fp32 | mixed (autocast over fp32 weights) | half | lora | qlora."""
-    if compute_bytes == 4:
+    if compute_bytes == 4 and recipe.weight_dtype == "fp32":
         return "fp32"
     if recipe.quantization is not None and recipe.quantization.upcast_unquantized:
         return "qlora"  # 4-bit linears; PEFT's k-bit preparation puts embeddings, norms and head in fp32
     if recipe.lora is not None:
         return "lora"  # frozen base stored in half precision (see modeling.load_model)
-    if recipe.fsdp is not None or recipe.deepspeed is not None:
+    if recipe.fsdp is not None or recipe.deepspeed is not None or recipe.weight_dtype == "bf16":
         return "half"  # FSDP casts gathered params, DeepSpeed keeps the module in half precision
     return "mixed"
 
@@ -234,7 +279,12 @@ def loading_bytes(recipe: Recipe, s: Structure, cb: int, local: int) -> int:
         return base_bytes(recipe, s, cb) * local
     if recipe.lora is not None:
         return cb * s.params
-    return 4 * s.params * local  # (tensor parallelism too: each rank loads all, then keeps its slices)
+    return weight_bytes(recipe) * s.params * local  # (tensor parallelism too: each rank loads all, keeps its slices)
+
+
+def weight_bytes(recipe: Recipe) -> int:
+    """Bytes per trained weight: fp32 masters, or bf16 weights with no master copy (weight_dtype)."""
+    return 2 if recipe.weight_dtype == "bf16" else 4
 
 
 def speed_cost(recipe: Recipe, precision: str) -> float:
@@ -253,8 +303,8 @@ def speed_cost(recipe: Recipe, precision: str) -> float:
         cost *= (2.0 if recipe.deepspeed.offload_param != "none" else 1.0)
     if recipe.parallelism:
         cost *= 1.15  # all-reduces of activations in every layer's forward and backward
-    if recipe.uses_bnb:
-        cost *= 1.05
+    if recipe.optim != "adamw_torch":
+        cost *= 1.05  # 8-bit (de)quantisation of the state, or APOLLO's projections
     if recipe.quantization:
         cost *= 1.2  # each weight dequantised per matmul, forward and backward
     if precision == "no":
@@ -274,9 +324,9 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     mode = activation_mode(recipe, cb)
     P = s.params
     train = trainable_tensors(recipe, s)
-    Pt = sum(train)
-    eight_bit = recipe.uses_bnb
-    optim = adam_state_bytes(train, eight_bit)
+    Pt = sum(t.numel for t in train)
+    wb = weight_bytes(recipe) if recipe.lora is None else 4  # LoRA's adapters train in fp32
+    optim = optimizer_state_bytes(recipe, train, wb)
     notes: list[str] = []
     host = 0
     if recipe.deepspeed and recipe.deepspeed.zero_stage == 3:
@@ -326,10 +376,12 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         else:
             params, grads, opt = sharded + gathered, 4 * Pt // n + unit_grads, optim // n
     else:
-        params = (base_bytes(recipe, s, cb) if recipe.lora else 0) + 4 * (Pt if recipe.lora else P)
-        grads = 4 * Pt
-        if n > 1:
-            grads += 4 * Pt  # DDP's gradient buckets: a second copy of the trainable gradients
+        params = (base_bytes(recipe, s, cb) if recipe.lora else 0) + wb * Pt
+        grads = wb * Pt
+        if recipe.optimizer_in_backward:  # each gradient is freed by its parameter's update: one at a time
+            grads = wb * max(t.numel for t in train)
+        elif n > 1:
+            grads += wb * Pt  # DDP's gradient buckets: a second copy of the trainable gradients
         opt = optim
     load = loading_bytes(recipe, s, cb, local)
     if load and not topo.cpu:

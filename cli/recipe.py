@@ -16,8 +16,10 @@ import yaml
 from .errors import RecipeError
 from .schema import build, spec, to_dict
 
-OPTIMIZERS = ("adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit")
+OPTIMIZERS = ("adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_torch_8bit", "apollo_adamw")
 BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit")
+EIGHT_BIT_OPTIMIZERS = (*BNB_OPTIMIZERS, "adamw_torch_8bit")  # bitsandbytes', and torchao's with bf16 rounding
+LOW_RANK_OPTIMIZERS = ("apollo_adamw",)  # optimizer state of low-rank projections (optim_target_modules)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,22 @@ class Lora:
     dropout: float = spec(0.05, low=0, high=0.99)
     # a list of module names, or peft's "all-linear"
     target_modules: tuple[str, ...] | Literal["all-linear"] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class OptimArgs:
+    """Options of the optimizers that take more than AdamW's (transformers' Trainer `optim_args`)."""
+
+    # apollo_adamw: the rank of the random projection its moments live in (state: rank x the longer side)
+    rank: int = spec(128, low=1)
+    proj: Literal["random", "svd"] = "random"  # random (APOLLO) or SVD (GaLore's) projection
+    scale_type: Literal["channel", "tensor"] = "channel"  # the update's scaling: per channel (APOLLO) or per tensor (APOLLO-Mini)
+    update_proj_gap: int = spec(200, low=1)  # steps between new projections
+    scale: float = spec(1.0, low=0, low_open=True)  # the update's scale (APOLLO-Mini: sqrt(128) at rank 1)
+    proj_type: Literal["std", "reverse_std", "left", "right"] = "std"
+    # adamw_torch_8bit with bf16 weights: round each update stochastically to bf16, so that updates smaller
+    # than half a bf16 step move the weight on average instead of being lost
+    bf16_stochastic_round: bool = True
 
 
 @dataclass(frozen=True)
@@ -126,7 +144,16 @@ class Recipe:
     max_grad_norm: float | None = spec(1.0, low=0, low_open=True)  # null: no clipping
     seed: int = spec(42, low=0)
     # memory techniques
-    optim: Literal["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit"] = "adamw_torch"
+    optim: Literal["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_torch_8bit", "apollo_adamw"] = "adamw_torch"
+    optim_args: OptimArgs = field(default_factory=OptimArgs)
+    # the weight matrices apollo_adamw projects: module names, or all-linear (every nn.Linear, lm_head included)
+    optim_target_modules: tuple[str, ...] | Literal["all-linear"] = "all-linear"
+    # each parameter's update runs as soon as its gradient is complete, which is then freed (one
+    # parameter's gradient is held, not the model's); no accumulation, clipping or fp16 loss scaling
+    optimizer_in_backward: bool = False
+    # a full fine-tune's trained weights: fp32 (master weights, autocast computes in 16 bits) or bf16 (no
+    # master copy: 2 bytes/param, and updates below half a bf16 step need stochastic rounding)
+    weight_dtype: Literal["fp32", "bf16"] = "fp32"
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
     gradient_checkpointing: bool = False
     activation_offload: bool = False  # checkpointed layers' saved inputs wait in host memory
@@ -146,6 +173,10 @@ class Recipe:
     @property
     def uses_bnb(self) -> bool:
         return self.optim in BNB_OPTIMIZERS
+
+    @property
+    def low_rank(self) -> bool:
+        return self.optim in LOW_RANK_OPTIMIZERS
 
     def to_dict(self) -> dict:
         return to_dict(self)
@@ -274,6 +305,7 @@ def check_combinations(r: Recipe) -> None:
             raise RecipeError(
                 "gradient_checkpointing and fsdp.activation_checkpointing both checkpoint the same layers: keep one"
             )
+    check_optimizer(r)
     if r.deepspeed:
         ds = r.deepspeed
         if r.uses_bnb and ds.offload_optimizer != "none":
@@ -285,6 +317,43 @@ def check_combinations(r: Recipe) -> None:
             raise RecipeError(f"deepspeed.offload_param needs zero_stage 3, got zero_stage {ds.zero_stage}")
         if ds.offload_optimizer != "none" and ds.zero_stage == 0:
             raise RecipeError("deepspeed.offload_optimizer needs zero_stage 1, 2 or 3, got 0")
+
+
+def check_optimizer(r: Recipe) -> None:
+    """The optimizer's own keys: what each needs, and which engines leave it room."""
+    engine = "FSDP" if r.fsdp else "DeepSpeed" if r.deepspeed else None
+    if r.optim in ("adamw_torch_8bit", *LOW_RANK_OPTIMIZERS) and engine:
+        why = ("projects each weight matrix whole, and the engine hands the optimizer flat or row shards"
+               if r.low_rank else "is not tested under an engine that shards the optimizer state in memrecipe")
+        raise RecipeError(f"optim {r.optim} {why}: use it with distributed_type no or ddp (or optim=adamw_torch)")
+    if r.low_rank and r.lora is not None:
+        raise RecipeError(f"optim {r.optim} keeps low-rank state for full fine-tuning; LoRA's adapters are low-rank "
+                          "already: set lora=null, or optim=adamw_torch")
+    if r.weight_dtype == "bf16":
+        if r.lora is not None:
+            raise RecipeError("weight_dtype is for full fine-tuning: LoRA keeps its frozen base in the compute dtype "
+                              "and its adapters in fp32 (set weight_dtype=fp32)")
+        if engine:
+            raise RecipeError(f"weight_dtype bf16 is for one process or DDP: {engine} keeps its own weight copies "
+                              "(set weight_dtype=fp32)")
+        if r.mixed_precision == "fp16":
+            raise RecipeError("weight_dtype bf16 computes in bf16: set mixed_precision=bf16 (or auto)")
+    if r.optimizer_in_backward:
+        if r.distributed_type != "no":
+            raise RecipeError("optimizer_in_backward runs on one process: under ddp, fsdp or deepspeed gradients are "
+                              "reduced across processes after the hook would have used them (set distributed_type no)")
+        if r.gradient_accumulation_steps > 1:
+            raise RecipeError("optimizer_in_backward updates each parameter as soon as its gradient is complete, so "
+                              "gradients cannot add up over micro batches: set gradient_accumulation_steps=1 (and "
+                              "raise per_device_train_batch_size instead)")
+        if r.mixed_precision == "fp16":
+            raise RecipeError("optimizer_in_backward cannot use fp16's loss scaler: it skips or rescales a whole step "
+                              "once every gradient is seen, and each parameter is already updated by then (set "
+                              "mixed_precision=bf16)")
+        if r.max_grad_norm is not None:
+            raise RecipeError("optimizer_in_backward cannot clip: the norm of all gradients is known only after the "
+                              "whole backward, when each parameter is already updated (as in torchtune): set "
+                              "max_grad_norm=null")
 
 
 def cpu_blocker(r: Recipe) -> str | None:
@@ -331,8 +400,16 @@ def techniques(r: Recipe) -> list[str]:
     if r.gradient_checkpointing:
         out.append("gradient checkpointing" + (" + offload to host" if r.activation_offload else ""))
     out.append({"auto": "bf16/fp16 auto", "no": "fp32"}.get(r.mixed_precision, r.mixed_precision))
-    if r.uses_bnb:
-        out.append("8-bit AdamW" + (" (paged on CUDA)" if r.optim.startswith("paged") else ""))
+    if r.weight_dtype == "bf16":
+        out.append("bf16 weights" + (", stochastic rounding" if r.optim == "adamw_torch_8bit"
+                                     and r.optim_args.bf16_stochastic_round else ""))
+    if r.optim in EIGHT_BIT_OPTIMIZERS:
+        out.append("8-bit AdamW" + (" (paged on CUDA)" if r.optim.startswith("paged") else "")
+                   + (" (torchao)" if r.optim == "adamw_torch_8bit" else ""))
+    if r.low_rank:
+        out.append(f"APOLLO rank {r.optim_args.rank}")
+    if r.optimizer_in_backward:
+        out.append("optimizer step in backward")
     return out
 
 

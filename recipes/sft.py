@@ -243,7 +243,7 @@ def main(argv=None):
             local_tokens += window_tokens
             real_tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device), "sum")
             record = {"step": step, "loss": loss, "targets": targets // tp_share,
-                      "lr": scheduler.get_last_lr()[0], "tokens": int(real_tokens) // tp_share,
+                      "lr": float(scheduler.get_last_lr()[0]), "tokens": int(real_tokens) // tp_share,
                       "seconds": time.perf_counter() - tick}
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)

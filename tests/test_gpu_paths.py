@@ -139,7 +139,7 @@ def test_fsdp1_flat_parameters_keep_weight_decay_for_the_matrices_they_flatten()
     """FSDP1 (fsdp-qlora) hands the optimizer 1-D flat parameters; torch's FlatParameter keeps the
     original shapes in `_shapes` (torch/distributed/fsdp/_flat_param.py): adapters' units are all
     matrices and keep their weight decay, a unit of norms does not."""
-    from memrecipe.modeling import make_optimizer
+    from memrecipe.optimizers import make_optimizer
 
     adapters = torch.nn.Parameter(torch.zeros(2 * 8 * 16))
     adapters._shapes = (torch.Size([8, 16]), torch.Size([16, 8]))  # lora_A, lora_B flattened

@@ -11,8 +11,9 @@ import torch
 from memrecipe.architecture import read_config, structure
 from memrecipe.errors import RecipeError
 from memrecipe.loss import fuse_head, lm_loss, token_loss
-from memrecipe.modeling import EMBEDDED_MODEL, load_model, make_optimizer
-from memrecipe.planner import estimate, judge
+from memrecipe.modeling import EMBEDDED_MODEL, load_model
+from memrecipe.optimizers import make_optimizer
+from memrecipe.planner import breakdown, estimate, judge
 from memrecipe.registry import load_recipe
 from memrecipe.topology import Topology, make_topology
 from memrecipe.units import parse_size
@@ -337,7 +338,7 @@ def test_a_4bit_base_is_half_a_byte_per_layer_weight_and_fsdp_shards_it():
     from memrecipe.planner import trainable_tensors
 
     s = structure(LLAMA_70B)
-    trained = sum(trainable_tensors(load_recipe("qlora"), s))
+    trained = sum(t.numel for t in trainable_tensors(load_recipe("qlora"), s))
     layers = s.layers * sum(lin.params for lin in s.linears)
     q = estimate(load_recipe("qlora"), s, Topology(1))
     # NF4 + double-quantized scales ~0.516 bytes/weight; embeddings, head and norms bf16 (the quant storage),
@@ -375,6 +376,36 @@ def test_an_8b_job_plans_no_more_than_torchtune_measures(recipe, overrides, offl
     if recipe == "qlora":  # 16-bit embeddings and head, as the quantized base stores them
         upcast = estimate(load_recipe(recipe, [*TORCHTUNE_JOB, "quantization.upcast_unquantized=true"]), s, Topology(1))
         assert upcast.parameters - est.parameters == 2 * (s.params - s.layers * sum(lin.params for lin in s.linears))
+
+
+@pytest.mark.parametrize("overrides, bound", [
+    ([], 40),  # torchao's 8-bit AdamW (embeddings' state in fp32), the step in backward
+    (["optim=apollo_adamw", "optim_args.rank=128"], 24),  # every linear layer, lm_head included, projected
+])
+def test_an_8b_full_fine_tune_plans_on_one_gpu(overrides, bound):
+    """Llama-3.1-8B, 2 x 2048, one GPU, model states on it (today's adamw-8bit: ~80 GiB)."""
+    s = structure(LLAMA_8B)
+    r = load_recipe("single-gpu-full", ["per_device_train_batch_size=2", "max_seq_length=2048", *overrides])
+    est = estimate(r, s, Topology(1))
+    assert (est.total - est.overhead) / 2**30 <= bound, breakdown(est)
+    assert est.host_total() < 16 * 2**30 and est.host_offload == 0  # nothing parked in host RAM
+    assert est.parameters == 2 * s.params and est.gradients == 2 * s.vocab * s.hidden  # bf16; the head's gradient
+    ordinary = estimate(replace(r, optimizer_in_backward=False), s, Topology(1))
+    assert ordinary.gradients == 2 * s.params  # a model's worth of bf16 gradients without the step in backward
+    stock = estimate(load_recipe("adamw-8bit", ["per_device_train_batch_size=2", "max_seq_length=2048"]), s, Topology(1))
+    assert stock.total > 75 * 2**30
+
+
+def test_plan_recommends_the_bf16_full_fine_tune_on_one_gpu(cli, tmp_path):
+    folder = tmp_path / "llama-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    args = ["plan", "--model", str(folder), "--gpu-memory", "80GB", "--num-processes", "1", "--host-memory", "64GiB",
+            "--method", "full", "--json"]
+    data = json.loads(cli(*args).stdout)
+    assert data["recommendations"]["full"]["recipe"] == "single-gpu-full"
+    fits = {e["recipe"]: e["fits"] for e in data["estimates"]}
+    assert not fits["adamw-8bit"] and not fits["zero3-offload"]  # 80 GB of GPU; 145 GB of offload in 64 GiB of RAM
 
 
 @pytest.mark.slow

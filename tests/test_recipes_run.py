@@ -195,6 +195,20 @@ def test_adamw_8bit_keeps_8bit_optimizer_state(runs):
     assert_full_model_saved(folder, tolerance=1e-5)
 
 
+def test_single_gpu_full_trains_bf16_weights_with_the_step_in_backward(runs):
+    folder = runs("single-gpu-full")
+    r = assert_learned(folder, 1)
+    s = r["setup"]
+    assert s["optimizer_class"] == "TorchaoAdamW8bit" and s["optimizer_in_backward"]
+    assert {"uint8", "float32"} <= set(s["optimizer_state_dtypes"])  # 8-bit moments; fp32 for the embeddings
+    assert s["gradient_checkpointing"] and s["trainable_params"] == s["params"]
+    (held,) = [p["held"] for p in r["processes"]]
+    assert held["parameters"] == 2 * s["params"]  # bf16, no fp32 master anywhere
+    assert held["gradients"] < 0.1 * held["parameters"]  # one tensor's gradient at a time, not the model's
+    model = assert_full_model_saved(folder, tolerance=1e-4)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
 def test_fsdp_lora_shards_the_base_and_saves_the_trained_adapter(runs):
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -258,7 +272,7 @@ def test_qlora_adapter_reloads_onto_the_quantized_base(runs):
 
 # The report card (issue: what the run measured next to what the planner predicted).
 
-@pytest.mark.parametrize("name", ["single-gpu-lora", "adamw-8bit", "qlora"])
+@pytest.mark.parametrize("name", ["single-gpu-lora", "adamw-8bit", "qlora", "single-gpu-full"])
 def test_one_process_model_states_match_the_plan(runs, name):
     r = report(runs(name))
     (held,) = [p["held"] for p in r["processes"]]

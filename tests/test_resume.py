@@ -55,8 +55,10 @@ def final_weights(folder):
 
 
 # each checkpoint holds something the others do not: an adapter on a bf16 base, FSDP shards, ZeRO partitions
-# with offloaded state, adapters under FSDP, adapters on a 4-bit base, bitsandbytes' 8-bit optimizer state
-@pytest.mark.parametrize("recipe", ["single-gpu-lora", "fsdp", "zero3-offload", "fsdp-lora", "qlora", "adamw-8bit"])
+# with offloaded state, adapters under FSDP, adapters on a 4-bit base, bitsandbytes' 8-bit optimizer state,
+# bf16 weights with torchao's 8-bit state in per-parameter optimizers stepped in backward (and stochastic rounding)
+@pytest.mark.parametrize("recipe", ["single-gpu-lora", "fsdp", "zero3-offload", "fsdp-lora", "qlora", "adamw-8bit",
+                                    "single-gpu-full"])
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     finish(["--recipe", recipe, *EXACT], whole)

@@ -1,0 +1,187 @@
+"""The optimizer a recipe names, built on the model: AdamW from torch, bitsandbytes (8-bit, paged on
+CUDA), torchao (8-bit, stochastic rounding into bf16 weights), APOLLO (low-rank state), or DeepSpeed's
+CPU Adam; its parameter groups (weight decay for matrices, 32-bit state for embeddings, projected
+matrices); and, with optimizer_in_backward, one optimizer per parameter stepped during backward."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+EMBEDDING_BITS = 32  # 8-bit optimizers keep embeddings' state in 32 bits (as transformers' Trainer does):
+# a row's moments see a gradient only when its token occurs, and blockwise 8-bit scales lose the rare rows
+
+
+def is_matrix(p) -> bool:
+    """A weight matrix (decayed), not a norm or a bias. FSDP1's flat parameters are 1-D: their original
+    tensors' shapes decide (all matrices, as PEFT's wrap policy gives the adapters units of their own)."""
+    shapes = getattr(p, "_shapes", None)  # torch's FlatParameter: the shapes of the tensors it flattens
+    return all(len(shape) >= 2 for shape in shapes) if shapes else p.ndim >= 2
+
+
+def projected_names(model, targets) -> set[str]:
+    """The weights a low-rank optimizer projects: nn.Linear weights named by `targets` (module names, or
+    all-linear: every one, lm_head included), as transformers' Trainer picks them. A head tied to the
+    embeddings is not projected (it is the embedding's weight, and named so)."""
+    picked = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and (targets == "all-linear" or name.rsplit(".", 1)[-1] in targets):
+            picked.add(f"{name}.weight" if name else "weight")
+    return picked
+
+
+def param_groups(recipe, model) -> list[dict]:
+    """Trainable parameters in groups: decayed matrices, undecayed norms and biases; for torchao's 8-bit
+    optimizer the embeddings apart with 32-bit state; for low-rank optimizers the projected matrices apart
+    with the projection's options (optim_args)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    projected = projected_names(model, recipe.optim_target_modules) if recipe.low_rank else set()
+    if recipe.low_rank and not projected:
+        from .errors import RecipeError
+
+        raise RecipeError(f"optim_target_modules {recipe.optim_target_modules!r} names no linear layer of this "
+                          "model (module names such as q_proj, or all-linear)")
+    a = recipe.optim_args
+    options = {"projected": {"rank": a.rank, "proj": a.proj, "scale_type": a.scale_type,
+                             "update_proj_gap": a.update_proj_gap, "scale": a.scale, "proj_type": a.proj_type},
+               "embedding": {"optim_bits": EMBEDDING_BITS}}
+    groups: dict[str, dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name in projected:
+            kind = "projected"
+        elif id(p) in embeddings and recipe.optim == "adamw_torch_8bit":
+            kind = "embedding"
+        else:
+            kind = "decay" if is_matrix(p) else "no_decay"
+        decay = recipe.weight_decay if is_matrix(p) else 0.0
+        groups.setdefault(kind, {"params": [], "weight_decay": decay, **options.get(kind, {})})["params"].append(p)
+    return list(groups.values())
+
+
+def make_optimizer(recipe, model, accelerator):
+    """The recipe's optimizer over the model's trainable parameters; with optimizer_in_backward, one per
+    parameter behind a StepInBackward. DeepSpeed's optimizer offload runs DeepSpeed's CPU Adam (it
+    refuses a client optimizer on offloaded state)."""
+    groups = param_groups(recipe, model)
+    ds = recipe.deepspeed
+    if ds is not None and ds.offload_optimizer != "none":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=recipe.learning_rate, adamw_mode=True)
+    build = optimizer_factory(recipe, accelerator.device)
+    return StepInBackward(groups, build) if recipe.optimizer_in_backward else build(groups)
+
+
+def optimizer_factory(recipe, device):
+    """groups -> the recipe's optimizer (a function: optimizer_in_backward builds one per parameter)."""
+    lr = recipe.learning_rate
+    if recipe.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
+        import bitsandbytes as bnb
+
+        paged = recipe.optim == "paged_adamw_8bit" and device.type == "cuda"  # paging needs CUDA
+        cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+        return lambda groups: cls(groups, lr=lr)
+    if recipe.optim == "adamw_torch_8bit":
+        cls, rounding = torchao_adamw8bit(), recipe.optim_args.bf16_stochastic_round
+        return lambda groups: cls(groups, lr=lr, bf16_stochastic_round=rounding, compiled=device.type == "cuda")
+    if recipe.optim == "apollo_adamw":
+        from apollo_torch import APOLLOAdamW
+        from apollo_torch.random_projector import GradientProjector
+        from apollo_torch.svd_projector import GaLoreProjector
+
+        # the projectors live in the optimizer state: let checkpoints load them with weights_only
+        torch.serialization.add_safe_globals([GradientProjector, GaLoreProjector])
+        return lambda groups: APOLLOAdamW(groups, lr=lr)
+    return lambda groups: torch.optim.AdamW(groups, lr=lr)
+
+
+@functools.cache
+def torchao_adamw8bit():
+    """torchao's AdamW8bit, with fp32 moments for groups marked `optim_bits: 32`, built on first use
+    (torchao takes ~1.5 s to import). Off CUDA its step runs eagerly: torchao compiles it per parameter
+    shape, which costs ~50 s on 2 CPU cores the first time for a tiny model and buys a smoke test
+    nothing (the same arithmetic runs, unfused)."""
+    from torchao.optim import AdamW8bit
+
+    class TorchaoAdamW8bit(AdamW8bit):
+        def __init__(self, params, *, compiled: bool, **kwargs):
+            super().__init__(params, **kwargs)
+            self.compiled = compiled
+            self.full_precision = {id(p) for g in self.param_groups if g.get("optim_bits") == 32 for p in g["params"]}
+
+        def _new_buffer(self, p, signed):
+            if id(p) in self.full_precision:
+                return torch.zeros_like(p, dtype=torch.float32)
+            return super()._new_buffer(p, signed)
+
+        def load_state_dict(self, state_dict):
+            super().load_state_dict(state_dict)
+            # torch casts loaded state to its parameter's dtype: put the 32-bit moments back as saved
+            params = [p for g in self.param_groups for p in g["params"]]
+            for index, saved in state_dict["state"].items():
+                p = params[index]
+                if id(p) in self.full_precision:
+                    self.state[p].update({k: v.to(p.device) for k, v in saved.items() if k != "step"})
+
+        def step(self, closure=None):
+            if self.compiled:
+                return super().step(closure)
+            with torch.compiler.set_stance("force_eager"):
+                return super().step(closure)
+
+    return TorchaoAdamW8bit
+
+
+class StepInBackward(torch.optim.Optimizer):
+    """One optimizer per parameter, stepped by the parameter's post-accumulate-grad hook as soon as its
+    gradient is complete, which is then freed: one parameter's gradient is held at a time, not the model's
+    (torchtune's optimizer_in_bwd, transformers' *_layerwise optimizers). To the loop, the LR scheduler and
+    accelerate it is one optimizer: step() and zero_grad() have nothing left to do, `param_groups` are the
+    per-parameter optimizers' own groups (the scheduler sets their learning rates), and the state dict
+    holds every optimizer's. `gradient_peak` is the most gradient bytes alive at once in the first backward,
+    measured in the hooks."""
+
+    def __init__(self, groups: list[dict], build):
+        params = [p for g in groups for p in g["params"]]
+        super().__init__(params, {})
+        self.optimizers = {}
+        for index, (group, p) in enumerate(((g, p) for g in groups for p in g["params"]), start=1):
+            optimizer = build([{**group, "params": [p]}])
+            if "seed" in optimizer.state[p]:  # APOLLO seeds each projection by the parameter's position
+                optimizer.state[p]["seed"] = index
+            self.optimizers[p] = optimizer
+            p.register_post_accumulate_grad_hook(self._step)
+        self._share()
+        self.gradient_peak, self._measuring = 0, True
+
+    def _share(self):
+        self.param_groups = [g for o in self.optimizers.values() for g in o.param_groups]
+        self.state = {p: o.state[p] for p, o in self.optimizers.items()}
+
+    def _step(self, p):
+        if self._measuring:
+            alive = sum(q.grad.untyped_storage().nbytes() for q in self.optimizers if q.grad is not None)
+            self.gradient_peak = max(self.gradient_peak, alive)
+        optimizer = self.optimizers[p]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step(self, closure=None):
+        """Every parameter was stepped in backward; this ends the first backward's gradient measurement."""
+        self._measuring = False
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.optimizers:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"per_parameter": [o.state_dict() for o in self.optimizers.values()]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for optimizer, state in zip(self.optimizers.values(), state_dict["per_parameter"], strict=True):
+            optimizer.load_state_dict(state)
+        self._share()  # load_state_dict gives each optimizer new group and state objects

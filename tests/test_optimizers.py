@@ -1,0 +1,142 @@
+"""The optimizers and what they hold: torchao's 8-bit AdamW on bf16 weights, APOLLO's low-rank state,
+the step in backward; each measured after a real step on the embedded model against the plan."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from memrecipe.architecture import read_config, structure
+from memrecipe.errors import RecipeError
+from memrecipe.measure import held_bytes
+from memrecipe.modeling import embedded_model, load_model
+from memrecipe.optimizers import StepInBackward, make_optimizer
+from memrecipe.planner import estimate
+from memrecipe.registry import load_recipe
+from memrecipe.topology import Topology
+
+CPU = SimpleNamespace(device=torch.device("cpu"))
+IN_BACKWARD = ["optimizer_in_backward=true", "max_grad_norm=null", "gradient_accumulation_steps=1"]
+FULL = ["lora=null", "quantization=null"]  # single-gpu-lora made a full fine-tune: one process, no engine
+
+
+def full(*overrides):
+    return load_recipe("single-gpu-lora", [*FULL, *overrides])
+
+
+def trained(recipe, steps=1, seed=0):
+    """The embedded model after `steps` real optimizer steps on fixed random batches."""
+    torch.manual_seed(seed)
+    model, _ = load_model(recipe, embedded_model(), "bf16" if recipe.weight_dtype == "bf16" else "no")
+    optimizer = make_optimizer(recipe, model, CPU)
+    batches = torch.randint(0, 500, (steps, 2, 32), generator=torch.Generator().manual_seed(seed))
+    for ids in batches:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        held = held_bytes(model, optimizer)
+        optimizer.zero_grad()
+    return model, optimizer, held
+
+
+@pytest.mark.parametrize("overrides", [
+    ["weight_dtype=bf16", "optim=adamw_torch_8bit"],
+    ["weight_dtype=bf16", "optim=adamw_torch_8bit", *IN_BACKWARD],
+    ["weight_dtype=bf16", "optim=apollo_adamw", "optim_args.rank=8"],
+    ["weight_dtype=bf16", "optim=apollo_adamw", "optim_args.rank=8", "optim_target_modules=[q_proj,v_proj]", *IN_BACKWARD],
+    ["weight_dtype=bf16", "optim=adamw_torch"],
+    ["weight_dtype=fp32", "optim=adamw_torch_8bit", *IN_BACKWARD],
+], ids=["torchao-8bit", "torchao-8bit-in-backward", "apollo", "apollo-two-targets-in-backward", "adamw-bf16",
+        "torchao-8bit-fp32"])
+def test_held_model_states_equal_the_plan(overrides):
+    recipe = full(*overrides)
+    _, _, held = trained(recipe)
+    plan = estimate(recipe, structure(read_config(None)), Topology(cpu=True))
+    for category in ("parameters", "gradients", "optimizer_state"):
+        assert held[category] == pytest.approx(getattr(plan, category), rel=0.01), category
+
+
+def test_the_step_in_backward_holds_one_tensors_gradient():
+    recipe = full("weight_dtype=bf16", "optim=adamw_torch_8bit")
+    model, _, ordinary = trained(recipe)
+    _, optimizer, in_backward = trained(full("weight_dtype=bf16", "optim=adamw_torch_8bit", *IN_BACKWARD))
+    largest = max(p.numel() for p in model.parameters())
+    assert ordinary["gradients"] == 2 * sum(p.numel() for p in model.parameters())  # the model's, in bf16
+    assert in_backward["gradients"] == 2 * largest  # measured in the hooks: never more than one tensor's at once
+    assert all(p.grad is None for p in optimizer.optimizers)  # and none outlives its update
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "apollo_adamw"])
+def test_the_step_in_backward_gives_the_ordinary_steps_weights(optim):
+    args = ["weight_dtype=fp32", f"optim={optim}", "optim_args.rank=8", "weight_decay=0.1"]
+    ordinary, _, _ = trained(full(*args), steps=3)
+    in_backward, _, _ = trained(full(*args, *IN_BACKWARD), steps=3)
+    moved = 0
+    for (name, a), b in zip(ordinary.named_parameters(), in_backward.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=name)
+    reference, _ = load_model(full(*args), embedded_model(), "no")
+    moved = sum(not torch.equal(a, b) for a, b in zip(reference.parameters(), ordinary.parameters()))
+    assert moved == len(list(reference.parameters()))  # every tensor was updated
+
+
+def test_the_scheduler_sets_every_per_parameter_learning_rate():
+    from transformers import get_scheduler
+
+    model, _ = load_model(full("weight_dtype=bf16", "optim=adamw_torch_8bit", *IN_BACKWARD), embedded_model(), "bf16")
+    optimizer = make_optimizer(full("weight_dtype=bf16", "optim=adamw_torch_8bit", *IN_BACKWARD), model, CPU)
+    assert isinstance(optimizer, StepInBackward)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=4)
+    optimizer.step()
+    scheduler.step()
+    rates = [float(o.param_groups[0]["lr"]) for o in optimizer.optimizers.values()]
+    assert rates == pytest.approx([0.75 * load_recipe("single-gpu-lora").learning_rate] * len(rates))
+
+
+def test_embeddings_keep_fp32_state_through_a_checkpoint():
+    recipe = full("weight_dtype=bf16", "optim=adamw_torch_8bit")
+    model, optimizer, _ = trained(recipe)
+    embedding = model.get_input_embeddings().weight
+    assert optimizer.state[embedding]["exp_avg"].dtype == torch.float32
+    layer = model.model.layers[0].self_attn.q_proj.weight
+    assert optimizer.state[layer]["exp_avg"].codes.dtype == torch.uint8
+    other, fresh, _ = trained(recipe, seed=1)
+    fresh.load_state_dict(optimizer.state_dict())  # torch would cast state to the bf16 parameter's dtype
+    loaded = fresh.state[other.get_input_embeddings().weight]["exp_avg"]
+    assert loaded.dtype == torch.float32
+    torch.testing.assert_close(loaded, optimizer.state[embedding]["exp_avg"], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["gradient_accumulation_steps=4"], ["gradient_accumulation_steps=1", "micro batches"]),
+    (["weight_dtype=fp32", "mixed_precision=fp16"], ["loss scaler", "mixed_precision=bf16"]),
+    (["mixed_precision=fp16"], ["weight_dtype bf16 computes in bf16", "mixed_precision=bf16"]),
+    (["max_grad_norm=1.0"], ["cannot clip", "max_grad_norm=null"]),
+])
+def test_the_step_in_backward_refuses_what_it_cannot_do(overrides, words):
+    with pytest.raises(RecipeError) as e:
+        load_recipe("single-gpu-full", overrides)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("recipe, overrides, words", [
+    ("ddp", IN_BACKWARD, ["optimizer_in_backward runs on one process", "distributed_type no"]),
+    ("fsdp", ["optim=apollo_adamw"], ["apollo_adamw", "shards", "ddp"]),
+    ("zero3-offload", ["optim=adamw_torch_8bit"], ["adamw_torch_8bit", "distributed_type no or ddp"]),
+    ("single-gpu-lora", ["optim=apollo_adamw"], ["low-rank", "lora=null"]),
+    ("single-gpu-lora", ["weight_dtype=bf16"], ["weight_dtype", "full fine-tuning"]),
+    ("fsdp", ["weight_dtype=bf16"], ["weight_dtype bf16", "FSDP"]),
+    ("ddp", ["optim=apollo", ], ["optim must be one of", "apollo_adamw"]),
+    ("ddp", ["optim_args.rnak=8"], ["optim_args.rnak", "optim_args.rank"]),
+])
+def test_optimizer_choices_are_refused_where_they_cannot_run(recipe, overrides, words):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe, overrides)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_low_rank_optimizers_are_offered_in_ddp_and_adamw_8bit():
+    for name in ("ddp", "adamw-8bit", "single-gpu-full"):
+        recipe = load_recipe(name, ["optim=apollo_adamw", "optim_args={rank: 4, update_proj_gap: 50}"])
+        assert recipe.optim_args.rank == 4 and recipe.optim_target_modules == "all-linear"
+    with pytest.raises(RecipeError, match="optim_target_modules"):
+        model, _ = load_model(full("optim=apollo_adamw", "optim_target_modules=[c_attn]"), embedded_model(), "no")
+        make_optimizer(full("optim=apollo_adamw", "optim_target_modules=[c_attn]"), model, CPU)
