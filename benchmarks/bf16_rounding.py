@@ -9,7 +9,9 @@ typical weight (0.02 has a bf16 spacing of 2^-13 = 1.2e-4). Every variant is tra
 (the real loop: torchao's 8-bit AdamW stepped in backward, gradient checkpointing, bf16 autocast) on
 the embedded data with the same seed and batches; only the weights' dtype and the rounding differ.
 The table gives the train loss (mean of the first and of the last 10 steps), how much of fp32's
-decrease each variant reaches, the eval loss, and the bytes the weights hold.
+decrease each variant reaches, the eval loss, and the bytes the weights and the optimizer state hold.
+The two APOLLO rows (optim=apollo_adamw, rank 128) show what its low-rank state costs in learning, and
+what apollo-torch's round-to-nearest update costs bf16 weights.
 """
 
 import argparse
@@ -21,7 +23,10 @@ from runs import memrecipe_run
 
 VARIANTS = {"fp32 master weights": ["weight_dtype=fp32"],
             "bf16, stochastic rounding": ["weight_dtype=bf16", "optim_args.bf16_stochastic_round=true"],
-            "bf16, round to nearest": ["weight_dtype=bf16", "optim_args.bf16_stochastic_round=false"]}
+            "bf16, round to nearest": ["weight_dtype=bf16", "optim_args.bf16_stochastic_round=false"],
+            # APOLLO's low-rank state (rank 128 of 512): apollo-torch rounds bf16 updates to nearest
+            "APOLLO, fp32 master weights": ["weight_dtype=fp32", "optim=apollo_adamw"],
+            "APOLLO, bf16 (to nearest)": ["weight_dtype=bf16", "optim=apollo_adamw"]}
 
 
 def make_model(folder: Path) -> None:
@@ -67,12 +72,13 @@ def main():
     first, last = ends(reports["fp32 master weights"])
     print(f"single-gpu-full on a 19M Llama (init std 0.02), learning rate {args.lr:g}, {args.steps} steps, seed 7")
     print(f"{'weights':28} {'loss, first 10':>14} {'loss, last 10':>13} {'of fp32 decrease':>16} {'eval':>7} "
-          f"{'weights MiB':>11}")
+          f"{'weights MiB':>11} {'state MiB':>9}")
     for name, r in reports.items():
         start, end = ends(r)
         share = (start - end) / (first - last)
-        held = r["processes"][0]["held"]["parameters"] / 2**20
-        print(f"{name:28} {start:14.4f} {end:13.4f} {share:16.0%} {r['final_eval_loss']:7.4f} {held:11.1f}")
+        held = r["processes"][0]["held"]
+        print(f"{name:28} {start:14.4f} {end:13.4f} {share:16.0%} {r['final_eval_loss']:7.4f} "
+              f"{held['parameters'] / 2**20:11.1f} {held['optimizer_state'] / 2**20:9.1f}")
     print(f"fp32's train loss fell by {(first - last) / first:.1%}")
 
 

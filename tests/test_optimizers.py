@@ -140,3 +140,33 @@ def test_low_rank_optimizers_are_offered_in_ddp_and_adamw_8bit():
     with pytest.raises(RecipeError, match="optim_target_modules"):
         model, _ = load_model(full("optim=apollo_adamw", "optim_target_modules=[c_attn]"), embedded_model(), "no")
         make_optimizer(full("optim=apollo_adamw", "optim_target_modules=[c_attn]"), model, CPU)
+
+
+@pytest.mark.parametrize("optim", ["apollo_adamw", "adamw_torch_8bit"])
+def test_a_checkpointed_optimizer_continues_exactly(tmp_path, optim):
+    """Saved and loaded the way accelerate does (torch.save; torch.load with weights_only): APOLLO's
+    projections and torchao's 8-bit state come back, and the next step is the uninterrupted one's."""
+    from accelerate.utils import load
+
+    args = ["weight_dtype=fp32", f"optim={optim}", "optim_args.rank=8", *IN_BACKWARD]
+    whole, _, _ = trained(full(*args), steps=3)
+    cut, optimizer, _ = trained(full(*args), steps=2)
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.bin")
+    torch.save(cut.state_dict(), tmp_path / "model.bin")
+    resumed, _ = load_model(full(*args), embedded_model(), "no")
+    resumed.load_state_dict(torch.load(tmp_path / "model.bin"))
+    again = make_optimizer(full(*args), resumed, CPU)
+    again.load_state_dict(load(tmp_path / "optimizer.bin"))
+    ids = torch.randint(0, 500, (3, 2, 32), generator=torch.Generator().manual_seed(0))[2]
+    resumed(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_torchao_and_peft_say_nothing_on_import():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import memrecipe, peft, torchao.optim, apollo_torch"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "", done.stderr

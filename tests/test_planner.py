@@ -409,18 +409,23 @@ def test_plan_recommends_the_bf16_full_fine_tune_on_one_gpu(cli, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [[], ["fused_loss=false"], ["gradient_checkpointing=false"],
-                                       ["gradient_checkpointing=false", "fused_loss=false"]])
-def test_the_steps_peak_is_what_the_planner_calls_working_memory(models, overrides):
+@pytest.mark.parametrize("recipe, overrides", [
+    ("single-gpu-lora", []), ("single-gpu-lora", ["fused_loss=false"]),
+    ("single-gpu-lora", ["gradient_checkpointing=false"]),
+    ("single-gpu-lora", ["gradient_checkpointing=false", "fused_loss=false"]),
+    ("single-gpu-full", ["optimizer_in_backward=false"]),  # bf16 weights, a trained head; every gradient kept
+])
+def test_the_steps_peak_is_what_the_planner_calls_working_memory(models, recipe, overrides):
     """A whole forward and backward, every allocation recorded by the profiler: with checkpointing the
     loss and a layer's recompute peak at different moments (the larger counts); without it, together.
-    LoRA, so that the gradients (the adapters') are small beside what is measured."""
+    LoRA, so that the gradients (the adapters') are small beside what is measured; and a full fine-tune
+    of bf16 weights, its gradients counted in."""
     import gc
 
     from memrecipe.measure import allocation_peak
 
     B, S = 2, 256
-    r = load_recipe("single-gpu-lora", [*overrides, f"per_device_train_batch_size={B}", f"max_seq_length={S}"])
+    r = load_recipe(recipe, [*overrides, f"per_device_train_batch_size={B}", f"max_seq_length={S}"])
     model, _ = load_model(r, models["medium"], "bf16")
     if r.fused_loss:
         fuse_head(model)
