@@ -98,7 +98,7 @@ def tokenize(example: dict, tokenizer, fmt: str, max_seq_length: int) -> dict:
         ids, labels = prompt + completion, [IGNORE] * len(prompt) + completion
     else:
         ids, labels = _tokenize_chat(example["messages"], tokenizer)
-    return {"input_ids": ids[:max_seq_length], "labels": labels[:max_seq_length]}
+    return {"input_ids": ids[:max_seq_length], "labels": labels[:max_seq_length], "cut": max(0, len(ids) - max_seq_length)}
 
 
 def _tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
@@ -131,13 +131,60 @@ def _tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int
     return ids, labels
 
 
-def pack(rows: dict, max_seq_length: int) -> dict:
-    """Concatenate tokenized examples and cut them into full blocks (a batched `Dataset.map`)."""
-    ids = [t for seq in rows["input_ids"] for t in seq]
-    labels = [t for seq in rows["labels"] for t in seq]
-    n = len(ids) // max_seq_length * max_seq_length
-    return {"input_ids": [ids[i: i + max_seq_length] for i in range(0, n, max_seq_length)],
-            "labels": [labels[i: i + max_seq_length] for i in range(0, n, max_seq_length)]}
+def bins(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing bin packing: indices of the documents grouped into rows of at most `capacity`
+    tokens, each document whole. Longest first, each into the fullest row it still fits (a sorted list
+    of the free space left in open rows), so rows end up nearly full."""
+    import bisect
+
+    rows: list[list[int]] = []
+    free: list[int] = []  # sorted free space of the open rows
+    open_rows: dict[int, list[int]] = {}  # free space -> rows with that much left
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        at = bisect.bisect_left(free, n)
+        if at < len(free):  # the row with the least room that still holds it
+            space = free.pop(at)
+            row = open_rows[space].pop()
+            if open_rows[space]:
+                bisect.insort(free, space)
+        else:
+            space, row = capacity, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        left = space - n
+        if left > 0:
+            if not open_rows.setdefault(left, []):
+                bisect.insort(free, left)
+            open_rows[left].append(row)
+    return rows
+
+
+def pack(ds, max_seq_length: int):
+    """Whole documents packed into rows of at most max_seq_length tokens (bins): each document keeps its
+    own positions (position_ids restart at 0), and its first token is no target (in a row of its own it
+    has nothing before it to be predicted from; packed, the token before it is another document's end).
+    The loss and the model see document boundaries through position_ids (loss.model_inputs)."""
+    from datasets import Dataset
+
+    ids, labels = ds["input_ids"], ds["labels"]
+    rows = {"input_ids": [], "labels": [], "position_ids": []}
+    for row in bins([len(x) for x in ids], max_seq_length):
+        rows["input_ids"].append([t for i in row for t in ids[i]])
+        rows["labels"].append([t for i in row for t in [IGNORE, *labels[i][1:]]])
+        rows["position_ids"].append([p for i in row for p in range(len(ids[i]))])
+    return Dataset.from_dict(rows)
+
+
+def fingerprint(ds, options: dict) -> str:
+    """The tokenized dataset's cache key. datasets hashes a module's function by its name only, so a
+    changed tokenize() would read the cache its old code wrote: the code is part of the key here."""
+    import inspect
+
+    from datasets.fingerprint import Hasher
+
+    code = [inspect.getsource(f) for f in (tokenize, _tokenize_chat)]
+    return Hasher.hash([ds._fingerprint, code, options])
 
 
 def prepare_datasets(recipe, tokenizer, say=None):
@@ -154,25 +201,32 @@ def prepare_datasets(recipe, tokenizer, say=None):
         raw, eval_raw = split["train"], split["test"]
 
     def encode(ds, name):
-        ds = ds.map(tokenize, fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "max_seq_length": recipe.max_seq_length},
-                    remove_columns=ds.column_names)
+        options = {"tokenizer": tokenizer, "fmt": fmt, "max_seq_length": recipe.max_seq_length}
+        ds = ds.map(tokenize, fn_kwargs=options, remove_columns=ds.column_names,
+                    new_fingerprint=fingerprint(ds, options))
         rows = len(ds)
         ds = ds.filter(lambda ex: any(label != IGNORE for label in ex["labels"][1:]))  # nothing to learn: drop
+        cut = [n for n in ds["cut"] if n]
+        ds = ds.remove_columns("cut")
+        packed = pack(ds, recipe.max_seq_length) if recipe.packing else None
         if say is not None:
             tokens = sum(len(ids) for ids in ds["input_ids"])
             targets = sum(sum(label != IGNORE for label in labels[1:]) for labels in ds["labels"])
             dropped = f", {rows - len(ds)} dropped (no target token within max_seq_length)" if rows > len(ds) else ""
-            say(f"data: {name}: {fmt} format, {len(ds):,} examples kept{dropped}, {tokens:,} tokens of which "
-                f"{targets / max(tokens, 1):.0%} are targets")
-        if recipe.packing:
-            ds = ds.map(pack, batched=True, fn_kwargs={"max_seq_length": recipe.max_seq_length})
-        return ds
+            truncated = (f", {len(cut)} truncated to max_seq_length={recipe.max_seq_length} ({sum(cut):,} tokens "
+                         "cut)" if cut else "")
+            shape = (f"; packed into {len(packed):,} rows of <= {recipe.max_seq_length} tokens, "
+                     f"{tokens / (len(packed) * recipe.max_seq_length):.0%} full" if packed is not None else "")
+            say(f"data: {name}: {fmt} format, {len(ds):,} examples kept{dropped}{truncated}, {tokens:,} tokens of "
+                f"which {targets / max(tokens, 1):.0%} are targets{shape}")
+        return packed if packed is not None else ds
 
     return encode(raw, "train"), encode(eval_raw, "eval") if eval_raw is not None else None
 
 
 class Collator:
-    """Pad a list of examples to the longest in the batch (right padding)."""
+    """Pad a list of examples to the longest in the batch (right padding). `attention_mask` marks the real
+    tokens; packed rows also carry `position_ids`, their padding numbered as a document of its own."""
 
     def __init__(self, pad_token_id: int):
         self.pad = pad_token_id
@@ -181,10 +235,15 @@ class Collator:
         import torch
 
         width = max(len(ex["input_ids"]) for ex in examples)
-        ids, labels, mask = [], [], []
+        out = {"input_ids": [], "labels": [], "attention_mask": []}
+        packed = "position_ids" in examples[0]
+        if packed:
+            out["position_ids"] = []
         for ex in examples:
             gap = width - len(ex["input_ids"])
-            ids.append(ex["input_ids"] + [self.pad] * gap)
-            labels.append(ex["labels"] + [IGNORE] * gap)
-            mask.append([1] * len(ex["input_ids"]) + [0] * gap)
-        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "attention_mask": torch.tensor(mask)}
+            out["input_ids"].append(ex["input_ids"] + [self.pad] * gap)
+            out["labels"].append(ex["labels"] + [IGNORE] * gap)
+            out["attention_mask"].append([1] * len(ex["input_ids"]) + [0] * gap)
+            if packed:
+                out["position_ids"].append(ex["position_ids"] + list(range(gap)))
+        return {key: torch.tensor(value) for key, value in out.items()}

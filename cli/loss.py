@@ -92,16 +92,27 @@ def _chunk_loss(forward, hidden, targets):
     return F.cross_entropy(forward(hidden).float(), targets, reduction="none")
 
 
+def model_inputs(batch: dict) -> dict:
+    """What the model is called with. A packed batch (with position_ids) goes without attention_mask and
+    without a KV cache: transformers then reads the document boundaries from the positions restarting at 0
+    (masking_utils: a block-diagonal causal mask for sdpa/eager; flash-attention's varlen kernels), so no
+    token attends across documents. With an attention_mask, or a cache, it would not (measured: a second
+    document's logits differ by ~0.5)."""
+    if "position_ids" in batch:
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
 def lm_loss(model, batch, per_sequence: bool = False) -> torch.Tensor:
     """The batch's next-token cross-entropy, summed over its target tokens (or per sequence), in fp32:
     through the fused head when the model has one, else from the full logits."""
     head = output_head(model)
     if not hasattr(head, "memrecipe_labels"):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(**model_inputs(batch)).logits
         return token_loss(logits, batch["labels"], per_sequence)
     head.memrecipe_labels = batch["labels"]
     try:  # the head returns one loss per target token, in the order of the labels' target mask
-        losses = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        losses = model(**model_inputs(batch)).logits
     finally:
         head.memrecipe_labels = None
     if not per_sequence:

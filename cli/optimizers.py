@@ -9,6 +9,8 @@ import functools
 
 import torch
 
+from .recipe import EIGHT_BIT_OPTIMIZERS
+
 EMBEDDING_BITS = 32  # 8-bit optimizers keep embeddings' state in 32 bits (as transformers' Trainer does):
 # a row's moments see a gradient only when its token occurs, and blockwise 8-bit scales lose the rare rows
 
@@ -32,8 +34,8 @@ def projected_names(model, targets) -> set[str]:
 
 
 def param_groups(recipe, model) -> list[dict]:
-    """Trainable parameters in groups: decayed matrices, undecayed norms and biases; for torchao's 8-bit
-    optimizer the embeddings apart with 32-bit state; for low-rank optimizers the projected matrices apart
+    """Trainable parameters in groups: decayed matrices, undecayed norms and biases; for 8-bit optimizers
+    the embeddings apart with 32-bit state; for low-rank optimizers the projected matrices apart
     with the projection's options (optim_args)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     projected = projected_names(model, recipe.optim_target_modules) if recipe.low_rank else set()
@@ -52,7 +54,7 @@ def param_groups(recipe, model) -> list[dict]:
             continue
         if name in projected:
             kind = "projected"
-        elif id(p) in embeddings and recipe.optim == "adamw_torch_8bit":
+        elif id(p) in embeddings and recipe.optim in EIGHT_BIT_OPTIMIZERS:
             kind = "embedding"
         else:
             kind = "decay" if is_matrix(p) else "no_decay"
@@ -79,10 +81,7 @@ def optimizer_factory(recipe, device):
     """groups -> the recipe's optimizer (a function: optimizer_in_backward builds one per parameter)."""
     lr = recipe.learning_rate
     if recipe.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
-        import bitsandbytes as bnb
-
-        paged = recipe.optim == "paged_adamw_8bit" and device.type == "cuda"  # paging needs CUDA
-        cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+        cls = bnb_adamw8bit(paged=recipe.optim == "paged_adamw_8bit" and device.type == "cuda")  # paging needs CUDA
         return lambda groups: cls(groups, lr=lr)
     if recipe.optim == "adamw_torch_8bit":
         cls, rounding = torchao_adamw8bit(), recipe.optim_args.bf16_stochastic_round
@@ -96,6 +95,26 @@ def optimizer_factory(recipe, device):
         torch.serialization.add_safe_globals([GradientProjector, GaLoreProjector])
         return lambda groups: APOLLOAdamW(groups, lr=lr)
     return lambda groups: torch.optim.AdamW(groups, lr=lr)
+
+
+@functools.cache
+def bnb_adamw8bit(paged: bool):
+    """bitsandbytes' (Paged)AdamW8bit, with 32-bit state for groups marked `optim_bits: 32`. (Trainer marks
+    embeddings through bitsandbytes' process-wide GlobalOptimManager, keyed by id(param); a group's own
+    key cannot outlive its model.)"""
+    import bitsandbytes as bnb
+
+    base = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+
+    class AdamW8bit(base):
+        def get_config(self, gindex, pindex, group):
+            config = super().get_config(gindex, pindex, group)
+            if "optim_bits" in group:
+                config["optim_bits"] = group["optim_bits"]
+            return config
+
+    AdamW8bit.__name__ = base.__name__
+    return AdamW8bit
 
 
 @functools.cache

@@ -98,14 +98,16 @@ TORCHAO_BLOCK = 256  # torchao's AdamW8bit: one fp32 scale per block of 256, and
 
 def optimizer_state_bytes(recipe: Recipe, tensors: list[Tensor], weight_bytes: int) -> int:
     """The optimizer state of these trained tensors. AdamW keeps two moments per tensor in its dtype
-    (fp32 masters: 4 bytes each; bf16 weights: 2) and a 4-byte step. bitsandbytes' 8-bit: adam_state_bytes.
+    (fp32 masters: 4 bytes each; bf16 weights: 2) and a 4-byte step. bitsandbytes' 8-bit: adam_state_bytes,
+    but embeddings keep fp32 moments (optimizers.EMBEDDING_BITS).
     torchao's 8-bit (adamw_torch_8bit): uint8 moments with an fp32 scale per 256-block and a map of their
     own, for tensors of >= 4096 elements that split into whole blocks; embeddings keep fp32 moments
     (optimizers.EMBEDDING_BITS); other tensors, moments in their dtype. APOLLO: a projected m x n matrix
     keeps its moments in rank x max(m, n) and the projection rank x min(m, n) (in its dtype), and a
     0-dim norm; the rest are AdamW's moments, with int steps."""
-    if recipe.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
-        return adam_state_bytes([t.numel for t in tensors], eight_bit=True)
+    if recipe.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):  # embeddings: fp32 moments and an int step
+        embeddings = sum(8 * t.numel for t in tensors if t.kind == "embedding")
+        return embeddings + adam_state_bytes([t.numel for t in tensors if t.kind != "embedding"], eight_bit=True)
     total = 0
     if recipe.optim == "adamw_torch_8bit":
         for t in tensors:

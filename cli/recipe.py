@@ -130,7 +130,9 @@ class Recipe:
     # fraction held out for eval when no eval_dataset is given (a given eval_dataset wins); 0 or null: none
     eval_size: float | None = spec(0.0, low=0, high=0.5)
     max_seq_length: int = spec(512, low=8)
-    packing: bool = False
+    # whole documents packed into rows of max_seq_length (position_ids restart per document: attention never
+    # crosses one); false: one example per row, padded to the longest in the batch
+    packing: bool = True
     # batch and schedule
     per_device_train_batch_size: int = spec(4, low=1)
     gradient_accumulation_steps: int = spec(1, low=1)

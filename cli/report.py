@@ -79,9 +79,10 @@ def card(report: dict) -> str:
         lines.append(f"DeepSpeed's CPU Adam: {setup['cpu_threads']} CPU thread(s) per process (OMP_NUM_THREADS)")
     tput = report["throughput"]
     mfu = f"{tput['mfu']:.1%}" if tput.get("mfu") is not None else "n/a (" + tput.get("mfu_note", "") + ")"
-    lines.append(f"throughput: {tput['tokens_per_second']:,.0f} tokens/s total, "
-                 f"{tput['tokens_per_second_per_process']:,.0f} per process, {tput['seconds_per_step']:.2f} s/step | "
-                 f"MFU {mfu}")
+    padding = f", padding {tput['padding_fraction']:.0%} of the batches" if "padding_fraction" in tput else ""
+    lines.append(f"throughput: {tput['tokens_per_second']:,.0f} real tokens/s total, "
+                 f"{tput['tokens_per_second_per_process']:,.0f} per process, {tput['seconds_per_step']:.2f} s/step"
+                 f"{padding} | MFU {mfu}")
     loss = f"loss: {report['history'][0]['loss']:.3f} -> {report['final_train_loss']:.3f}"
     if report.get("final_eval_loss") is not None:
         loss += f", eval {report['final_eval_loss']:.3f}"
@@ -137,12 +138,14 @@ def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eva
     plan = estimate(recipe, shape, topo)
     this_session = [r for r in history if r["step"] > setup.get("resumed_at_step", 0)]  # what `wall` timed
     tokens = sum(r["tokens"] for r in this_session)
+    slots = sum(r.get("slots", r["tokens"]) for r in this_session)  # rows x their padded width
     steps = len(history)
     per_process = tokens / wall / accelerator.num_processes
     fpt = flops_per_token(shape.params, setup["trainable_params"], shape.layers, shape.hidden, recipe.max_seq_length)
     peak = bf16_peak(name) if cuda else None
     throughput = {"tokens_per_second": tokens / wall, "tokens_per_second_per_process": per_process,
                   "seconds_per_step": wall / max(len(this_session), 1), "flops_per_token": fpt,
+                  "padding_fraction": 1 - tokens / slots if slots else 0.0,
                   "mfu": fpt * per_process / peak if peak else None,
                   "mfu_note": "no GPU" if not cuda else (None if peak else f"{name} is not in the peak table")}
     versions = {}

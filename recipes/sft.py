@@ -161,7 +161,8 @@ def main(argv=None):
         if not_fused:
             say(f"note: fused_loss is off for this model ({not_fused}): the loss uses the full logits")
 
-    # 3. Data: tokenized once (main process first, the others read its cache), padded per batch.
+    # 3. Data: tokenized once (main process first, the others read its cache), whole documents packed into
+    # rows (packing: true, each with its own position_ids) or one example per row, padded per batch.
     with accelerator.main_process_first():
         train_set, eval_set = prepare_datasets(recipe, tokenizer, say)  # logs what the loss will learn from
     collate = Collator(tokenizer.pad_token_id)
@@ -241,9 +242,10 @@ def main(argv=None):
 
             window_tokens = sum(int(b["attention_mask"].sum()) for b in window)  # real tokens, not padding
             local_tokens += window_tokens
-            real_tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device), "sum")
+            slots = sum(b["input_ids"].numel() for b in window)  # what the batches' shape computed on
+            real, slots = accelerator.reduce(torch.tensor([window_tokens, slots], device=accelerator.device), "sum").tolist()
             record = {"step": step, "loss": loss, "targets": targets // tp_share,
-                      "lr": float(scheduler.get_last_lr()[0]), "tokens": int(real_tokens) // tp_share,
+                      "lr": float(scheduler.get_last_lr()[0]), "tokens": real // tp_share, "slots": slots // tp_share,
                       "seconds": time.perf_counter() - tick}
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import RECIPES, free_port, launch, child_env, tiny_model, uneven_examples
-from memrecipe.data import Collator
+from memrecipe.data import Collator, pack
 from memrecipe.loss import token_loss
 from memrecipe.modeling import make_accelerator
 from memrecipe.registry import load_recipe
@@ -45,6 +45,25 @@ def test_micro_batches_with_accumulation_equal_the_full_batch(accelerator):
             torch.testing.assert_close(grad, reference[name], atol=1e-5, rtol=1e-4, msg=f"{name}, micro {micro}")
 
 
+def test_packed_rows_with_accumulation_equal_the_unpacked_full_batch(accelerator):
+    """Packing changes the batches' shape, not what is learned: rows of whole documents, windowed over
+    micro batches of 1 and 2 rows, give the gradient of the unpacked batch of the same documents."""
+    from datasets import Dataset
+
+    examples = uneven_examples(8)
+    reference = full_batch_grads(accelerator, examples)
+    rows = list(pack(Dataset.from_list(examples), 48))
+    assert len(rows) < len(examples) and any(0 in row["position_ids"][1:] for row in rows)  # rows are shared
+    for micro in (1, 2):
+        model = tiny_model()
+        window = [Collator(0)(rows[i: i + micro]) for i in range(0, len(rows), micro)]
+        accelerator.gradient_accumulation_steps = len(window)
+        loss, targets = accumulate_window(model, window, accelerator)
+        assert targets == sum(sum(label != -100 for label in ex["labels"][1:]) for ex in examples)
+        for name, grad in grads_of(model).items():
+            torch.testing.assert_close(grad, reference[name], atol=1e-5, rtol=1e-4, msg=f"{name}, micro {micro}")
+
+
 def test_averaging_per_micro_batch_would_be_wrong(accelerator):
     """The same data with the naive mean loss per micro batch gives other gradients: the test above can fail."""
     examples = uneven_examples(8)
@@ -60,10 +79,11 @@ def test_averaging_per_micro_batch_would_be_wrong(accelerator):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_process_ddp_equals_the_full_batch(tmp_path, accelerator):
+@pytest.mark.parametrize("packed", [[], ["packed"]], ids=["padded", "packed"])
+def test_two_process_ddp_equals_the_full_batch(tmp_path, accelerator, packed):
     out = tmp_path / "grads.pt"
     done = launch(["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-                   str(RECIPES.parent / "tests" / "workers" / "ga_ddp.py"), str(out)],
+                   str(RECIPES.parent / "tests" / "workers" / "ga_ddp.py"), str(out), *packed],
                   env=child_env(ACCELERATE_USE_CPU="true"))
     assert done.returncode == 0, done.stderr[-3000:]
     ddp = torch.load(out)

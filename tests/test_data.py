@@ -49,14 +49,24 @@ def test_chat_learns_only_assistant_turns(tok):
 
 def test_text_learns_every_token_and_truncates(tok):
     ex = tokenize({"text": "apple river stone " * 50}, tok, "text", 16)
-    assert len(ex["input_ids"]) == 16 and ex["labels"] == ex["input_ids"]
+    assert len(ex["input_ids"]) == 16 and ex["labels"] == ex["input_ids"] and ex["cut"] > 0  # counted for the log
 
 
-def test_packing_cuts_full_blocks():
+def test_packing_keeps_documents_whole_and_drops_nothing():
+    from datasets import Dataset
+
     rows = {"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]], "labels": [[IGNORE, 2, 3], [4, 5], [6, IGNORE, 8, 9]]}
-    packed = pack(rows, 4)
-    assert packed["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert packed["labels"] == [[IGNORE, 2, 3, 4], [5, 6, IGNORE, 8]]
+    packed = pack(Dataset.from_dict(rows), 5)
+    assert packed["input_ids"] == [[6, 7, 8, 9], [1, 2, 3, 4, 5]]  # longest first, each into the fullest row it fits
+    assert packed["labels"] == [[IGNORE, IGNORE, 8, 9], [IGNORE, 2, 3, IGNORE, 5]]  # a document's first token: no target
+    assert packed["position_ids"] == [[0, 1, 2, 3], [0, 1, 2, 0, 1]]
+
+
+def test_collator_numbers_a_packed_rows_padding_as_a_document_of_its_own():
+    batch = Collator(pad_token_id=0)([{"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7], "position_ids": [0, 0, 1]},
+                                      {"input_ids": [8, 9], "labels": [IGNORE, 9], "position_ids": [0, 1]}])
+    assert batch["position_ids"].tolist() == [[0, 0, 1], [0, 1, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]  # what the report counts as real tokens
 
 
 def test_collator_pads_right_and_masks_padding():
@@ -88,14 +98,19 @@ def test_missing_file_and_unreachable_hub_id_are_one_line():
 
 
 def test_embedded_dataset_splits_and_has_targets(tok):
-    recipe = load_recipe("single-gpu-lora")
+    recipe = load_recipe("single-gpu-lora", ["packing=false"])
     train, evals = prepare_datasets(recipe, tok)
     assert train.num_rows > 250 and 20 < evals.num_rows < 50
     for ex in train.select(range(20)):
         assert any(label != IGNORE for label in ex["labels"][1:])
         assert len(ex["input_ids"]) <= recipe.max_seq_length
-    packed, _ = prepare_datasets(load_recipe("single-gpu-lora", ["packing=true", "max_seq_length=64"]), tok)
-    assert {len(x) for x in packed["input_ids"]} == {64}
+    said = []
+    packed, _ = prepare_datasets(load_recipe("single-gpu-lora", ["packing=true", "max_seq_length=32"]), tok, said.append)
+    assert max(len(x) for x in packed["input_ids"]) <= 32 and packed.num_rows < train.num_rows
+    unpacked, _ = prepare_datasets(load_recipe("single-gpu-lora", ["packing=false", "max_seq_length=32"]), tok)
+    tokens = sorted(t for ids in unpacked["input_ids"] for t in ids)
+    assert sorted(t for ids in packed["input_ids"] for t in ids) == tokens  # every token of every example
+    assert "truncated to max_seq_length=32" in said[0] and "packed into" in said[0] and "% full" in said[0]
 
 
 def test_a_given_eval_dataset_wins_over_eval_size_and_null_means_no_eval(tok, tmp_path):
@@ -105,7 +120,7 @@ def test_a_given_eval_dataset_wins_over_eval_size_and_null_means_no_eval(tok, tm
 
     rows = EMBEDDED_DATASET.read_text().splitlines()
     (tmp_path / "eval.jsonl").write_text("\n".join(rows[:5]) + "\n")
-    r = load_recipe("single-gpu-lora", [f"eval_dataset={tmp_path / 'eval.jsonl'}"])  # the recipe says eval_size 0.1
+    r = load_recipe("single-gpu-lora", [f"eval_dataset={tmp_path / 'eval.jsonl'}", "packing=false"])  # eval_size 0.1
     assert r.eval_size == 0.1
     train, evals = prepare_datasets(r, tok)
     assert len(evals) == 5 and len(train) == sum(1 for line in rows if json.loads(line))  # nothing held out

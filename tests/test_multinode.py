@@ -15,7 +15,7 @@ import pytest
 from helpers import child_env, free_port, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-TRAIN = ["mixed_precision=no", "max_steps=5", "eval_steps=5", "logging_steps=1"]
+TRAIN = ["mixed_precision=no", "max_steps=5", "eval_steps=5", "logging_steps=1", "max_seq_length=64"]
 SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done  # srun's own options
 export SLURM_NODEID="$FAKE_NODEID"

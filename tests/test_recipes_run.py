@@ -13,7 +13,7 @@ import torch
 from helpers import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-SHORT = ["max_steps=20", "eval_steps=10", "logging_steps=5"]
+SHORT = ["max_steps=20", "eval_steps=10", "logging_steps=5", "max_seq_length=64"]  # packed rows of 64: ~1,000 tokens a step
 
 
 def memrecipe_run(folder, recipe, *args):
@@ -62,7 +62,7 @@ def report(folder):
 def reload_eval_loss(folder, model):
     """The eval loss of a reloaded model on the run's own eval split, computed as the loop does."""
     from memrecipe.data import Collator, prepare_datasets
-    from memrecipe.loss import count_targets, token_loss
+    from memrecipe.loss import count_targets, model_inputs, token_loss
     from memrecipe.modeling import load_tokenizer
     from memrecipe.registry import load_recipe
 
@@ -76,7 +76,7 @@ def reload_eval_loss(folder, model):
     model.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for batch in loader:
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = model(**model_inputs(batch)).logits
             total += token_loss(logits, batch["labels"]).item()
             count += count_targets(batch["labels"])
     return total / count

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from helpers import child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-EXACT = ["mixed_precision=no", "max_steps=6", "save_steps=2", "eval_steps=null", "logging_steps=1"]
+EXACT = ["mixed_precision=no", "max_steps=6", "save_steps=2", "eval_steps=null", "logging_steps=1", "max_seq_length=64"]
 
 
 def start(args, folder):

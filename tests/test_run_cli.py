@@ -18,8 +18,9 @@ def test_the_readme_job_learns_and_runs_twice_into_two_folders(tmp_path):
     assert first.name.startswith("single-gpu-lora-")
     r = json.loads((first / "report.json").read_text())
     losses = [h["loss"] for h in r["history"]]
-    assert sum(losses[-5:]) / 5 < 0.5 * losses[0]  # a visible fall: 6.7 -> ~2.3 on the shipped data
-    assert r["final_eval_loss"] < 0.6 * losses[0]
+    # a visible fall, 6.8 -> 4.5 on the shipped data: 3 epochs packed into 6 steps of 16 rows of 256 tokens
+    assert losses[-1] < 0.75 * losses[0] and r["final_eval_loss"] < 0.8 * losses[0]
+    assert r["throughput"]["padding_fraction"] < 0.1  # packed rows, nearly full
     assert {p.name for p in first.iterdir()} >= {"accelerate_config.yaml", "final", "recipe.yaml", "report.json",
                                                  "train.log", "loss.png"}
     # again, on a machine without matplotlib: the run still works and says what to install

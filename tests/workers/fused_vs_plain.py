@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from memrecipe.data import Collator, prepare_datasets
-from memrecipe.loss import fuse_head, lm_loss, output_head, token_loss
+from memrecipe.loss import fuse_head, lm_loss, model_inputs, output_head, token_loss
 from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare
 from memrecipe.registry import load_recipe
 
@@ -51,7 +51,7 @@ def loss_and_grads(fused: bool):
     if fused:
         loss = lm_loss(model, batch)
     else:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(**model_inputs(batch)).logits
         loss = token_loss(logits, batch["labels"])
     model.backward(loss) if deepspeed else accelerator.backward(loss)  # the engine's backward, no step
     grads = full_grads()
@@ -63,7 +63,7 @@ plain_loss, plain = loss_and_grads(False)
 fused_loss, fused = loss_and_grads(True)
 with torch.no_grad():
     model.eval()
-    plain_eval = token_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+    plain_eval = token_loss(model(**model_inputs(batch)).logits,
                             batch["labels"], per_sequence=True)
     fused_eval = lm_loss(model, batch, per_sequence=True)
 head = output_head(model)

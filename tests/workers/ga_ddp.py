@@ -1,4 +1,5 @@
-"""Worker: one accumulation window under 2-process DDP; rank 0 saves the synced gradients."""
+"""Worker: one accumulation window under 2-process DDP; rank 0 saves the synced gradients.
+With a second argument `packed`, each micro batch's two sequences are packed into one row."""
 
 import sys
 
@@ -9,7 +10,7 @@ from helpers import RECIPES, tiny_model, uneven_examples
 sys.path.insert(0, str(RECIPES))
 from sft import accumulate_window  # noqa: E402
 
-from memrecipe.data import Collator  # noqa: E402
+from memrecipe.data import Collator, pack  # noqa: E402
 from memrecipe.modeling import make_accelerator  # noqa: E402
 from memrecipe.registry import load_recipe  # noqa: E402
 
@@ -20,7 +21,12 @@ assert world == 2, world
 model = accelerator.prepare(tiny_model())
 examples, collate = uneven_examples(8), Collator(0)
 # 8 sequences = 2 processes x 2 micro batches x 2 sequences; this rank takes its quarter pairs
-window = [collate(examples[rank * 4 + i * 2: rank * 4 + i * 2 + 2]) for i in range(2)]
+pairs = [examples[rank * 4 + i * 2: rank * 4 + i * 2 + 2] for i in range(2)]
+if sys.argv[2:] == ["packed"]:
+    from datasets import Dataset
+
+    pairs = [list(pack(Dataset.from_list(pair), 80)) for pair in pairs]  # one row of two documents
+window = [collate(pair) for pair in pairs]
 accumulate_window(model, window, accelerator)
 if rank == 0:
     torch.save({n: p.grad for n, p in accelerator.unwrap_model(model).named_parameters()}, sys.argv[1])
