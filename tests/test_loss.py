@@ -186,6 +186,6 @@ def test_fused_equals_plain_on_every_engine(tmp_path, recipe, overrides):
     assert r["num_processes"] == 2 and r["distributed_type"] == {"ddp": "MULTI_CPU", "zero3-offload": "DEEPSPEED"}.get(
         recipe, "FSDP")
     assert r["fused_loss"] == pytest.approx(r["plain_loss"], rel=1e-6)
-    assert r["max_grad"] > 0.1 and r["max_grad_diff"] < 1e-5
+    assert r["max_grad"] > 0.1 and r["max_grad_diff"] < 1e-5 * max(1.0, r["max_grad"])  # of the gradients' scale
     assert r["head_grads"] >= 1  # the head trains: its own weights, or its adapters
-    assert r["max_eval_diff"] < 1e-5
+    assert r["max_eval_diff"] < 1e-6 * max(10.0, r["max_eval"])  # fp32: a few ulps of a packed row's summed loss

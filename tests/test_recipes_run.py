@@ -232,8 +232,9 @@ def test_fsdp_lora_shards_the_base_and_saves_the_trained_adapter(runs):
     assert any("lora_B" in k and t.abs().sum() > 0 for k, t in adapter.items())
     base_path = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16), final)
-    # FSDP computed the adapters in bf16 (its mixed-precision policy), the reload under autocast: ~0.1%
-    assert reload_eval_loss(folder, model) == pytest.approx(r["final_eval_loss"], rel=2e-3)
+    # FSDP computed the adapters in bf16 (its mixed-precision policy), the reload under autocast: ~0.2% on
+    # packed rows (an untrained adapter is off by ~80%)
+    assert reload_eval_loss(folder, model) == pytest.approx(r["final_eval_loss"], rel=5e-3)
 
 
 def test_qlora_trains_only_adapters_on_a_4bit_base(runs):

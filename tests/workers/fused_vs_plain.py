@@ -72,6 +72,7 @@ result = {"plain_loss": plain_loss, "fused_loss": fused_loss, "grads": len(plain
           "max_grad": max(g.abs().max().item() for g in plain.values()),
           "head_grads": sum("lm_head" in n for n in plain),
           "max_eval_diff": (plain_eval - fused_eval).abs().max().item(), "eval_sequences": len(plain_eval),
+          "max_eval": plain_eval.abs().max().item(),  # a packed row sums ~256 token losses
           "head_class": type(head).__name__, "z3_leaf": getattr(head, "_z3_leaf", False),
           "distributed_type": accelerator.distributed_type.value, "num_processes": accelerator.num_processes}
 if accelerator.is_main_process:
