@@ -30,3 +30,5 @@ window = [collate(pair) for pair in pairs]
 accumulate_window(model, window, accelerator)
 if rank == 0:
     torch.save({n: p.grad for n, p in accelerator.unwrap_model(model).named_parameters()}, sys.argv[1])
+accelerator.wait_for_everyone()  # rank 0 has written the file: both leave the process group together
+accelerator.end_training()  # destroys it: a rank exiting with gloo's threads alive can abort (SIGABRT)
