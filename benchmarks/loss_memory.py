@@ -20,7 +20,7 @@ import memrecipe  # noqa: F401  (first: quiets library notices)
 import torch
 
 from memrecipe.data import Collator, prepare_datasets
-from memrecipe.loss import count_targets, fuse_head, lm_loss, output_head
+from memrecipe.loss import count_targets, fuse_head, lm_loss
 from memrecipe.measure import LossMemory
 from memrecipe.modeling import embedded_model, load_model, load_tokenizer
 from memrecipe.registry import load_recipe
@@ -68,7 +68,7 @@ def trainer(model, window):
 
 
 def loss_peak(model, batch):
-    memory = LossMemory(output_head(model), torch.device("cpu"))
+    memory = LossMemory(model, torch.device("cpu"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = lm_loss(model, batch)
     loss.backward()

@@ -80,13 +80,16 @@ class LossMemory:
     its input exists (head, logits or chunks, cross-entropy, their backward), above what was held when
     the head started. CUDA: the allocator's peak (reset at the head: transients before it leave that
     figure); CPU: the profiler's allocation events, an allocator-level record of every byte, up to a
-    marker set when the head's input gets its gradient (a profiler cannot stop inside backward)."""
+    marker set when the head's input gets its gradient (a profiler cannot stop inside backward), and it
+    stops when the model's next forward starts: the rest of the window runs unprofiled."""
 
     MARK = "memrecipe::loss_done"
 
-    def __init__(self, head, device):
-        self.device, self._bytes, self._profiler = device, None, None
-        self._hook = head.register_forward_pre_hook(self._start)
+    def __init__(self, model, device):
+        from .loss import output_head
+
+        self.device, self._bytes, self._profiler, self._model = device, None, None, model
+        self._hook = output_head(model).register_forward_pre_hook(self._start)
 
     def _start(self, module, args):
         hidden = args[0] if args else None
@@ -106,6 +109,7 @@ class LossMemory:
             self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                     profile_memory=True)
             self._profiler.__enter__()
+            self._stop = self._model.register_forward_pre_hook(self._finish)
         hidden.register_hook(self._mark)
 
     def _mark(self, grad):
@@ -116,10 +120,14 @@ class LossMemory:
             with torch.profiler.record_function(self.MARK):
                 pass
 
+    def _finish(self, module, args):
+        self.bytes  # noqa: B018  (reading it stops the profile; a hook that returned it would replace args)
+
     @property
     def bytes(self) -> int | None:
         """The measured peak (None before a training micro batch went through the head)."""
         if self._profiler is not None:  # stop the profile (after backward) and read it
+            self._stop.remove()
             self._profiler.__exit__(None, None, None)
             self._bytes, self._profiler = allocation_peak(self._profiler, until=self.MARK), None
         return self._bytes

@@ -34,7 +34,7 @@ from memrecipe.data import Collator, prepare_datasets
 from memrecipe.errors import RecipeError
 from memrecipe.measure import (LossMemory, MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes,
                                peak_memory, start_trackers)
-from memrecipe.loss import count_targets, fuse_head, lm_loss, output_head
+from memrecipe.loss import count_targets, fuse_head, lm_loss
 from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare
 from memrecipe.registry import load_recipe
 from memrecipe.plots import plot_loss
@@ -211,7 +211,7 @@ def main(argv=None):
         say(f"resumed from {state['path']} at step {step} (epoch {epoch}, {consumed} micro batches in)")
     started, local_tokens, stop = time.perf_counter(), 0, StopRequest()
     snapshot = MemorySnapshot(out, accelerator) if args.memory_snapshot else None
-    loss_memory = LossMemory(output_head(model), accelerator.device)  # the loss's peak, on the first micro batch
+    loss_memory = LossMemory(model, accelerator.device)  # the loss's peak, on the first micro batch
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     model.train()
     while step < total_steps:

@@ -130,7 +130,7 @@ def loss_step_bytes(model, recipe, b):
         model.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)  # something before the head trains
     if recipe.fused_loss:
         fuse_head(model)
-    memory = LossMemory(output_head(model), torch.device("cpu"))
+    memory = LossMemory(model, torch.device("cpu"))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.mixed_precision != "no"):
         loss = lm_loss(model, b)
     loss.backward()
@@ -189,3 +189,15 @@ def test_fused_equals_plain_on_every_engine(tmp_path, recipe, overrides):
     assert r["max_grad"] > 0.1 and r["max_grad_diff"] < 1e-5 * max(1.0, r["max_grad"])  # of the gradients' scale
     assert r["head_grads"] >= 1  # the head trains: its own weights, or its adapters
     assert r["max_eval_diff"] < 1e-6 * max(10.0, r["max_eval"])  # fp32: a few ulps of a packed row's summed loss
+
+
+def test_loss_memory_profiles_the_first_micro_batch_only():
+    """The CPU profile that measures the loss stops when the next micro batch's forward starts: the
+    rest of the first window trains at full speed, and the figure is read from the first one."""
+    model, b = tiny_model(), batch()
+    memory = LossMemory(model, torch.device("cpu"))
+    lm_loss(model, b).backward()
+    assert torch.autograd.profiler._is_profiler_enabled
+    lm_loss(model, b).backward()  # the second micro batch of the window
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert memory.bytes > 0
