@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import RecipeError
+from .errors import RecipeError, did_you_mean
 
 IGNORE = -100  # label of tokens that are not targets (prompt, user turns, padding)
 EMBEDDED_DATASET = Path(__file__).resolve().parent / "data" / "chat.jsonl"
 FORMAT_COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+NO_TEMPLATE = ("the dataset has 'messages' but the tokenizer has no chat template: set chat_template to a Jinja "
+               "file (chat_template: template.jinja), or use prompt/completion data")
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -77,17 +79,79 @@ def detect_format(columns, declared: str = "auto") -> str:
         missing = [c for c in FORMAT_COLUMNS[declared] if c not in columns]
         if missing:
             raise RecipeError(f"dataset_format {declared} needs column(s) {', '.join(missing)}; "
-                              f"the dataset has: {', '.join(columns)}")
+                              f"the dataset has: {', '.join(columns)} (map yours with a dataset entry's columns:)")
         return declared
     for fmt, needed in FORMAT_COLUMNS.items():
         if all(c in columns for c in needed):
             return fmt
-    raise RecipeError(f"the dataset needs a 'messages', 'prompt'+'completion' or 'text' column; "
-                      f"it has: {', '.join(columns)}")
+    raise RecipeError(f"the dataset needs a 'messages', 'prompt'+'completion' or 'text' column; it has: "
+                      f"{', '.join(columns)} (map yours with a dataset entry's columns:, e.g. completion: output)")
 
 
-def tokenize(example: dict, tokenizer, fmt: str, max_seq_length: int) -> dict:
-    """input_ids and labels (IGNORE where the token is not a target), truncated to max_seq_length."""
+def sources(spec, dataset_format: str = "auto") -> list:
+    """The recipe's `dataset` (or `eval_dataset`) as a list of DataSource: one string (None: the embedded
+    dataset) is one source of the recipe's dataset_format; an entry's format `auto` defers to it too."""
+    from dataclasses import replace
+
+    from .recipe import DataSource
+
+    if spec is None or isinstance(spec, str):
+        return [DataSource(path=spec, format=dataset_format)]
+    return [replace(s, format=dataset_format) if s.format == "auto" else s for s in spec]
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a `{column}` template refers to."""
+    import string
+
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
+def _check_columns(mapping: dict, columns: list[str], where: str) -> None:
+    for key, spec in mapping.items():
+        if "{" in spec:
+            if key == "messages":
+                raise RecipeError(f"{where}columns.messages must name a column of conversations, not a template")
+            names = template_fields(spec)
+            missing = [n for n in names if n not in columns]
+            if missing or not names:
+                raise RecipeError(f"{where}columns.{key}: the template {spec!r} names "
+                                  + (f"column {missing[0]!r}, which the dataset has not" if missing else "no column")
+                                  + f"; it has: {', '.join(columns)}")
+        elif spec not in columns:
+            raise RecipeError(f"{where}columns.{key}: no column {spec!r}{did_you_mean(spec, columns)}; "
+                              f"the dataset has: {', '.join(columns)}")
+
+
+def _map_columns(row: dict, mapping: dict) -> dict:
+    values = {k: "" if v is None else v for k, v in row.items()}
+    return {key: spec.format_map(values) if "{" in spec else row[spec] for key, spec in mapping.items()}
+
+
+def load_source(source, seed: int = 0, where: str = ""):
+    """(rows in the three formats' columns, format, rows in the source): a source loaded, its columns
+    mapped, and its `fraction` of rows drawn with the seed."""
+    from dataclasses import asdict
+
+    raw = load_any(source.path, source.split)
+    mapping = {k: v for k, v in asdict(source.columns).items() if v}
+    if mapping:
+        _check_columns(mapping, raw.column_names, where)
+        raw = raw.map(_map_columns, fn_kwargs={"mapping": mapping}, remove_columns=raw.column_names,
+                      new_fingerprint=fingerprint(raw, {"mapping": mapping}, _map_columns))
+    fmt = detect_format(raw.column_names, source.format)
+    total = len(raw)
+    if source.fraction < 1:
+        taken = int(source.fraction * total)
+        if taken == 0:
+            raise RecipeError(f"{where}fraction {source.fraction} of {total} rows takes none: raise it")
+        raw = raw.shuffle(seed=seed).select(range(taken))
+    return raw, fmt, total
+
+
+def tokenize(example: dict, tokenizer, fmt: str, max_seq_length: int, train_on_inputs: bool = False) -> dict:
+    """input_ids and labels (IGNORE where the token is not a target), truncated to max_seq_length.
+    train_on_inputs: the prompt / user turns are targets too."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if fmt == "text":
         ids = tokenizer(example["text"])["input_ids"] + eos
@@ -98,6 +162,8 @@ def tokenize(example: dict, tokenizer, fmt: str, max_seq_length: int) -> dict:
         ids, labels = prompt + completion, [IGNORE] * len(prompt) + completion
     else:
         ids, labels = _tokenize_chat(example["messages"], tokenizer)
+    if train_on_inputs:
+        labels = list(ids)
     return {"input_ids": ids[:max_seq_length], "labels": labels[:max_seq_length], "cut": max(0, len(ids) - max_seq_length)}
 
 
@@ -109,8 +175,7 @@ def _tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int
     render of messages[:i+1]; tokens are mapped to characters with the fast tokenizer's offsets.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise RecipeError("the dataset has 'messages' but the tokenizer has no chat template: "
-                          "use a tokenizer with one, or prompt/completion data")
+        raise RecipeError(NO_TEMPLATE)
 
     def render(msgs, gen=False):
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
@@ -176,52 +241,77 @@ def pack(ds, max_seq_length: int):
     return Dataset.from_dict(rows)
 
 
-def fingerprint(ds, options: dict) -> str:
-    """The tokenized dataset's cache key. datasets hashes a module's function by its name only, so a
-    changed tokenize() would read the cache its old code wrote: the code is part of the key here."""
+def fingerprint(ds, options: dict, *functions) -> str:
+    """A mapped dataset's cache key. datasets hashes a module's function by its name only, so a changed
+    tokenize() would read the cache its old code wrote: the code is part of the key here."""
     import inspect
 
     from datasets.fingerprint import Hasher
 
-    code = [inspect.getsource(f) for f in (tokenize, _tokenize_chat)]
+    code = [inspect.getsource(f) for f in functions or (tokenize, _tokenize_chat)]
     return Hasher.hash([ds._fingerprint, code, options])
+
+
+def mixture(spec, recipe, tokenizer, say, name: str):
+    """The tokenized rows of `dataset` (or `eval_dataset`): each source loaded, its fraction drawn,
+    tokenized in its own format; several are shuffled together with the seed, and `say` gets a line
+    per source (rows taken, tokens, share of the mix). Returns (dataset, formats)."""
+    from datasets import concatenate_datasets
+
+    parts, formats, lines = [], [], []
+    listed = sources(spec, recipe.dataset_format)
+    for i, source in enumerate(listed):
+        where = f"{name} dataset[{i}] ({source.path}): " if isinstance(spec, tuple) else ""
+        raw, fmt, total = load_source(source, recipe.seed, where)
+        options = {"tokenizer": tokenizer, "fmt": fmt, "max_seq_length": recipe.max_seq_length,
+                   "train_on_inputs": recipe.train_on_inputs}
+        part = raw.map(tokenize, fn_kwargs=options, remove_columns=raw.column_names,
+                       new_fingerprint=fingerprint(raw, options))
+        parts.append(part)
+        formats.append(fmt)
+        lines.append((source, fmt, len(part), total, sum(len(ids) for ids in part["input_ids"])))
+    if len(parts) == 1:
+        return parts[0], formats
+    mixed = concatenate_datasets(parts).shuffle(seed=recipe.seed)
+    tokens = sum(line[-1] for line in lines)
+    for source, fmt, rows, total, n in lines:
+        say(f"data: {name} source {source.path}{f' [{source.split}]' if source.split != 'train' else ''}: {fmt}, "
+            f"{rows:,} of {total:,} rows (fraction {source.fraction:g}), {n:,} tokens, {n / max(tokens, 1):.0%} of the mix")
+    return mixed, formats
 
 
 def prepare_datasets(recipe, tokenizer, say=None):
     """(train, eval or None): tokenized datasets of input_ids/labels, as the recipe asks. `say` gets one
-    line per split: the format, examples kept and dropped (and why), the share of tokens that are targets."""
-    raw = load_any(recipe.dataset)
-    fmt = detect_format(raw.column_names, recipe.dataset_format)
-    eval_raw = None
+    line per split: the format, examples kept and dropped (and why), the share of tokens that are targets
+    (and one per source of a mixture)."""
+    say = say or (lambda *a, **k: None)
+    train, formats = mixture(recipe.dataset, recipe, tokenizer, say, "train")
+    eval_set = None
     if recipe.eval_dataset:
-        eval_raw = load_any(recipe.eval_dataset)
-        detect_format(eval_raw.column_names, fmt)
+        eval_set, eval_formats = mixture(recipe.eval_dataset, recipe, tokenizer, say, "eval")
     elif recipe.eval_size:
-        split = raw.train_test_split(test_size=recipe.eval_size, seed=recipe.seed)
-        raw, eval_raw = split["train"], split["test"]
+        split = train.train_test_split(test_size=recipe.eval_size, seed=recipe.seed)
+        train, eval_set, eval_formats = split["train"], split["test"], formats
 
-    def encode(ds, name):
-        options = {"tokenizer": tokenizer, "fmt": fmt, "max_seq_length": recipe.max_seq_length}
-        ds = ds.map(tokenize, fn_kwargs=options, remove_columns=ds.column_names,
-                    new_fingerprint=fingerprint(ds, options))
+    def finish(ds, name, fmts):
         rows = len(ds)
         ds = ds.filter(lambda ex: any(label != IGNORE for label in ex["labels"][1:]))  # nothing to learn: drop
         cut = [n for n in ds["cut"] if n]
         ds = ds.remove_columns("cut")
         packed = pack(ds, recipe.max_seq_length) if recipe.packing else None
-        if say is not None:
-            tokens = sum(len(ids) for ids in ds["input_ids"])
-            targets = sum(sum(label != IGNORE for label in labels[1:]) for labels in ds["labels"])
-            dropped = f", {rows - len(ds)} dropped (no target token within max_seq_length)" if rows > len(ds) else ""
-            truncated = (f", {len(cut)} truncated to max_seq_length={recipe.max_seq_length} ({sum(cut):,} tokens "
-                         "cut)" if cut else "")
-            shape = (f"; packed into {len(packed):,} rows of <= {recipe.max_seq_length} tokens, "
-                     f"{tokens / (len(packed) * recipe.max_seq_length):.0%} full" if packed is not None else "")
-            say(f"data: {name}: {fmt} format, {len(ds):,} examples kept{dropped}{truncated}, {tokens:,} tokens of "
-                f"which {targets / max(tokens, 1):.0%} are targets{shape}")
+        tokens = sum(len(ids) for ids in ds["input_ids"])
+        targets = sum(sum(label != IGNORE for label in labels[1:]) for labels in ds["labels"])
+        dropped = f", {rows - len(ds)} dropped (no target token within max_seq_length)" if rows > len(ds) else ""
+        truncated = (f", {len(cut)} truncated to max_seq_length={recipe.max_seq_length} ({sum(cut):,} tokens "
+                     "cut)" if cut else "")
+        shape = (f"; packed into {len(packed):,} rows of <= {recipe.max_seq_length} tokens, "
+                 f"{tokens / (len(packed) * recipe.max_seq_length):.0%} full" if packed is not None else "")
+        say(f"data: {name}: {' + '.join(dict.fromkeys(fmts))} format, {len(ds):,} examples kept{dropped}{truncated}, "
+            f"{tokens:,} tokens of which {targets / max(tokens, 1):.0%} are targets"
+            + (" (train_on_inputs)" if recipe.train_on_inputs else "") + shape)
         return packed if packed is not None else ds
 
-    return encode(raw, "train"), encode(eval_raw, "eval") if eval_raw is not None else None
+    return finish(train, "train", formats), finish(eval_set, "eval", eval_formats) if eval_set is not None else None
 
 
 class Collator:

@@ -70,18 +70,21 @@ def plan_topology(recipe: Recipe, machine: Machine, num_processes=None, num_mach
     return topo
 
 
-PATH_KEYS = ("model_name_or_path", "dataset", "eval_dataset")  # recipe keys that may name local files
+PATH_KEYS = ("model_name_or_path", "dataset", "eval_dataset", "chat_template")  # keys that may name local files
 
 
 def absolute_path(value):
-    """A local path made absolute (runs start inside their own folder); hub ids and None unchanged."""
-    if value and Path(value).expanduser().exists():
+    """A local path made absolute (runs start inside their own folder); hub ids, inline templates, None and
+    each entry of a dataset list: the same, their paths made absolute."""
+    if isinstance(value, tuple):
+        return tuple(replace(entry, path=absolute_path(entry.path)) for entry in value)
+    if value and "{" not in value and Path(value).expanduser().exists():
         return str(Path(value).expanduser().resolve())
     return value
 
 
 def absolute_paths(recipe: Recipe) -> Recipe:
-    """The recipe with its local model/dataset paths made absolute."""
+    """The recipe with its local model/dataset/template paths made absolute."""
     return replace(recipe, **{key: absolute_path(getattr(recipe, key)) for key in PATH_KEYS})
 
 
@@ -272,15 +275,22 @@ def resumable(folder, recipe_ref, words, num_processes, machine, machine_rank=0)
 
 def preflight(recipe):
     """Fail fast, with one line and before any folder exists: model, tokenizer, dataset columns."""
-    from .data import detect_format, load_any
-    from .modeling import check_model, check_tokenizer
+    from .data import load_source, sources
+    from .modeling import EMBEDDED_MODEL, check_model, check_tokenizer, read_chat_template
 
+    formats = set()
+    for name, spec in (("train", recipe.dataset), ("eval", recipe.eval_dataset)):
+        if spec or name == "train":
+            for i, source in enumerate(sources(spec, recipe.dataset_format)):
+                where = f"{name} dataset[{i}] ({source.path}): " if isinstance(spec, tuple) else ""
+                formats.add(load_source(source, recipe.seed, where)[1])
+    if recipe.chat_template:
+        read_chat_template(recipe.chat_template)
     if recipe.model_name_or_path:
         check_model(recipe.model_name_or_path, recipe.trust_remote_code)
-        check_tokenizer(recipe.model_name_or_path, recipe.trust_remote_code)
-    for source in (recipe.dataset, recipe.eval_dataset):
-        if source:
-            detect_format(load_any(source).column_names, recipe.dataset_format)
+    if recipe.model_name_or_path or recipe.chat_template or "messages" in formats:
+        check_tokenizer(recipe.model_name_or_path or str(EMBEDDED_MODEL), recipe.trust_remote_code,
+                        recipe.chat_template, chat="messages" in formats)
 
 
 def check_fits(recipe, topo, machine, words, force, shape=None):

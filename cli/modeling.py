@@ -109,23 +109,45 @@ def check_model(name_or_path: str, trust_remote_code: bool = False):
     return config
 
 
-def check_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> None:
-    """A loadable tokenizer beside the model, or a one-line error (before anything is launched)."""
+def check_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template: str | None = None,
+                    chat: bool = False) -> None:
+    """A loadable tokenizer beside the model (with a chat template if `chat` data needs one), or a one-line
+    error (before anything is launched)."""
+    from .data import NO_TEMPLATE
+
     try:
-        load_tokenizer(name_or_path, trust_remote_code)
+        tokenizer = load_tokenizer(name_or_path, trust_remote_code, chat_template)
+    except RecipeError:
+        raise
     except Exception as e:  # sentencepiece, tiktoken, missing files: each library raises its own kind
         text = " ".join(str(e).split())[:200]
         raise RecipeError(f"model {name_or_path} has no tokenizer memrecipe can load (save it beside the model with "
                           f"tokenizer.save_pretrained, e.g. tokenizer.json): {text}") from None
+    if chat and not tokenizer.chat_template:
+        raise RecipeError(f"model {name_or_path}: {NO_TEMPLATE}")
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The model's tokenizer; `chat_template` (a Jinja file, or the template itself) replaces its own,
+    and is saved with it."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:  # padding is masked out of the loss, any token will do
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template:
+        tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """The recipe's chat_template: a Jinja template given inline, or the text of a file."""
+    if "{%" in value or "{{" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise RecipeError(f"chat_template {value} is neither a file nor a Jinja template ({{% ... %}})")
+    return path.read_text(encoding="utf-8")
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32,

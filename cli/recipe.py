@@ -32,6 +32,31 @@ class Supports:
     cpu: bool = True  # runs end to end on CPU (smoke-test mode, and in the test suite); false: GPU-only
 
 
+FORMATS = ("auto", "text", "prompt_completion", "messages")
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Where a format's fields come from: a column name (`completion: output`), or a template over the
+    row's columns (`prompt: "{instruction}\n{input}"`). Unset: the column of that name."""
+
+    text: str | None = None
+    prompt: str | None = None
+    completion: str | None = None
+    messages: str | None = None  # a column name only: a conversation is a list, not text
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One dataset of a mixture."""
+
+    path: str  # hub id, .jsonl/.json/.parquet/.csv file, or folder
+    split: str = "train"  # the split of a hub dataset or folder
+    fraction: float = spec(1.0, low=0, low_open=True, high=1)  # share of its rows taken, drawn with the seed
+    format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"  # auto: the recipe's dataset_format
+    columns: Columns = field(default_factory=Columns)
+
+
 @dataclass(frozen=True)
 class Lora:
     r: int = spec(16, low=1, high=4096)
@@ -124,9 +149,14 @@ class Recipe:
     trust_remote_code: bool = False
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
     # data
-    dataset: str | None = None  # null: the embedded default dataset
+    # one source (hub id, file or folder; null: the embedded default dataset), or a list of
+    # {path, split, fraction, format, columns} mixed together
+    dataset: str | tuple[DataSource, ...] | None = None
     dataset_format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"
-    eval_dataset: str | None = None
+    eval_dataset: str | tuple[DataSource, ...] | None = None
+    # false: only completions / assistant turns are targets; true: every token of a document after its first
+    train_on_inputs: bool = False
+    chat_template: str | None = None  # null: the tokenizer's own; or a Jinja file (or the template itself)
     # fraction held out for eval when no eval_dataset is given (a given eval_dataset wins); 0 or null: none
     eval_size: float | None = spec(0.0, low=0, high=0.5)
     max_seq_length: int = spec(512, low=8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import RecipeError, did_you_mean
-from .recipe import Recipe, make_recipe, parse_overrides, read_yaml
+from .recipe import Recipe, make_recipe, merge, parse_overrides, read_yaml
 
 PACKAGE = Path(__file__).resolve().parent
 
@@ -38,10 +38,34 @@ def recipe_path(name_or_path: str) -> Path:
     return path
 
 
+def resolve(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    """A recipe file's keys with its `base:` chain applied: the base recipe (a shipped name, or a file
+    relative to this one) is read first and this file changes only what it names. Sections merge key
+    by key (`lora: {r: 8}` keeps the base's other LoRA keys); null replaces a whole section (`lora: null`
+    turns LoRA off); `name` defaults to the file's stem."""
+    data = read_yaml(path)
+    if "base" not in data:
+        return data
+    ref = data.pop("base")
+    if not isinstance(ref, str) or not ref:
+        raise RecipeError(f"base must be a recipe name or a recipe file, got {ref!r}")
+    target = ref
+    if ref.endswith((".yaml", ".yml")) or "/" in ref:
+        target = str((path.parent / ref).expanduser())  # relative to the file that names it
+    try:
+        base_path = recipe_path(target)
+    except RecipeError as e:
+        raise RecipeError(f"base: {e}") from None
+    if base_path.resolve() in chain or base_path.resolve() == path.resolve():
+        raise RecipeError(f"base {ref} leads back to {path.name}: a recipe cannot be its own base")
+    data.setdefault("name", path.stem)
+    return merge(resolve(base_path, (*chain, path.resolve())), data)
+
+
 def load_recipe(name_or_path: str, overrides=()) -> Recipe:
-    """The validated Recipe for a name or file, with `key=value` override words applied."""
+    """The validated Recipe for a name or file (its `base:` chain resolved), with `key=value` override words applied."""
     path = recipe_path(name_or_path)
     try:
-        return make_recipe(read_yaml(path), parse_overrides(overrides))
+        return make_recipe(resolve(path), parse_overrides(overrides))
     except RecipeError as e:
         raise RecipeError(f"recipe {name_or_path}: {e}") from None

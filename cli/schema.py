@@ -53,6 +53,11 @@ def _coerce(hint, value, key, meta):
             if type(None) in arms:
                 return None
             raise RecipeError(f"{key} must not be null; expected {_describe(hint)}")
+        # a list or a mapping can only be meant for the arm of its kind: that arm's error is the useful one
+        kind = [a for a in arms if (typing.get_origin(a) is tuple and isinstance(value, (list, tuple)))
+                or (dataclasses.is_dataclass(a) and isinstance(value, dict))]
+        if len(kind) == 1:
+            return _coerce(kind[0], value, key, meta)
         errors = []
         for arm in (a for a in arms if a is not type(None)):
             try:

@@ -153,7 +153,7 @@ def main(argv=None):
             f"{accelerator.mixed_precision}; the config wins (regenerate it with memrecipe config, or use memrecipe run)")
 
     # 2. Model and tokenizer: a hub id, a local folder, or the embedded tiny default.
-    tokenizer = load_tokenizer(model_path, recipe.trust_remote_code)
+    tokenizer = load_tokenizer(model_path, recipe.trust_remote_code, recipe.chat_template)
     mesh = accelerator.torch_device_mesh if recipe.parallelism else None  # tensor parallel: split as it loads
     model, offload = load_model(recipe, model_path, accelerator.mixed_precision, accelerator.device, mesh)
     if recipe.fused_loss:  # the head and the loss run chunk by chunk: the [tokens x vocab] logits are never held

@@ -1,6 +1,7 @@
 """Data: formats from columns, label masking, truncation, packing, loading local files."""
 
 import json
+import re
 
 import pytest
 
@@ -138,3 +139,122 @@ def test_an_empty_or_malformed_jsonl_is_named_with_its_reason_and_line(tmp_path,
     with pytest.raises(RecipeError, match=r"bad.jsonl, line 3: not valid JSON"):
         load_any(str(tmp_path / "bad.jsonl"))
     assert "Failed to load JSON" not in capfd.readouterr().err  # one line: the builder's log stays quiet
+
+
+def mixture_files(folder):
+    """20 alpaca-style rows (instruction/input/output) in a JSONL, 10 chat conversations in a parquet."""
+    from datasets import Dataset
+
+    from memrecipe.data import EMBEDDED_DATASET
+
+    alpaca = folder / "alpaca.jsonl"
+    alpaca.write_text("".join(json.dumps({"instruction": f"Add {i} and {i + 1}.", "input": "" if i % 2 else "Be brief.",
+                                          "output": f" It is {2 * i + 1}."}) + "\n" for i in range(20)))
+    chats = [json.loads(line) for line in EMBEDDED_DATASET.read_text().splitlines()[:10]]
+    Dataset.from_list(chats).to_parquet(str(folder / "chat.parquet"))
+    return alpaca, folder / "chat.parquet"
+
+
+def mixture_recipe(folder, *overrides):
+    alpaca, chat = mixture_files(folder)
+    entries = [{"path": str(alpaca), "fraction": 0.7,
+                "columns": {"prompt": "{instruction}\n{input}", "completion": "output"}},
+               {"path": str(chat), "fraction": 0.3}]
+    return load_recipe("single-gpu-lora", [f"dataset={json.dumps(entries)}", "eval_size=0", "packing=false", *overrides])
+
+
+def test_a_mixture_maps_columns_draws_fractions_with_the_seed_and_says_what_it_took(tok, tmp_path):
+    said = []
+    train, _ = prepare_datasets(mixture_recipe(tmp_path), tok, said.append)
+    assert len(train) == 14 + 3  # int(0.7 x 20) alpaca rows, int(0.3 x 10) conversations
+    sources = [line for line in said if "source" in line]
+    assert "prompt_completion, 14 of 20 rows (fraction 0.7)" in sources[0]
+    assert "messages, 3 of 10 rows (fraction 0.3)" in sources[1]
+    tokens = [int(line.split(" rows (fraction")[1].split("), ")[1].split(" tokens")[0].replace(",", "")) for line in sources]
+    assert sum(tokens) == sum(len(x) for x in train["input_ids"])
+    assert "prompt_completion + messages format" in said[-1]
+    texts = [tok.decode(ids) for ids in train["input_ids"]]
+    alpaca = [t for t in texts if t.startswith("Add ")]
+    assert len(alpaca) == 14 and any("\nBe brief. It is" in t for t in alpaca)  # the template, then the output
+    assert all(targets(ex, tok).startswith(" It is") for ex in train if tok.decode(ex["input_ids"]).startswith("Add "))
+    again, _ = prepare_datasets(mixture_recipe(tmp_path), tok)
+    assert again["input_ids"] == train["input_ids"]  # the same seed: the same rows, in the same order
+    other, _ = prepare_datasets(mixture_recipe(tmp_path, "seed=3"), tok)
+    assert sorted(map(tuple, other["input_ids"])) != sorted(map(tuple, train["input_ids"]))
+
+
+@pytest.mark.parametrize("columns, reason", [
+    ({"prompt": "{instruction}\n{inputs}", "completion": "output"},
+     "dataset[0] (DATA): columns.prompt: the template '{instruction}\\n{inputs}' names column 'inputs'"),
+    ({"prompt": "instruction", "completion": "outptu"}, "columns.completion: no column 'outptu' (did you mean 'output'?)"),
+    ({"messages": "{instruction}"}, "columns.messages must name a column of conversations, not a template"),
+    ({"prompt": "instruction"}, "needs a 'messages', 'prompt'+'completion' or 'text' column"),
+])
+def test_a_bad_column_mapping_is_one_line_naming_the_column(tok, tmp_path, columns, reason):
+    alpaca, _ = mixture_files(tmp_path)
+    entries = json.dumps([{"path": str(alpaca), "columns": columns}])
+    with pytest.raises(RecipeError, match=re.escape(reason.replace("DATA", str(alpaca)))):
+        prepare_datasets(load_recipe("single-gpu-lora", [f"dataset={entries}"]), tok)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_train_on_inputs_makes_every_token_after_a_documents_first_a_target(tok, packing):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memrecipe.loss import count_targets, lm_loss
+    from memrecipe.modeling import embedded_model
+
+    r = load_recipe("single-gpu-lora", ["train_on_inputs=true", f"packing={str(packing).lower()}", "eval_size=0",
+                                        "max_seq_length=64"])
+    train, _ = prepare_datasets(r, tok)
+    rows = train.select(range(4))
+    batch = Collator(tok.pad_token_id)(list(rows))
+    real = int(batch["attention_mask"].sum())
+    documents = sum(p.count(0) for p in rows["position_ids"]) if packing else len(rows)
+    assert count_targets(batch["labels"]) == real - documents  # every real token but each document's first
+    shifted = batch["labels"][:, 1:]
+    assert torch.equal(shifted[shifted != IGNORE], batch["input_ids"][:, 1:][shifted != IGNORE])
+    masked, _ = prepare_datasets(load_recipe("single-gpu-lora", [f"packing={str(packing).lower()}", "eval_size=0",
+                                                                 "max_seq_length=64"]), tok)
+    assert count_targets(Collator(tok.pad_token_id)(list(masked.select(range(4))))["labels"]) < real - documents
+    # the loss covers them: the sum of every target's cross-entropy, computed here from the plain logits
+    model = AutoModelForCausalLM.from_pretrained(embedded_model(), dtype=torch.float32)
+    with torch.no_grad():
+        inputs = {"input_ids": batch["input_ids"], **({"position_ids": batch["position_ids"]} if packing
+                                                     else {"attention_mask": batch["attention_mask"]})}
+        logits = model(**inputs).logits[:, :-1]
+        manual = torch.nn.functional.cross_entropy(logits[shifted != IGNORE], batch["input_ids"][:, 1:][shifted != IGNORE],
+                                                   reduction="sum")
+        assert lm_loss(model, batch).item() == pytest.approx(manual.item(), rel=1e-5)
+
+
+def test_chat_template_comes_from_the_recipe_and_a_model_without_one_names_the_key(tok, tmp_path):
+    from memrecipe.data import _tokenize_chat
+    from memrecipe.modeling import check_tokenizer, read_chat_template
+
+    bare = tmp_path / "bare"
+    tok.save_pretrained(bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)  # where transformers 5 saves a template
+    messages = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    plain = load_tokenizer(str(bare))
+    assert not plain.chat_template
+    with pytest.raises(RecipeError, match="no chat template: set chat_template to a Jinja file"):
+        _tokenize_chat(messages, plain)
+    with pytest.raises(RecipeError, match="set chat_template"):
+        check_tokenizer(str(bare), chat=True)
+    template = tmp_path / "turns.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    given = load_tokenizer(str(bare), chat_template=str(template))
+    ids, labels = _tokenize_chat(messages, given)
+    assert given.decode(ids) == "<user>Hi?</s><assistant>Hello.</s>"
+    assert given.decode([t for t, label in zip(ids, labels) if label != IGNORE]) == "Hello.</s>"
+    given.save_pretrained(tmp_path / "final")  # saved with the model, as the loop does
+    assert load_tokenizer(str(tmp_path / "final")).chat_template == template.read_text()
+    assert read_chat_template("{{ messages }}") == "{{ messages }}"  # a template given inline
+    with pytest.raises(RecipeError, match="chat_template nowhere.jinja is neither a file nor a Jinja template"):
+        read_chat_template("nowhere.jinja")

@@ -1,6 +1,7 @@
 """The Recipe model: every shipped recipe validates; overrides, types, ranges and combinations."""
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -139,3 +140,46 @@ def test_recipe_defaults_are_the_dataclass_defaults():
     r = make_recipe({"name": "x", "supports": {"max_processes": 1}})
     assert r == Recipe(name="x", supports=r.supports)
     assert parse_overrides(["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
+
+
+def test_a_recipe_with_a_base_changes_only_what_it_names(tmp_path):
+    """`base:` starts from a shipped recipe (or a file beside this one): sections merge key by key, null
+    turns a section off, name defaults to the file's stem, supports and distributed_type come from the base."""
+    (tmp_path / "mine.yaml").write_text("base: fsdp-lora\nmax_steps: 5\nlora: {r: 8}\n")
+    mine, base = load_recipe(str(tmp_path / "mine.yaml")), load_recipe("fsdp-lora")
+    assert mine.name == "mine" and mine.max_steps == 5
+    assert mine.lora == dataclasses.replace(base.lora, r=8) and base.lora.r != 8  # alpha, dropout, targets kept
+    assert (mine.supports, mine.distributed_type, mine.fsdp) == (base.supports, base.distributed_type, base.fsdp)
+    # a file based on that file: chains, relative to the file that names it; null replaces a whole section
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "full.yaml").write_text("base: ../mine.yaml\nname: full-ft\nlora: null\n")
+    full = load_recipe(str(tmp_path / "sub" / "full.yaml"), ["learning_rate=1e-4"])
+    assert full.name == "full-ft" and full.lora is None and full.max_steps == 5 and full.learning_rate == 1e-4
+    assert make_recipe(yaml.safe_load(full.to_yaml())) == full  # what a run folder stores: resolved, no base
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("base: single-gpu-lora\nmax_stepz: 5\n", "unknown key 'max_stepz' (did you mean 'max_steps'?)"),
+    ("base: single-gpu-lorra\n", "base: unknown recipe 'single-gpu-lorra' (did you mean 'single-gpu-lora'?)"),
+    ("base: loop.yaml\n", "base loop.yaml leads back to loop.yaml"),
+    ("base: [fsdp]\n", "base must be a recipe name or a recipe file"),
+    ("base: single-gpu-lora\nlora: {rank: 8}\n", "unknown key 'lora.rank' (did you mean 'lora.r'?)"),
+])
+def test_a_bad_base_recipe_is_one_line_naming_what_is_wrong(tmp_path, text, reason):
+    (tmp_path / "loop.yaml").write_text(text)
+    with pytest.raises(RecipeError, match=re.escape(reason)):
+        load_recipe(str(tmp_path / "loop.yaml"))
+
+
+def test_show_and_validate_resolve_a_base(tmp_path, cli):
+    (tmp_path / "mine.yaml").write_text("base: single-gpu-lora\ndataset: data.jsonl\nmax_steps: 5\n")
+    shown = cli("show", str(tmp_path / "mine.yaml"))
+    assert shown.returncode == 0, shown.stderr
+    resolved = yaml.safe_load(shown.stdout)
+    assert resolved["name"] == "mine" and resolved["max_steps"] == 5 and resolved["lora"]["r"] == 16
+    assert make_recipe(resolved) == load_recipe(str(tmp_path / "mine.yaml"))
+    ok = cli("validate", str(tmp_path / "mine.yaml"))
+    assert ok.returncode == 0 and "valid recipe (mine, based on single-gpu-lora)" in ok.stdout
+    (tmp_path / "typo.yaml").write_text("base: single-gpu-lora\nlearning_rat: 1e-4\n")
+    bad = cli("validate", str(tmp_path / "typo.yaml"))
+    assert bad.returncode == 2 and "did you mean 'learning_rate'" in bad.stderr and "Traceback" not in bad.stderr

@@ -63,6 +63,10 @@ def _bad_runs(tmp_path):
     no_tokenizer = tmp_path / "no-tokenizer"
     no_tokenizer.mkdir()  # a Llama config and nothing else: the tokenizer would fail only after launch
     (no_tokenizer / "config.json").write_text((REPO / "cli" / "data" / "tiny-llama" / "config.json").read_text())
+    no_template = tmp_path / "no-template"  # a base model: its tokenizer has no chat template, the data is chat
+    no_template.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (no_template / name).write_text((REPO / "cli" / "data" / "tiny-llama" / name).read_text())
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "notes.txt").write_text("mine")
@@ -72,6 +76,8 @@ def _bad_runs(tmp_path):
         (["--model", str(remote)], "trust_remote_code=true", None),
         (["--model", str(not_causal)], "not a causal language model", None),
         (["--model", str(no_tokenizer)], "has no tokenizer memrecipe can load", None),
+        (["--model", str(no_template)], "no chat template: set chat_template to a Jinja file", None),
+        (["chat_template=nowhere.jinja"], "chat_template nowhere.jinja is neither a file nor a Jinja template", None),
         (["--dataset", str(no_columns)], "it has: question, answer", None),
         (["--dataset", str(tmp_path / "missing.jsonl")], "does not exist", None),
         (["--num-processes", "4", "--recipe", "fsdp"], "(to prepare a GPU run from here: memrecipe config fsdp --num-processes 4", None),
@@ -154,3 +160,31 @@ def test_other_machines_keep_their_own_launch_files_in_a_shared_folder(cli, tmp_
     for name in ("recipe.machine1.yaml", "train.machine1.log", ".lock.machine1"):
         (tmp_path / name).write_text("x")
     assert machine_zero_files(tmp_path) == []  # machine 0 may start in this folder without --overwrite
+
+
+@pytest.mark.timeout(600)
+def test_a_users_recipe_on_a_base_trains_on_a_mixture(tmp_path):
+    """A short recipe file starting from a shipped one, mixing an alpaca-style JSONL (columns mapped) with
+    a chat parquet: it trains, the log counts what each source gave, and the run folder keeps it resolved."""
+    import yaml
+
+    from test_data import mixture_files
+
+    mixture_files(tmp_path)
+    (tmp_path / "my.yaml").write_text(
+        "base: single-gpu-lora\n"
+        "dataset:\n"
+        "  - {path: alpaca.jsonl, fraction: 0.7, columns: {prompt: \"{instruction}\\n{input}\", completion: output}}\n"
+        "  - {path: chat.parquet, fraction: 0.3}\n"
+        "max_steps: 3\n"
+        "packing: false\n"
+        "gradient_accumulation_steps: 1\n")
+    done = launch(["memrecipe", "run", "sft", "--recipe", "my.yaml", "--output-dir", "R", "eval_size=0"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (tmp_path / "R" / "train.log").read_text()
+    assert "train source " in log and "14 of 20 rows (fraction 0.7)" in log and "3 of 10 rows (fraction 0.3)" in log
+    report = json.loads((tmp_path / "R" / "report.json").read_text())
+    assert len(report["history"]) == 3 and all(h["targets"] > 0 for h in report["history"])
+    stored = yaml.safe_load((tmp_path / "R" / "recipe.yaml").read_text())
+    assert stored["name"] == "my" and "base" not in stored and stored["lora"]["r"] == 16
+    assert [entry["path"] for entry in stored["dataset"]] == [str(tmp_path / "alpaca.jsonl"), str(tmp_path / "chat.parquet")]

@@ -2,6 +2,7 @@ import textwrap
 
 import click
 
+from ..recipe import read_yaml
 from ..registry import load_recipe, recipe_path
 from ..table import terminal_width
 
@@ -9,10 +10,13 @@ from ..table import terminal_width
 @click.command("show")
 @click.argument("recipe")
 def command(recipe):
-    """Print RECIPE's YAML (a name or a file), with its comments."""
+    """Print RECIPE's YAML (a name or a file), with its comments; a file with `base:`, resolved."""
     path = recipe_path(recipe)
-    load_recipe(recipe)  # refuse a broken recipe file here rather than show it as if it worked
+    resolved = load_recipe(recipe)  # refuse a broken recipe file here rather than show it as if it worked
     text = path.read_text(encoding="utf-8")
+    base = (read_yaml(path) or {}).get("base")
+    if base:  # every key the run will use: the base's, with this file's changes
+        text = (f"# {path}: recipe {base} with this file's changes, resolved\n" + resolved.to_yaml())
     width = terminal_width()  # in a terminal, long comments wrap; piped to a file, the YAML is as shipped
     click.echo(wrap_comments(text, width) if width else text, nl=False)
 

@@ -4,6 +4,7 @@ import click
 
 from ..errors import RecipeError
 from ..recipe import make_recipe, read_yaml
+from ..registry import resolve
 
 
 @click.command("validate")
@@ -24,7 +25,8 @@ def command(file):
         click.echo(f"ok: {file} is an accelerate config ({check_accelerate_config(file)})")
         return
     try:
-        recipe = make_recipe(data)
+        recipe = make_recipe(resolve(file))
     except RecipeError as e:
         raise RecipeError(f"{file}: {e}") from None
-    click.echo(f"ok: {file} is a valid recipe ({recipe.name})")
+    based = f", based on {data['base']}" if "base" in data else ""
+    click.echo(f"ok: {file} is a valid recipe ({recipe.name}{based})")
