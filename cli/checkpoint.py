@@ -136,3 +136,20 @@ def trained_state_dict(accelerator, model) -> dict:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         return get_model_state_dict(model, options=options)
     return accelerator.get_state_dict(model)
+
+
+def save_final(accelerator, model, final: Path, initial_adapter: Path | None = None) -> None:
+    """The finished model (or adapter) in `final`, gathered once. A PiSSA/OLoRA adapter (one process or
+    DDP) is converted against its `initial_adapter` so that it applies to the original base."""
+    unwrapped = accelerator.unwrap_model(model)
+    if initial_adapter is not None:  # peft reads the live adapter and the initial one, not a gathered copy
+        import warnings
+
+        with warnings.catch_warnings():  # its advice to convert the adapter: this is the conversion
+            warnings.filterwarnings("ignore", message=".*changes the base weights of the model")
+            unwrapped.save_pretrained(final, safe_serialization=True, is_main_process=accelerator.is_main_process,
+                                      path_initial_model_for_weight_conversion=str(initial_adapter))
+        return
+    state_dict = trained_state_dict(accelerator, model)  # under FSDP with LoRA: the adapters only
+    unwrapped.save_pretrained(final, state_dict=state_dict, safe_serialization=True,
+                              is_main_process=accelerator.is_main_process)

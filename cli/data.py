@@ -315,16 +315,17 @@ def prepare_datasets(recipe, tokenizer, say=None):
 
 
 class Collator:
-    """Pad a list of examples to the longest in the batch (right padding). `attention_mask` marks the real
-    tokens; packed rows also carry `position_ids`, their padding numbered as a document of its own."""
+    """Pad a list of examples to the longest in the batch (right padding), or up to a multiple of
+    `multiple` tokens (a compiled model then sees few shapes). `attention_mask` marks the real tokens;
+    packed rows also carry `position_ids`, their padding numbered as a document of its own."""
 
-    def __init__(self, pad_token_id: int):
-        self.pad = pad_token_id
+    def __init__(self, pad_token_id: int, multiple: int = 1):
+        self.pad, self.multiple = pad_token_id, multiple
 
     def __call__(self, examples: list[dict]) -> dict:
         import torch
 
-        width = max(len(ex["input_ids"]) for ex in examples)
+        width = -(-max(len(ex["input_ids"]) for ex in examples) // self.multiple) * self.multiple
         out = {"input_ids": [], "labels": [], "attention_mask": []}
         packed = "position_ids" in examples[0]
         if packed:

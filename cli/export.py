@@ -64,7 +64,7 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .modeling import embedded_model
+    from .modeling import add_lora, embedded_model
     from .registry import load_recipe
 
     if not (run / "recipe.yaml").is_file():
@@ -77,19 +77,17 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
     base_path = recipe.model_name_or_path or embedded_model()
     tokenizer = AutoTokenizer.from_pretrained(run / "final" if (run / "final").is_dir() else base_path)
     if recipe.lora:
-        from peft import LoraConfig, PeftModel, get_peft_model
+        from peft import PeftModel
 
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
         if source.name == "final":
             model = PeftModel.from_pretrained(base, source)
         else:
-            lora = recipe.lora
-            targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
-            model = get_peft_model(base, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                    target_modules=targets, task_type="CAUSAL_LM"))
+            model = add_lora(base, recipe.lora)  # a PiSSA/OLoRA init decomposes the base again, as training did
             # a checkpoint holds the whole model, or (FSDP) the adapters only: every adapter weight must be there
             loaded = model.load_state_dict(checkpoint_state_dict(source), strict=False)
-            missing = [k for k in loaded.missing_keys if "lora_" in k]
+            trained = {n for n, p in model.named_parameters() if p.requires_grad}  # adapters, modules_to_save, biases
+            missing = [k for k in loaded.missing_keys if k in trained]
             if loaded.unexpected_keys or missing:
                 raise RecipeError(f"{source} does not match the recipe's LoRA settings: "
                                   f"{(loaded.unexpected_keys or missing)[0]} (and {len(loaded.unexpected_keys) + len(missing) - 1} more)")

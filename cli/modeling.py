@@ -29,6 +29,9 @@ def make_accelerator(recipe, **kwargs):
     from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
                                   InitProcessGroupKwargs)
 
+    if os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no":
+        raise RecipeError("the launch config asks accelerate to compile the whole model (dynamo_config), which wraps "
+                          "it and renames its weights: remove dynamo_config and set torch_compile: true in the recipe")
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     handlers = list(kwargs.pop("kwargs_handlers", []))
     if not torch.cuda.is_available() and launched:
@@ -283,13 +286,65 @@ def load_model(recipe, name_or_path: str, precision: str, device=None, device_me
                 module.support_avx512bf16_for_cpu = False
     offload = enable_checkpointing(model, recipe.activation_offload) if recipe.gradient_checkpointing else None
     if recipe.lora:
-        from peft import LoraConfig, get_peft_model
-
-        lora = recipe.lora
-        targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
-        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=targets, task_type="CAUSAL_LM"))
+        model = add_lora(model, recipe.lora)
+    if recipe.torch_compile:
+        compile_layers(model)
     return model, offload
+
+
+def compile_layers(model) -> int:
+    """Compile each decoder layer in place (nn.Module.compile), as torchtune does and accelerate's regional
+    compilation: the layers share one graph (dynamo treats their weights as inputs), checkpointing wraps
+    the compiled layer, and the model keeps its modules, hooks and state-dict names. The head, the fused
+    loss and the mask building stay eager. Returns the number of layers compiled."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RecipeError(f"torch_compile: {type(model).__name__} names no decoder-layer class (_no_split_modules)")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def lora_config(lora):
+    """peft's LoraConfig for the recipe's lora: section (the same names)."""
+    from peft import LoraConfig
+
+    listed = lambda names: names if isinstance(names, str) or names is None else list(names)  # noqa: E731
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=listed(lora.target_modules), modules_to_save=listed(lora.modules_to_save),
+                      use_dora=lora.use_dora, use_rslora=lora.use_rslora, init_lora_weights=lora.init_lora_weights,
+                      bias=lora.bias, task_type="CAUSAL_LM")
+
+
+def add_lora(model, lora):
+    """The model with peft's adapters. Everything that trains is fp32, as the adapters are: peft upcasts
+    its adapter layers, not the copies of modules_to_save nor the biases that `bias` trains, which would
+    otherwise take AdamW's updates in the base's 16 bits."""
+    from peft import get_peft_model
+
+    model = get_peft_model(model, lora_config(lora))
+    for p in model.parameters():
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+            p.data = p.data.float()
+    return model
+
+
+def rewrites_base(recipe) -> bool:
+    """LoRA inits that change the base weights (pissa, olora): the saved adapter is converted back."""
+    return recipe.lora is not None and recipe.lora.init_lora_weights in ("pissa", "olora")
+
+
+def save_initial_adapter(model, folder: Path) -> None:
+    """The adapter as initialized, before training: what peft subtracts to convert a PiSSA/OLoRA adapter
+    into one that applies to the original base. Saved with init_lora_weights true, as peft asks, so
+    that loading it does not decompose the base again."""
+    config = model.peft_config["default"]
+    init, config.init_lora_weights = config.init_lora_weights, True
+    try:
+        model.save_pretrained(folder)
+    finally:
+        config.init_lora_weights = init
 
 
 def prepare(accelerator, recipe, model, *loaders):

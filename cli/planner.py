@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from .architecture import Structure, Tensor
+from .errors import RecipeError
 from .generator import resolve_precision
 from .recipe import Recipe
 from .topology import Topology
@@ -167,12 +168,28 @@ def base_bytes(recipe: Recipe, s: Structure, cb: int, layer_only: bool = False) 
 
 
 def trainable_tensors(recipe: Recipe, s: Structure) -> list[Tensor]:
-    if recipe.lora is None:
+    """What trains: every tensor of a full fine-tune; with LoRA the adapters (A, B, DoRA's magnitude per
+    output channel), the biases `bias` names, and a copy of each module of `modules_to_save`."""
+    lora = recipe.lora
+    if lora is None:
         return s.tensors()
-    r = recipe.lora.r
-    per_layer = [t for lin in s.lora_linears(recipe.lora.target_modules)
-                 for t in (Tensor("lora_A", (r, lin.in_features), "other"), Tensor("lora_B", (lin.out_features, r), "other"))]
-    return per_layer * s.layers
+    r, targets = lora.r, s.lora_linears(lora.target_modules)
+    per_layer = [t for lin in targets for t in (Tensor("lora_A", (r, lin.in_features), "other"),
+                                                Tensor("lora_B", (lin.out_features, r), "other"))]
+    if lora.use_dora:
+        per_layer += [Tensor("lora_magnitude_vector", (lin.out_features,), "other") for lin in targets]
+    biased = {"none": [], "all": s.linears, "lora_only": targets}[lora.bias]
+    per_layer += [Tensor(lin.name, (lin.out_features,), "other") for lin in biased if lin.bias]
+    copies = []
+    for name in lora.modules_to_save or ():
+        matched = [t for t in s.tensors() if t.name == name]
+        if name == "lm_head" and not matched:  # tied to the embeddings: peft copies the head, untied
+            matched = [Tensor("lm_head", (s.vocab, s.hidden), "linear")]
+        if not matched:
+            raise RecipeError(f"lora.modules_to_save names {name!r}, which this {s.model_type} model has not "
+                              "(e.g. embed_tokens, lm_head)")
+        copies += matched
+    return per_layer * s.layers + copies
 
 
 def activation_mode(recipe: Recipe, compute_bytes: int) -> str:

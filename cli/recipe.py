@@ -64,6 +64,15 @@ class Lora:
     dropout: float = spec(0.05, low=0, high=0.99)
     # a list of module names, or peft's "all-linear"
     target_modules: tuple[str, ...] | Literal["all-linear"] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # whole modules trained (and saved) beside the adapters, e.g. [embed_tokens, lm_head] when tokens are added:
+    # each costs a full fp32 copy with its gradients and optimizer state
+    modules_to_save: tuple[str, ...] | None = None
+    use_dora: bool = False  # DoRA: adds a trained magnitude per output channel (closer to a full fine-tune, slower step)
+    use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r (steadier at high ranks)
+    # true: peft's default (B = 0); pissa / olora start from the weights' principal / orthonormal directions and
+    # rewrite the base: the saved adapter is converted so that it applies to the original base
+    init_lora_weights: bool | Literal["gaussian", "pissa", "olora"] = True
+    bias: Literal["none", "all", "lora_only"] = "none"  # which biases train too (all: every bias of the model)
 
 
 @dataclass(frozen=True)
@@ -190,6 +199,9 @@ class Recipe:
     gradient_checkpointing: bool = False
     activation_offload: bool = False  # checkpointed layers' saved inputs wait in host memory
     fused_loss: bool = True  # LM head + cross-entropy chunk by chunk, recomputed in backward: no full logits
+    # each decoder layer compiled in place (one graph serves them all): faster steps after a compile on the
+    # first step (tens of seconds); batches are padded to a multiple of 64 tokens to bound recompiles
+    torch_compile: bool = False
     lora: Lora | None = None  # null: full fine-tune
     quantization: Quantization | None = None  # null: the base in the compute dtype; needs lora
     fsdp: Fsdp | None = None
@@ -338,6 +350,10 @@ def check_combinations(r: Recipe) -> None:
                 "gradient_checkpointing and fsdp.activation_checkpointing both checkpoint the same layers: keep one"
             )
     check_optimizer(r)
+    check_lora(r)
+    if r.torch_compile and (r.fsdp or r.deepspeed):
+        raise RecipeError(f"torch_compile is not supported under {'FSDP' if r.fsdp else 'DeepSpeed'} in memrecipe (their "
+                          "hooks gather each layer's weights around its forward): use it with distributed_type no or ddp")
     if r.deepspeed:
         ds = r.deepspeed
         if r.uses_bnb and ds.offload_optimizer != "none":
@@ -388,6 +404,28 @@ def check_optimizer(r: Recipe) -> None:
                               "max_grad_norm=null")
 
 
+def check_lora(r: Recipe) -> None:
+    """LoRA options that an engine or the base cannot carry."""
+    lora = r.lora
+    if lora is None:
+        return
+    rewrites = lora.init_lora_weights in ("pissa", "olora")
+    if rewrites and (r.fsdp or r.deepspeed):
+        raise RecipeError(f"lora.init_lora_weights {lora.init_lora_weights} rewrites the base as it loads, which "
+                          "memrecipe supports on one process or DDP: use distributed_type no or ddp (or "
+                          "init_lora_weights=true)")
+    if rewrites and r.quantization:
+        raise RecipeError(f"lora.init_lora_weights {lora.init_lora_weights} on a quantized base re-quantizes the "
+                          "rewritten weights, so the saved adapter cannot be converted back exactly: use it without "
+                          "quantization (or init_lora_weights=true)")
+    if rewrites and lora.use_dora:
+        raise RecipeError(f"lora.use_dora cannot be converted back from init_lora_weights {lora.init_lora_weights} "
+                          "(the magnitude is learned on the rewritten base): use one of them")
+    if lora.use_dora and r.deepspeed and r.deepspeed.zero_stage == 3:
+        raise RecipeError("lora.use_dora reads each base weight whole inside the adapter, where ZeRO-3 keeps it "
+                          "partitioned: use fsdp-lora or one process (or use_dora=false)")
+
+
 def cpu_blocker(r: Recipe) -> str | None:
     """Why this recipe cannot run on a machine without a GPU (each measured), or None if it can."""
     if r.parallelism:
@@ -426,7 +464,10 @@ def techniques(r: Recipe) -> list[str]:
         out.append(f"{q.quant_type.upper() if q.bits == 4 else 'int8'} base{' (double quant)' if q.double_quant and q.bits == 4 else ''}")
     if r.lora:
         targets = r.lora.target_modules if isinstance(r.lora.target_modules, str) else ",".join(r.lora.target_modules)
-        out.append(f"LoRA r={r.lora.r} ({targets})")
+        kind = "DoRA" if r.lora.use_dora else "LoRA"
+        init = f", {r.lora.init_lora_weights} init" if isinstance(r.lora.init_lora_weights, str) else ""
+        saved = f" + {','.join(r.lora.modules_to_save)}" if r.lora.modules_to_save else ""
+        out.append(f"{kind} r={r.lora.r} ({targets}{saved}{init})")
     else:
         out.append("full fine-tune")
     if r.gradient_checkpointing:
@@ -442,6 +483,8 @@ def techniques(r: Recipe) -> list[str]:
         out.append(f"APOLLO rank {r.optim_args.rank}")
     if r.optimizer_in_backward:
         out.append("optimizer step in backward")
+    if r.torch_compile:
+        out.append("torch.compile per layer")
     return out
 
 

@@ -66,6 +66,9 @@ def _coerce(hint, value, key, meta):
                 errors.append(e)
         if len(errors) == 1:
             raise errors[0]
+        literal = [e for a, e in zip((a for a in arms if a is not type(None)), errors) if typing.get_origin(a) is Literal]
+        if isinstance(value, str) and len(literal) == 1:  # a near-miss of a named choice: say which it meant
+            raise RecipeError(f"{key} must be {_describe(hint)}, got {_show(value)}{did_you_mean(value, _choices(hint))}")
         raise RecipeError(f"{key} must be {_describe(hint)}, got {_show(value)}")
     if origin is Literal:
         choices = typing.get_args(hint)
@@ -137,6 +140,10 @@ def _describe(hint) -> str:
     if dataclasses.is_dataclass(hint):
         return "a mapping"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def _choices(hint) -> list:
+    return [c for a in typing.get_args(hint) if typing.get_origin(a) is Literal for c in typing.get_args(a)]
 
 
 def _show(value) -> str:

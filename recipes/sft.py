@@ -29,13 +29,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from memrecipe.checkpoint import resume_state, save, trained_state_dict
+from memrecipe.checkpoint import resume_state, save, save_final
 from memrecipe.data import Collator, prepare_datasets
 from memrecipe.errors import RecipeError
 from memrecipe.measure import (LossMemory, MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes,
                                peak_memory, start_trackers)
 from memrecipe.loss import count_targets, fuse_head, lm_loss
-from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare
+from memrecipe.modeling import (embedded_model, load_model, load_tokenizer, make_accelerator, prepare, rewrites_base,
+                                save_initial_adapter)
 from memrecipe.registry import load_recipe
 from memrecipe.plots import plot_loss
 from memrecipe.report import build, card
@@ -156,6 +157,9 @@ def main(argv=None):
     tokenizer = load_tokenizer(model_path, recipe.trust_remote_code, recipe.chat_template)
     mesh = accelerator.torch_device_mesh if recipe.parallelism else None  # tensor parallel: split as it loads
     model, offload = load_model(recipe, model_path, accelerator.mixed_precision, accelerator.device, mesh)
+    initial_adapter = out / "initial_adapter" if rewrites_base(recipe) else None  # PiSSA/OLoRA: to convert back
+    if initial_adapter is not None and accelerator.is_main_process and not initial_adapter.exists():
+        save_initial_adapter(model, initial_adapter)
     if recipe.fused_loss:  # the head and the loss run chunk by chunk: the [tokens x vocab] logits are never held
         not_fused = fuse_head(model)
         if not_fused:
@@ -165,7 +169,7 @@ def main(argv=None):
     # rows (packing: true, each with its own position_ids) or one example per row, padded per batch.
     with accelerator.main_process_first():
         train_set, eval_set = prepare_datasets(recipe, tokenizer, say)  # logs what the loss will learn from
-    collate = Collator(tokenizer.pad_token_id)
+    collate = Collator(tokenizer.pad_token_id, 64 if recipe.torch_compile else 1)  # compiled: few shapes
     # Its own generator: starting an epoch's iterator must not draw from the global RNG that dropout
     # uses, or a resumed run would see other dropout masks than the run it continues.
     train_loader = DataLoader(train_set, batch_size=recipe.per_device_train_batch_size, shuffle=True,
@@ -201,6 +205,9 @@ def main(argv=None):
     dropped = len(train_loader) % accumulation
     if dropped:
         say(f"note: the last {dropped} micro batch(es) of each epoch do not fill a window and are skipped")
+    if recipe.torch_compile:
+        say("torch_compile: the decoder layers compile during the first step (tens of seconds; again if a batch "
+            "brings a new shape), batches are padded to a multiple of 64 tokens")
 
     # 5. The loop: one optimizer step per window of micro batches.
     history, step, epoch, consumed, held = [], 0, 0, 0, None
@@ -230,6 +237,8 @@ def main(argv=None):
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
             optimizer.step()
             scheduler.step()
+            if step == 0 and recipe.torch_compile:
+                say(f"torch_compile: the first step took {time.perf_counter() - tick:.1f} s, compiling included")
             if held is None:  # what this process really holds, once the optimizer state exists
                 held, setup["optimizer_state_dtypes"] = held_bytes(model, optimizer), optimizer_state_dtypes(optimizer)
                 held["logits"] = loss_memory.bytes
@@ -281,9 +290,7 @@ def main(argv=None):
 
     # 6. Save: gather the full weights (FSDP shards, ZeRO-3 16-bit partitions) or the LoRA adapter.
     final = out / "final"
-    state_dict = trained_state_dict(accelerator, model)  # under FSDP with LoRA: the adapters only
-    accelerator.unwrap_model(model).save_pretrained(final, state_dict=state_dict, safe_serialization=True,
-                                                    is_main_process=accelerator.is_main_process)
+    save_final(accelerator, model, final, initial_adapter)
     ranks = gather_object([{"process_index": accelerator.process_index, "num_processes": accelerator.num_processes,
                             "held": held, "tokens": local_tokens, **peak_memory(accelerator.device)}])
     if snapshot is not None and not snapshot.saved:

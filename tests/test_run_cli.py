@@ -163,11 +163,16 @@ def test_other_machines_keep_their_own_launch_files_in_a_shared_folder(cli, tmp_
 
 
 @pytest.mark.timeout(600)
-def test_a_users_recipe_on_a_base_trains_on_a_mixture(tmp_path):
+def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_exports(tmp_path):
     """A short recipe file starting from a shipped one, mixing an alpaca-style JSONL (columns mapped) with
-    a chat parquet: it trains, the log counts what each source gave, and the run folder keeps it resolved."""
+    a chat parquet: it trains, the log counts what each source gave, and the run folder keeps it resolved.
+    Its PiSSA adapter, converted at the end, merges onto the original base into the trained model: the
+    same logits as the last checkpoint's adapter on the base decomposed again."""
+    import torch
     import yaml
+    from transformers import AutoModelForCausalLM
 
+    from memrecipe.modeling import embedded_model
     from test_data import mixture_files
 
     mixture_files(tmp_path)
@@ -177,8 +182,11 @@ def test_a_users_recipe_on_a_base_trains_on_a_mixture(tmp_path):
         "  - {path: alpaca.jsonl, fraction: 0.7, columns: {prompt: \"{instruction}\\n{input}\", completion: output}}\n"
         "  - {path: chat.parquet, fraction: 0.3}\n"
         "max_steps: 3\n"
+        "save_steps: 3\n"
         "packing: false\n"
-        "gradient_accumulation_steps: 1\n")
+        "gradient_accumulation_steps: 1\n"
+        "mixed_precision: 'no'            # an fp32 base: the converted adapter is exact to float rounding\n"
+        "lora: {init_lora_weights: pissa}\n")
     done = launch(["memrecipe", "run", "sft", "--recipe", "my.yaml", "--output-dir", "R", "eval_size=0"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     log = (tmp_path / "R" / "train.log").read_text()
@@ -188,3 +196,14 @@ def test_a_users_recipe_on_a_base_trains_on_a_mixture(tmp_path):
     stored = yaml.safe_load((tmp_path / "R" / "recipe.yaml").read_text())
     assert stored["name"] == "my" and "base" not in stored and stored["lora"]["r"] == 16
     assert [entry["path"] for entry in stored["dataset"]] == [str(tmp_path / "alpaca.jsonl"), str(tmp_path / "chat.parquet")]
+
+    assert json.loads((tmp_path / "R" / "final" / "adapter_config.json").read_text())["r"] == 32  # [A | A0]
+    for source, out in ((["--merge"], "merged"), (["--merge", "--checkpoint", "step-3"], "from-checkpoint")):
+        exported = launch(["memrecipe", "export", "R", out, *source], cwd=tmp_path)
+        assert exported.returncode == 0, exported.stderr[-2000:]
+    probe = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged, resumed, before = (AutoModelForCausalLM.from_pretrained(path)(input_ids=probe).logits
+                                   for path in (tmp_path / "merged", tmp_path / "from-checkpoint", embedded_model()))
+    assert (merged - before).abs().max() > 1e-2  # trained
+    torch.testing.assert_close(merged, resumed, atol=1e-4, rtol=0)

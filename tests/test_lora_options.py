@@ -1,0 +1,101 @@
+"""LoRA's options under peft's names: each trains, saves, reloads onto the original base and merges to
+the trained model's logits; the planner's model states equal what the model holds after a step."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from memrecipe.architecture import read_config, structure
+from memrecipe.checkpoint import save_final
+from memrecipe.errors import RecipeError
+from memrecipe.measure import held_bytes
+from memrecipe.modeling import EMBEDDED_MODEL, load_model, rewrites_base, save_initial_adapter
+from memrecipe.optimizers import make_optimizer
+from memrecipe.planner import estimate
+from memrecipe.registry import load_recipe
+from memrecipe.topology import Topology
+
+OPTIONS = {  # (overrides, how many tensors train beside the adapters' A and B)
+    "modules_to_save+bias-lora-only": (["lora.modules_to_save=[embed_tokens,lm_head]", "lora.bias=lora_only",
+                                        "lora.target_modules=[q_proj,v_proj]"], 2 + 4 * 2),
+    "bias-all": (["lora.bias=all", "lora.target_modules=[q_proj,v_proj]"], 4 * 7),  # 4 layers x 7 linears
+    "dora": (["lora.use_dora=true"], 0),
+    "rslora+gaussian": (["lora.use_rslora=true", "lora.init_lora_weights=gaussian"], 0),
+    "pissa": (["lora.init_lora_weights=pissa"], 0),
+    "olora": (["lora.init_lora_weights=olora"], 0),
+}
+# one process, fp32 (mixed_precision=no): the converted PiSSA/OLoRA adapter is then exact to float rounding
+COMMON = ["mixed_precision=no", "lora.dropout=0.0", "learning_rate=1e-2"]
+ACCELERATOR = SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True, get_state_dict=lambda m: m.state_dict(),
+                              distributed_type=SimpleNamespace(value="NO"), device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The embedded model's config with biases on every linear (for `bias`), saved as a hub model would be."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("biased")
+    config = json.loads((EMBEDDED_MODEL / "config.json").read_text()) | {"attention_bias": True, "mlp_bias": True}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**config)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_each_lora_option_trains_saves_reloads_and_merges_to_the_trained_logits(base, tmp_path, option):
+    from peft import PeftModel
+
+    overrides, extra = OPTIONS[option]
+    recipe = load_recipe("single-gpu-lora", [*COMMON, *overrides, f"model_name_or_path={base}"])
+    torch.manual_seed(0)
+    model, _ = load_model(recipe, str(base), "no")
+    initial = tmp_path / "initial_adapter" if rewrites_base(recipe) else None
+    if initial is not None:
+        save_initial_adapter(model, initial)
+    optimizer = make_optimizer(recipe, model, ACCELERATOR)
+    ids = torch.randint(0, 500, (3, 2, 24), generator=torch.Generator().manual_seed(1))
+    for step, batch in enumerate(ids):
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        if step == 0:  # the planner's model states against what is held once the optimizer state exists
+            held = held_bytes(model, optimizer)
+            plan = estimate(recipe, structure(read_config(str(base))), Topology(cpu=True))
+            for category in ("parameters", "gradients", "optimizer_state"):
+                assert held[category] == pytest.approx(getattr(plan, category), rel=0.01), category
+        optimizer.zero_grad()
+    beside = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+    assert len(beside) == extra, beside  # the copies / the biases the option trains, nothing else
+    model.eval()
+    probe = torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(input_ids=probe).logits
+    save_final(ACCELERATOR, model, tmp_path / "final", initial)
+
+    original = lambda: AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)  # noqa: E731
+    with torch.no_grad():
+        before = original()(input_ids=probe).logits
+        reloaded = PeftModel.from_pretrained(original(), tmp_path / "final")
+        got = reloaded(input_ids=probe).logits
+        merged = reloaded.merge_and_unload()(input_ids=probe).logits
+    assert (want - before).abs().max() > 1e-2  # training moved the logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(merged, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["lora.init_lora_weights=pissa", "lora.use_dora=true"], "lora.use_dora cannot be converted back"),
+    (["lora.init_lora_weights=olora"], "rewrites the base as it loads, which memrecipe supports on one process or DDP"),
+    (["lora.init_lora_weights=pisa"], "did you mean 'pissa'"),
+    (["lora.bias=some"], "lora.bias must be one of none, all, lora_only"),
+])
+def test_lora_options_that_cannot_work_are_refused_with_the_reason(overrides, reason):
+    recipe = "fsdp-lora" if "olora" in overrides[0] else "single-gpu-lora"
+    with pytest.raises(RecipeError, match=reason):
+        load_recipe(recipe, overrides)
+    with pytest.raises(RecipeError, match="modules_to_save names 'lm_heads'"):
+        estimate(load_recipe("single-gpu-lora", ["lora.modules_to_save=[lm_heads]"]), structure(read_config(None)),
+                 Topology(cpu=True))
