@@ -9,7 +9,8 @@ layers, 8 heads / 4 kv heads, vocab 8000, untied), a BPE tokenizer trained on th
 about half of a padded batch is padding. Two settings, micro batch 4 x accumulation 4, max_seq_length
 256: LoRA (r 16 on every linear layer) + gradient checkpointing + bf16 autocast + AdamW, and a full
 fine-tune + gradient checkpointing + bf16 autocast + bitsandbytes 8-bit AdamW. memrecipe runs through
-`memrecipe run` (the real loop; its report's tokens/s counts real tokens over the loop's wall time);
+`memrecipe run` (the real loop; its report's tokens/s counts real tokens over the loop's wall time; with
+torch_compile, over the steps after the first, which compiles, and the compile time is printed);
 Trainer runs in a process of its own, its real tokens counted in its collator over train_runtime.
 The runs interleave (A B C A B C ...) and the table gives medians and each one's ratio to Trainer.
 """
@@ -129,14 +130,13 @@ def main():
                   "eval_size=0", "eval_steps=null", "logging_steps=1000", "seed=7", "max_seq_length=256"]
         for i in range(args.repeats):
             for setting, recipe in SETTINGS.items():
+                one = ["--num-processes", "1"] if recipe == "adamw-8bit" else []
+                mine = lambda name, *words: memrecipe_run(Path(tmp) / f"{name}-{recipe}-{i}", recipe, *common, *words, *one)  # noqa: E731
                 runs = {"transformers Trainer": lambda: trainer_run(model_dir, data, recipe, args.steps,
                                                                    Path(tmp) / f"trainer{i}"),
-                        "memrecipe, packing: false": lambda: memrecipe_run(
-                            Path(tmp) / f"unpacked-{recipe}-{i}", recipe, *common, "packing=false",
-                            *(["--num-processes", "1"] if recipe == "adamw-8bit" else []))["throughput"]["tokens_per_second"],
-                        "memrecipe, packing: true": lambda: memrecipe_run(
-                            Path(tmp) / f"packed-{recipe}-{i}", recipe, *common, "packing=true",
-                            *(["--num-processes", "1"] if recipe == "adamw-8bit" else []))["throughput"]["tokens_per_second"]}
+                        "memrecipe, packing: false": lambda: speed(mine("unpacked", "packing=false")),
+                        "memrecipe, packing: true": lambda: speed(mine("packed", "packing=true")),
+                        COMPILED: lambda: speed(mine("compiled", "packing=true", "torch_compile=true"), after_first=True)}
                 for name, run in runs.items():
                     speeds.setdefault((setting, name), []).append(run())
                     print(f"run {i + 1}/{args.repeats}: {setting}, {name}: {speeds[(setting, name)][-1]:,.0f} real tokens/s",
@@ -144,12 +144,28 @@ def main():
     print(f"Real tokens/s on 2 CPU cores, median of {args.repeats} (ratio to Trainer); micro batch 4 x accumulation 4, "
           f"max_seq_length 256, {args.steps} steps")
     print(f"| | {' | '.join(SETTINGS)} |\n|---|{'---|' * len(SETTINGS)}")
-    for name in ("transformers Trainer", "memrecipe, packing: false", "memrecipe, packing: true"):
+    for name in ("transformers Trainer", "memrecipe, packing: false", "memrecipe, packing: true", COMPILED):
         cells = []
         for setting in SETTINGS:
             median, base = statistics.median(speeds[(setting, name)]), statistics.median(speeds[(setting, "transformers Trainer")])
             cells.append(f"{median:,.0f} ({median / base:.2f}x)")
         print(f"| {name} | {' | '.join(cells)} |")
+    print(f"\n(torch_compile row: tokens/s after the first step; the first step, compiling included, took "
+          f"{min(first_steps):.0f}-{max(first_steps):.0f} s)")
+
+
+COMPILED = "memrecipe, packing: true, torch_compile: true (after the first step)"
+first_steps: list[float] = []  # seconds of each compiled run's first step
+
+
+def speed(report: dict, after_first: bool = False) -> float:
+    """Real tokens/s of a memrecipe run: over the loop's wall time, or over the steps after the first
+    (a compiled run's first step compiles)."""
+    if not after_first:
+        return report["throughput"]["tokens_per_second"]
+    history = report["history"]
+    first_steps.append(history[0]["seconds"])
+    return sum(h["tokens"] for h in history[1:]) / sum(h["seconds"] for h in history[1:])
 
 
 if __name__ == "__main__":

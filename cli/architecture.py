@@ -6,6 +6,7 @@ LM falls back to building it on the meta device (that path imports torch and tra
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -14,8 +15,10 @@ from pathlib import Path
 from .errors import RecipeError
 
 EMBEDDED_CONFIG = Path(__file__).resolve().parent / "data" / "tiny-llama" / "config.json"
-LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
-              "granite", "cohere", "starcoder2", "smollm3", "ministral", "helium", "glm"}
+# Counted by hand (no torch needed, so `plan` stays fast): the families whose counts equal the modules
+# transformers builds (tests/test_planner.py checks each). Others, mixtures of experts among them, are
+# read from the real modules on the meta device.
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "smollm3"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,13 @@ class Structure:
     tied_embeddings: bool
     llama_like: bool = True  # activation formulas measured on this family (others: same counting rules)
     notes: tuple[str, ...] = field(default=())
+    # mixture of experts: experts per layer held as fused [experts x ...] tensors (transformers 5), each
+    # token routed to `top_k` of them; `intermediate` is then one expert's
+    experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0  # one layer's fused expert tensors
+    largest: int = 0  # the largest module's own parameters, when read off the real modules (0: from linears)
+    config: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a meta-device model's config
 
     @property
     def kv_dim(self) -> int:
@@ -90,8 +100,9 @@ class Structure:
 
     @property
     def largest_module(self) -> int:
-        """Largest single module's parameters (DeepSpeed's `largest_layer_params`)."""
-        return max([lin.params for lin in self.linears] + list(self.top_params))
+        """Largest single module's parameters (DeepSpeed's `largest_layer_params`): a fused experts module
+        holds all its experts."""
+        return self.largest or max([lin.params for lin in self.linears] + list(self.top_params))
 
     @property
     def root_params(self) -> int:
@@ -232,15 +243,11 @@ def _from_meta_device(c: dict) -> Structure:
     """Any other causal LM: build it without memory on the meta device and read its modules."""
     try:
         import torch
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:  # pragma: no cover - they are dependencies
         raise RecipeError(f"unknown architecture {c.get('model_type')!r} needs torch and transformers: {e}") from None
     try:
-        config = AutoConfig.for_model(**c)
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config)
-        model.tie_weights()  # skipped on the meta device; a real model shares its embeddings
+        model = meta_model(c)
+        config = model.config
     except Exception as e:
         raise RecipeError(f"model type {c.get('model_type')!r} is not a causal language model transformers can "
                           f"build ({' '.join(str(e).split())[:200]})") from None
@@ -257,8 +264,55 @@ def _from_meta_device(c: dict) -> Structure:
     h = getattr(config, "hidden_size", linears[0].in_features)
     heads = getattr(config, "num_attention_heads", 1)
     kv = getattr(config, "num_key_value_heads", heads) or heads
-    i = getattr(config, "intermediate_size", None) or max(lin.out_features for lin in linears)
-    gated = any("gate" in lin.name for lin in linears)
-    return Structure(config.model_type, config.vocab_size, h, len(blocks), heads, kv, h // heads, i, gated, linears,
+    d = getattr(config, "head_dim", None) or h // heads
+    fused = [p for p in layer.parameters() if p.dim() == 3]  # experts as [experts x out x in] tensors
+    experts = fused[0].shape[0] if fused else 0
+    top_k = getattr(config, "num_experts_per_tok", None) or (1 if experts else 0)
+    i = (getattr(config, "moe_intermediate_size", None) if experts else None) or \
+        getattr(config, "intermediate_size", None) or max(lin.out_features for lin in linears)
+    gated = any("gate" in lin.name for lin in linears) or any(p.shape[1] == 2 * i for p in fused)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    notes = ["structure read from the meta device"]
+    if experts:
+        notes.append(f"mixture of experts: {experts} experts per layer in fused tensors, {top_k} per token")
+    return Structure(config.model_type, config.vocab_size, h, len(blocks), heads, kv, d, i, gated, linears,
                      other, top, bool(getattr(config, "tie_word_embeddings", False)), llama_like=False,
-                     notes=("structure read from the meta device",))
+                     notes=tuple(notes), experts=experts, top_k=top_k, expert_params=sum(p.numel() for p in fused),
+                     largest=largest, config=c)
+
+
+def meta_model(c: dict):
+    """The model of a config dict on the meta device: its real modules, no memory."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**c))
+    model.tie_weights()  # skipped on the meta device; a real model shares its embeddings
+    return model
+
+
+def lora_tensors_on_meta(c: dict, lora) -> list[Tensor]:
+    """What peft's LoRA trains on the real modules of a config (on the meta device): on a mixture of
+    experts peft also wraps the fused expert tensors and the router (ParamWrapper, all-linear), with
+    shapes of its own, so the adapters are read off peft rather than counted from the linears."""
+    return list(_lora_tensors_on_meta(json.dumps(c, sort_keys=True), lora))
+
+
+@functools.lru_cache(maxsize=32)  # `plan` asks once per recipe
+def _lora_tensors_on_meta(config_json: str, lora) -> tuple[Tensor, ...]:
+    from .modeling import lora_config
+
+    model = meta_model(json.loads(config_json))
+    try:
+        from peft import get_peft_model
+
+        wrapped = get_peft_model(model, lora_config(lora))
+    except ValueError as e:
+        text = " ".join(str(e).split())
+        if "lora_dropout" in text:
+            raise RecipeError("lora.dropout must be 0 for this model: peft adapts its fused expert tensors (ParamWrapper), "
+                              "which take no dropout (set lora.dropout=0)") from None
+        raise RecipeError(f"peft cannot add this recipe's LoRA to the model: {text[:200]}") from None
+    return tuple(Tensor(name.rsplit(".", 1)[0], tuple(p.shape), "embedding" if "embed" in name else "other")
+                 for name, p in wrapped.named_parameters() if p.requires_grad)

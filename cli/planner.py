@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .architecture import Structure, Tensor
+from .architecture import Structure, Tensor, lora_tensors_on_meta
 from .errors import RecipeError
 from .generator import resolve_precision
 from .recipe import Recipe
@@ -173,6 +173,8 @@ def trainable_tensors(recipe: Recipe, s: Structure) -> list[Tensor]:
     lora = recipe.lora
     if lora is None:
         return s.tensors()
+    if s.experts:  # peft adapts fused experts and routers in shapes of its own: read them off peft
+        return lora_tensors_on_meta(s.config, lora)
     r, targets = lora.r, s.lora_linears(lora.target_modules)
     per_layer = [t for lin in targets for t in (Tensor("lora_A", (r, lin.in_features), "other"),
                                                 Tensor("lora_B", (lin.out_features, r), "other"))]
@@ -210,7 +212,8 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
     what transformers' Llama layers and PyTorch autograd really keep; docs/memory.md)."""
     h, kv, i, a, T = s.hidden, s.kv_dim, s.intermediate, s.heads, b * seq
     gated = s.gated_mlp
-    mlp = (4 if gated else 2) * i  # gated: gate, act, up, act*up; plain: fc1 out, act out
+    moe = s.experts > 0  # the MLP is routed experts, counted below
+    mlp = 0 if moe else (4 if gated else 2) * i  # gated: gate, act, up, act*up; plain: fc1 out, act out
     q_reads = 3 if any(lin.name == "q_proj" for lin in s.linears) else 1  # separate q/k/v casts
     up_reads = 2 if gated and any(lin.name == "up_proj" for lin in s.linears) else 1
     if mode == "fp32":
@@ -222,13 +225,19 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         if mode in ("lora", "qlora"):
             lora = recipe.lora
             targets = s.lora_linears(lora.target_modules)
-            per_token -= 8 * h + (2 * i if gated else 0)  # frozen linears and norms no longer keep their inputs
+            per_token -= 8 * h + (2 * i if gated and not moe else 0)  # frozen linears and norms no longer keep their inputs
             # each adapter: the bf16 cast of its input, its rank-r output, and with dropout the fp32 noise mask
             per_token += sum(2 * lin.in_features + 2 * lora.r + (4 * lin.in_features if lora.dropout else 0)
                              for lin in targets)
         if mode == "qlora":
             per_token += 33 * h // 2  # the fp32 residual stream and norms (measured, Llama + bnb 4-bit)
     per_token += 8 + 4 * a  # two fp32 rsqrt vectors, SDPA's log-sum-exp per head
+    if moe:  # top-k routing over transformers 5's fused experts (its batched kernels, measured): per routed
+        # token the expert's gate/up output, activation and product (4 x intermediate) and its gathered input and
+        # output (2 x hidden), in the experts' weight dtype (autocast does not cast them), three int64 indices
+        # and two fp32 weights; per token the router's fp32 probabilities and int64 top-k indices
+        eb = 4 if mode in ("fp32", "mixed") else 2
+        per_token += s.top_k * (eb * (4 * i + 2 * h) + 32) + 4 * s.experts + 8 * s.top_k
     total = T * per_token
     if recipe.attn_implementation == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated
         cb = 4 if mode == "fp32" else 2
@@ -237,6 +246,9 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         total += 2 * sum(lin.params for lin in s.linears)  # autocast's bf16 weight copies, saved for backward
     if mode in ("lora", "qlora"):  # ... and of the fp32 adapters
         total += 2 * sum(recipe.lora.r * (lin.in_features + lin.out_features) for lin in targets)
+        on_experts = [t for t in trainable_tensors(recipe, s) if ".experts." in t.name and ".layers.0." in t.name]
+        if moe and on_experts:  # peft's ParamWrapper runs the experts on W + BA: that merged weight is saved, in
+            total += 2 * s.expert_params + 2 * sum(t.numel for t in on_experts)  # 16 bits, with its factors' casts
     return total
 
 
@@ -334,6 +346,11 @@ def speed_cost(recipe: Recipe, precision: str) -> float:
 def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | None = None,
              seq_length: int | None = None) -> Estimate:
     """Memory per process and per machine for this recipe, model and topology."""
+    if s.experts and recipe.quantization is not None:
+        share = s.layers * s.expert_params / s.params
+        raise RecipeError(f"QLoRA saves little on {s.model_type}, whose experts ({share:.0%} of its parameters) are fused "
+                          "tensors that stay in 16 bits (bitsandbytes quantizes nn.Linear layers only): use a LoRA "
+                          "recipe (single-gpu-lora, fsdp-lora), with lora.dropout=0")
     b = micro_batch or recipe.per_device_train_batch_size
     seq = seq_length or recipe.max_seq_length
     n, machines = topo.num_processes, topo.num_machines

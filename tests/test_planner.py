@@ -24,6 +24,11 @@ MEDIUM = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "
           "tie_word_embeddings": False}  # ~55M parameters
 
 
+TINY_MIXTRAL = {"model_type": "mixtral", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 224,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "max_position_embeddings": 512, "tie_word_embeddings": False}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """name -> folder of a saved random model: the embedded tiny one and a ~55M one."""
@@ -31,10 +36,14 @@ def models(tmp_path_factory):
 
     from memrecipe.modeling import embedded_model
 
+    from transformers import AutoConfig
+
     folder = tmp_path_factory.mktemp("medium")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(LlamaConfig(**MEDIUM)).save_pretrained(folder)
-    return {"tiny": embedded_model(), "medium": str(folder), "dir": folder.parent}
+    mixtral = tmp_path_factory.mktemp("mixtral")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_MIXTRAL)).save_pretrained(mixtral)
+    return {"tiny": embedded_model(), "medium": str(folder), "mixtral": str(mixtral), "dir": folder.parent}
 
 
 def batch(vocab, b=2, s=48):
@@ -504,3 +513,108 @@ def test_a_broken_model_config_is_one_line_in_plan_and_run(cli, tmp_path, conten
         assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.stderr[-500:])
         assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists(), args
     assert words in cli("plan", "--model", model, "--gpu-memory", "24GiB").stderr
+
+
+# Published configs (the hub's config.json keys the planner reads) and their models' true parameter counts.
+PUBLISHED = {
+    "Mixtral-8x7B": ({"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                      "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768,
+                      "tie_word_embeddings": False}, 46_702_792_704),
+    "Qwen2.5-7B": ({"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                    "tie_word_embeddings": False}, 7_615_616_512),
+    "Gemma-2-9B": ({"model_type": "gemma2", "vocab_size": 256000, "hidden_size": 3584, "intermediate_size": 14336,
+                    "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                    "tie_word_embeddings": True}, 9_241_705_984),
+    "Llama-3.1-8B": ({"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                      "tie_word_embeddings": False}, 8_030_261_248),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_counts_are_the_published_models(name):
+    config, params = PUBLISHED[name]
+    s = structure(config)
+    assert s.params == params
+    if name == "Mixtral-8x7B":  # ZeRO-3 gathers the largest module whole: one layer's fused experts, 1.41B
+        assert s.largest_module == 8 * 3 * 14336 * 4096 and (s.experts, s.top_k) == (8, 2)
+
+
+SMALL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": None, "bos_token_id": None,
+         "eos_token_id": None}
+
+
+@pytest.mark.parametrize("kind", sorted(__import__("memrecipe.architecture", fromlist=["LLAMA_LIKE"]).LLAMA_LIKE))
+def test_families_counted_by_hand_equal_the_modules_transformers_builds(kind):
+    """The hand-counted families (no torch in `plan`) against the real modules on the meta device."""
+    from transformers import AutoConfig
+
+    from memrecipe.architecture import _from_meta_device
+
+    config = AutoConfig.for_model(kind, **SMALL).to_dict()
+    hand, meta = structure(config), _from_meta_device(config)
+    assert "meta device" not in " ".join(hand.notes)
+    assert (hand.params, hand.largest_module, hand.head_dim) == (meta.params, meta.largest_module, meta.head_dim)
+
+
+@pytest.mark.parametrize("kind", ["starcoder2", "helium", "cohere", "olmo", "glm", "mixtral", "qwen2_moe"])
+def test_other_families_are_read_off_their_real_modules(kind):
+    """Families whose hand count was wrong (starcoder2's plain MLP counted as gated, helium's default head_dim
+    not applied, cohere's and olmo's norms, glm's fused MLP) or that route tokens to experts: their counts are
+    those of the model transformers builds."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(kind, **SMALL)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()  # as loading does (skipped on the meta device)
+    s = structure(config.to_dict())
+    assert s.params == sum(p.numel() for p in model.parameters())
+    assert s.head_dim == (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    assert (s.experts > 0) == (kind in ("mixtral", "qwen2_moe"))
+
+
+MOE_LORA = ["lora.dropout=0.0"]  # peft's LoRA on fused experts (ParamWrapper) takes no dropout
+
+
+@pytest.mark.parametrize("recipe", ["single-gpu-lora", "single-gpu-lora:q_proj,v_proj", "adamw-8bit", "adamw-8bit:adamw_torch"])
+def test_a_mixture_of_experts_holds_what_the_planner_says(models, recipe):
+    """A tiny Mixtral loaded as each recipe loads it, after a real step: LoRA all-linear adapts its fused experts
+    and router too (peft reads them off the modules), a full fine-tune trains the 3-D expert tensors."""
+    name, _, extra = recipe.partition(":")
+    overrides = MOE_LORA if name == "single-gpu-lora" else []
+    if extra:
+        overrides = [*overrides, f"lora.target_modules=[{extra}]" if "proj" in extra else f"optim={extra}"]
+    r = load_recipe(name, overrides)
+    model, _ = load_model(r, models["mixtral"], "bf16")
+    optimizer = make_optimizer(r, model, SimpleNamespace(device=torch.device("cpu")))
+    ids = batch(512)["input_ids"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    params, grads, state = real_model_state_bytes(model, optimizer)
+    est = estimate(r, structure(read_config(models["mixtral"])), CPU1)
+    assert (est.parameters, est.gradients, est.optimizer_state) == pytest.approx((params, grads, state), rel=0.01)
+
+
+@pytest.mark.parametrize("recipe, overrides", [("adamw-8bit", ["gradient_checkpointing=false"]),
+                                               ("single-gpu-lora", ["gradient_checkpointing=false", *MOE_LORA])])
+def test_a_mixture_of_experts_layers_activations_count_top_k_routing(models, recipe, overrides):
+    """Each token is routed to top_k experts: what one more Mixtral layer saves for backward, measured."""
+    one, est = activation_case(models, "mixtral", recipe, overrides, layers=1)
+    two, _ = activation_case(models, "mixtral", recipe, overrides, layers=2)
+    assert est["layer"] == pytest.approx(two - one, rel=0.1), (est["layer"], two - one)
+
+
+def test_qlora_and_dropout_on_fused_experts_are_refused_with_the_reason(models, cli):
+    s = structure(read_config(models["mixtral"]))
+    with pytest.raises(RecipeError, match=r"QLoRA saves little on mixtral, whose experts \(75% of its parameters\)"):
+        estimate(load_recipe("qlora", MOE_LORA), s, CPU1)
+    with pytest.raises(RecipeError, match="lora.dropout must be 0 for this model"):
+        estimate(load_recipe("single-gpu-lora"), s, CPU1)
+    done = cli("plan", "--model", models["mixtral"], "--gpu-memory", "24GiB", "--recipe", "qlora")
+    assert done.returncode == 2 and "QLoRA saves little" in done.stderr and "Traceback" not in done.stderr

@@ -183,3 +183,15 @@ def test_show_and_validate_resolve_a_base(tmp_path, cli):
     (tmp_path / "typo.yaml").write_text("base: single-gpu-lora\nlearning_rat: 1e-4\n")
     bad = cli("validate", str(tmp_path / "typo.yaml"))
     assert bad.returncode == 2 and "did you mean 'learning_rate'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_docs_configs_names_every_recipe_key():
+    """docs/configs.md is the key reference: every key of the recipe and of each section is in it."""
+    from helpers import REPO
+    from memrecipe import recipe as schema
+
+    text = (REPO / "docs" / "configs.md").read_text()
+    sections = (schema.Recipe, schema.Supports, schema.DataSource, schema.Columns, schema.Lora, schema.OptimArgs,
+                schema.Quantization, schema.Fsdp, schema.DeepSpeed, schema.Parallelism)
+    missing = [f"{cls.__name__}.{f.name}" for cls in sections for f in dataclasses.fields(cls) if f"`{f.name}`" not in text]
+    assert not missing

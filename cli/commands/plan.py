@@ -63,23 +63,25 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
 
     rows, verdicts, skipped = [], [], []
     for r in recipes:
+        s, batch_note = shapes[r.model_name_or_path], ""
         try:
             check_supported(r, topo)
-        except RecipeError as e:
-            skipped.append((r.name, str(e).split(":")[0]))
+            if global_batch:
+                fit = largest_micro_batch(r, s, topo, gpu, host, max(1, global_batch // n))
+                pair = batch_for(global_batch, fit, n) if fit else None
+                if pair:
+                    r = with_batch(r, *pair)
+                    batch_note = f"{pair[0]} x {pair[1]}"
+                else:
+                    batch_note = "none fits" if not fit else f"{global_batch} not divisible"
+            v = judge(estimate(r, s, topo), gpu, host)
+        except RecipeError as e:  # a topology it does not support, or a model it cannot train (with the reason)
+            skipped.append((r.name, str(e) if recipe else str(e).split(":")[0]))
             continue
-        s, batch_note = shapes[r.model_name_or_path], ""
-        if global_batch:
-            fit = largest_micro_batch(r, s, topo, gpu, host, max(1, global_batch // n))
-            pair = batch_for(global_batch, fit, n) if fit else None
-            if pair:
-                r = with_batch(r, *pair)
-                batch_note = f"{pair[0]} x {pair[1]}"
-            else:
-                batch_note = "none fits" if not fit else f"{global_batch} not divisible"
-        v = judge(estimate(r, s, topo), gpu, host)
         verdicts.append(v)
         rows.append((r, v, batch_note))
+    if recipe and skipped:  # the one recipe asked for cannot be planned: its reason is the answer
+        raise RecipeError(skipped[0][1])
 
     # full fine-tuning, LoRA and QLoRA are a choice of quality, not interchangeable speeds: one pick for each
     picks = recommend_by_method([r for r, _, _ in rows], verdicts)
