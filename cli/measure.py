@@ -65,6 +65,18 @@ def optimizer_state_dtypes(optimizer) -> list[str]:
     return sorted({str(v.dtype).removeprefix("torch.") for v in stored if v.numel() > 1})
 
 
+def window_counts(window: list[dict], targets: int, reduce, tp_size: int = 1) -> tuple[dict, int]:
+    """A step's counts over all processes, each batch once: target tokens (`targets`, already summed over
+    processes), real (non-padding) tokens and slots (what the batches' shape computed on); and this
+    process's real tokens. `reduce` sums a tensor over processes. The ranks of a tensor-parallel group
+    share one batch (accelerate shards the data over the other mesh dimensions), so sums over processes
+    count each batch tp_size times."""
+    local = sum(int(b["attention_mask"].sum()) for b in window)
+    slots = sum(b["input_ids"].numel() for b in window)
+    real, slots = reduce(torch.tensor([local, slots])).tolist()
+    return {"targets": targets // tp_size, "tokens": real // tp_size, "slots": slots // tp_size}, local
+
+
 def peak_memory(device) -> dict:
     """Peak memory of this process: CUDA allocator peaks on GPU, peak RSS always (bytes)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

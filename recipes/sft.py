@@ -33,7 +33,7 @@ from memrecipe.checkpoint import resume_state, save, save_final
 from memrecipe.data import Collator, prepare_datasets
 from memrecipe.errors import RecipeError
 from memrecipe.measure import (LossMemory, MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes,
-                               peak_memory, start_trackers)
+                               peak_memory, start_trackers, window_counts)
 from memrecipe.loss import count_targets, fuse_head, lm_loss
 from memrecipe.modeling import (embedded_model, load_model, load_tokenizer, make_accelerator, prepare, rewrites_base,
                                 save_initial_adapter)
@@ -197,6 +197,7 @@ def main(argv=None):
     tracking = start_trackers(accelerator, recipe, out)  # TensorBoard / W&B through accelerate, if asked for
     world = accelerator.num_processes
     tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch: count it once
+    sum_over_processes = lambda t: accelerator.reduce(t.to(accelerator.device), "sum")  # noqa: E731
     say(f"memrecipe sft: recipe {recipe.name} | {world} process(es), {setup['distributed_type']} on "
         f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
         f"{setup['params']:,} parameters train")
@@ -249,12 +250,9 @@ def main(argv=None):
             if snapshot is not None and step == snapshot.steps:
                 snapshot.save()
 
-            window_tokens = sum(int(b["attention_mask"].sum()) for b in window)  # real tokens, not padding
+            counts, window_tokens = window_counts(window, targets, sum_over_processes, tp_share)  # each batch once
             local_tokens += window_tokens
-            slots = sum(b["input_ids"].numel() for b in window)  # what the batches' shape computed on
-            real, slots = accelerator.reduce(torch.tensor([window_tokens, slots], device=accelerator.device), "sum").tolist()
-            record = {"step": step, "loss": loss, "targets": targets // tp_share,
-                      "lr": float(scheduler.get_last_lr()[0]), "tokens": real // tp_share, "slots": slots // tp_share,
+            record = {"step": step, "loss": loss, **counts, "lr": float(scheduler.get_last_lr()[0]),
                       "seconds": time.perf_counter() - tick}
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)

@@ -1,7 +1,8 @@
 """The tp recipe: accelerate refuses tensor parallelism on CPU, so what can run here does: the
 generated config through accelerate's launcher, the planner's division by tp_size, and the
 recipe's own model loading split by transformers' tensor-parallel plan over the "tp" dimension of a
-2 x 2 mesh on 4 gloo ranks (a run's real shape: TP within FSDP2's data-parallel shards)."""
+2 x 2 mesh on 4 gloo ranks (a run's real shape: TP within FSDP2's data-parallel shards), with
+accelerate's data sharding over that mesh and the loop's token count (each TP group's batch once)."""
 
 import json
 import sys
@@ -31,6 +32,9 @@ def test_tp2_by_dp2_on_four_ranks_forward_backward_equals_the_whole_model(tmp_pa
     assert r["max_grad_diff"] < 1e-5
     assert r["sharded_tensors"] >= 7 * r["layers"]  # every attention and MLP linear is split
     assert r["local_numel"] < 0.75 * r["numel"]  # each rank holds about half of the layers' weights
+    # accelerate gives the two ranks of a TP group one batch; the loop counts each batch once
+    assert r["batches"][0] == r["batches"][1] and r["batches"][2] == r["batches"][3] != r["batches"][0]
+    assert r["counted_tokens"] == r["distinct_tokens"] > 0
 
 
 def test_generated_tp_config_passes_accelerates_launcher(tmp_path):

@@ -1,6 +1,7 @@
 """Worker: the tp recipe's model loading on 4 gloo ranks, a dp_shard 2 x tp 2 mesh as accelerate's
 ParallelismConfig builds it (transformers' tensor-parallel plan over its "tp" dimension), one forward and
-backward next to the unsplit model; rank 0 saves what it saw."""
+backward next to the unsplit model; accelerate's data sharding over that mesh and the loop's token count;
+rank 0 saves what it saw."""
 
 import json
 import sys
@@ -34,9 +35,31 @@ for name, p in split.named_parameters():
         sharded += 1
     grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
     diff = max(diff, (grad - grads[name].grad).abs().max().item())
+
+# The data: accelerate gives each TP group one batch (its prepare_data_loader over the mesh); the loop's
+# count over all processes must see each batch once.
+from accelerate import PartialState  # noqa: E402
+from accelerate.data_loader import prepare_data_loader  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from memrecipe.data import Collator  # noqa: E402
+from memrecipe.measure import window_counts  # noqa: E402
+
+PartialState(cpu=True)
+rows = [{"input_ids": list(range(1, 3 + i)), "labels": list(range(1, 3 + i))} for i in range(8)]  # 2..9 tokens
+loader = prepare_data_loader(DataLoader(rows, batch_size=2, collate_fn=Collator(0)), num_processes=4,
+                             process_index=dist.get_rank(), torch_device_mesh=mesh, put_on_device=False)
+window = [next(iter(loader))]
+seen = [None] * 4
+dist.all_gather_object(seen, window[0]["input_ids"].tolist())
+reduce = lambda t: (dist.all_reduce(t), t)[1]  # noqa: E731
+counts, _ = window_counts(window, 0, reduce, tp_size=2)
+distinct = {tuple(map(tuple, batch)) for batch in seen}
 if dist.get_rank() == 0:
     result = {"losses": losses, "max_grad_diff": diff, "sharded_tensors": sharded, "local_numel": local_numel,
-              "numel": sum(p.numel() for p in whole.parameters()), "layers": whole.config.num_hidden_layers}
+              "numel": sum(p.numel() for p in whole.parameters()), "layers": whole.config.num_hidden_layers,
+              "batches": seen, "counted_tokens": counts["tokens"],
+              "distinct_tokens": sum(sum(t != 0 for t in row) for batch in distinct for row in batch)}
     with open(sys.argv[1], "w") as f:
         json.dump(result, f)
 dist.destroy_process_group()
