@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RecipeError
+from .run_folder import CHECKPOINTS
 
 STATE = "trainer_state.json"
 NAME = re.compile(r"step-(\d+)$")
@@ -25,7 +26,7 @@ NAME = re.compile(r"step-(\d+)$")
 
 def complete_checkpoints(out) -> list[Path]:
     """Complete checkpoints of a run folder, oldest first."""
-    folder = Path(out) / "checkpoints"
+    folder = Path(out) / CHECKPOINTS
     found = [p for p in folder.glob("step-*") if NAME.match(p.name) and (p / STATE).is_file()] if folder.is_dir() else []
     return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)))
 
@@ -79,7 +80,7 @@ def _keep_trained(models, weights, output_dir):
 
 def save(accelerator, model, out, state: dict, keep: int | None) -> Path:
     """Every process calls this at the same optimizer step; returns the finished checkpoint."""
-    folder = Path(out) / "checkpoints"
+    folder = Path(out) / CHECKPOINTS
     final = folder / f"step-{state['step']}"
     staging = folder / f".tmp-step-{state['step']}"
     if accelerator.is_local_main_process:

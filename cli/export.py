@@ -13,17 +13,19 @@ from pathlib import Path
 
 from .checkpoint import complete_checkpoints
 from .errors import RecipeError
+from .run_folder import RunFolder
 
 DTYPES = ("bf16", "fp32")
 
 
 def source_of(run: Path, checkpoint: str | None) -> Path:
+    folder = RunFolder(run)
     if checkpoint is None:
-        if not (run / "final").is_dir():
+        if not folder.final.is_dir():
             raise RecipeError(f"{run} has no final/ (the run did not finish): pick one with --checkpoint "
                               f"({', '.join(p.name for p in complete_checkpoints(run)) or 'none written'})")
-        return run / "final"
-    path = run / "checkpoints" / checkpoint
+        return folder.final
+    path = folder.checkpoints / checkpoint
     if path not in complete_checkpoints(run):
         names = ", ".join(p.name for p in complete_checkpoints(run)) or "none"
         raise RecipeError(f"{run} has no complete checkpoint {checkpoint}; it has: {names}")
@@ -67,20 +69,21 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
     from .modeling import add_lora, embedded_model
     from .registry import load_recipe
 
-    if not (run / "recipe.yaml").is_file():
-        raise RecipeError(f"{run} is not a memrecipe run folder (no recipe.yaml)")
+    folder = RunFolder(run)
+    if not folder.recipe.is_file():
+        raise RecipeError(f"{run} is not a memrecipe run folder (no {folder.recipe.name})")
     if output.exists() and any(output.iterdir()):
         raise RecipeError(f"{output} is not empty: pick a new folder")
-    recipe = load_recipe(str(run / "recipe.yaml"))
+    recipe = load_recipe(str(folder.recipe))
     source = source_of(run, checkpoint)
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     base_path = recipe.model_name_or_path or embedded_model()
-    tokenizer = AutoTokenizer.from_pretrained(run / "final" if (run / "final").is_dir() else base_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder.final if folder.final.is_dir() else base_path)
     if recipe.lora:
         from peft import PeftModel
 
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-        if source.name == "final":
+        if source == folder.final:
             model = PeftModel.from_pretrained(base, source)
         else:
             model = add_lora(base, recipe.lora)  # a PiSSA/OLoRA init decomposes the base again, as training did
@@ -95,7 +98,7 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
     else:
         if merge:
             raise RecipeError(f"recipe {recipe.name} is a full fine-tune: there is no adapter to --merge")
-        if source.name == "final":
+        if source == folder.final:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)

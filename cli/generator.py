@@ -272,3 +272,21 @@ def shipped_files(recipe: Recipe, folder: str = "accelerate_configs", **kwargs) 
     for topo in default_topologies(recipe):
         files |= generate(recipe, topo, folder=folder, **kwargs)
     return files
+
+
+def script_files(recipe_ref: str, recipe: Recipe, recipe_file: str) -> dict[str, str]:
+    """The loop and the recipe, to sit side by side in a folder of their own (`cp`, `slurm`): the recipe
+    file as written, with its header's repo paths made local; a recipe with a `base:` resolved, since its
+    base would not be found from there."""
+    from .recipe import read_yaml
+    from .registry import data_dir, recipe_path
+
+    path = recipe_path(recipe_ref)
+    if "base" in read_yaml(path):
+        text = f"# {recipe.name}: {path} resolved (its base: included)\n{recipe.to_yaml()}"
+    else:
+        text = path.read_text(encoding="utf-8")
+        for old, new in ((f"recipes/{recipe.name}.yaml", recipe_file), ("recipes/sft.py", "sft.py"),
+                         ("accelerate_configs/", "")):
+            text = text.replace(old, new)
+    return {"sft.py": (data_dir("recipes") / "sft.py").read_text(encoding="utf-8"), recipe_file: text}

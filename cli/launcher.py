@@ -9,11 +9,9 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -26,23 +24,11 @@ from .hardware import Machine
 from .planner import METHODS, breakdown, estimate, judge, method
 from .recipe import Recipe, parse_overrides
 from .registry import data_dir, load_recipe, recipe_names
+from .run_folder import DEEPSPEED_CONFIG, LAUNCH_CONFIG, RECIPE, RunFolder, machine_file
 from .topology import Topology, check_supported, make_topology
+from .units import GiB
 
 SCRIPTS = ("sft",)
-
-
-def machine_file(name: str, machine_rank: int = 0) -> str:
-    """A launch file's name in the run folder: machine rank 0 owns the plain names; the other machines
-    of a multi-machine run (sharing the folder, or not) keep their own, e.g. accelerate_config.machine1.yaml."""
-    if machine_rank == 0:
-        return name
-    stem, dot, suffix = name.rpartition(".")
-    return f"{stem}.machine{machine_rank}{dot}{suffix}"
-
-
-def machine_zero_files(folder: Path) -> list[Path]:
-    """What machine rank 0's run owns in the folder (not the locks, not the other machines' files)."""
-    return [c for c in folder.iterdir() if not c.name.startswith(".lock") and ".machine" not in c.name]
 
 
 def plan_topology(recipe: Recipe, machine: Machine, num_processes=None, num_machines=1, machine_rank=0,
@@ -92,19 +78,19 @@ def run_files(recipe: Recipe, topo: Topology) -> dict[str, str]:
     """The run folder's resolved recipe and launch configs (this machine's); paths inside are
     relative to the folder."""
     name = lambda n: machine_file(n, topo.machine_rank)  # noqa: E731
-    files = {name("recipe.yaml"): f"# Resolved recipe of this run: the single source of truth for it.\n{recipe.to_yaml()}"}
+    files = {name(RECIPE): f"# Resolved recipe of this run: the single source of truth for it.\n{recipe.to_yaml()}"}
     ds = deepspeed_config(recipe, topo)
     header = [f"memrecipe run of recipe {recipe.name} on {topo.describe()}."]
-    files[name("accelerate_config.yaml")] = render_yaml(
-        accelerate_config(recipe, topo, name("deepspeed_config.json") if ds else None), header)
+    files[name(LAUNCH_CONFIG)] = render_yaml(accelerate_config(recipe, topo, name(DEEPSPEED_CONFIG) if ds else None),
+                                             header)
     if ds is not None:
-        files[name("deepspeed_config.json")] = render_json(ds, f"memrecipe run of recipe {recipe.name} on {topo.describe()}")
+        files[name(DEEPSPEED_CONFIG)] = render_json(ds, f"memrecipe run of recipe {recipe.name} on {topo.describe()}")
     return files
 
 
 def launch_env(recipe: Recipe, topo: Topology, cores: int) -> dict[str, str]:
     """Environment the launch needs on top of the user's."""
-    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", LAUNCHED_BY: "1"}
     if not topo.cpu and recipe.deepspeed is not None:
         # accelerate launches DeepSpeed through torchrun, which sets 1 thread per process when a node runs
         # several (torch/distributed/run.py, "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1),
@@ -123,53 +109,102 @@ def launch_command(script: str, topo: Topology, cores: int, extra=()) -> list[st
     """`accelerate launch` run from inside the run folder."""
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
     words = [accelerate, "launch"] if accelerate else [sys.executable, "-m", "accelerate.commands.launch"]
-    words += ["--config_file", machine_file("accelerate_config.yaml", topo.machine_rank)]
+    words += ["--config_file", machine_file(LAUNCH_CONFIG, topo.machine_rank)]
     if topo.cpu:  # share the cores out (accelerate warns and guesses otherwise)
         words += ["--num_cpu_threads_per_process", str(max(1, cores // topo.processes_per_machine))]
     if topo.num_machines > 1:  # c10d (the config's key is not read by launch); machine 0 hosts its store,
         # said outright rather than guessed from host names (which all match on one box)
         words += ["--rdzv_backend", "c10d", "--rdzv_conf", f"is_host={str(topo.machine_rank == 0).lower()}"]
     sft = data_dir("recipes") / f"{script}.py"
-    return [*words, str(sft), "--recipe", machine_file("recipe.yaml", topo.machine_rank), "--output-dir", ".", *extra]
+    return [*words, str(sft), "--recipe", machine_file(RECIPE, topo.machine_rank), "--output-dir", ".", *extra]
 
 
-def default_output_dir(recipe: Recipe) -> Path:
-    """runs/<recipe>-<YYYYmmdd-HHMMSS>, with -2, -3... if runs start within the same second."""
-    base = Path("runs") / f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    folder, n = base, 1
-    while folder.exists():
-        n += 1
-        folder = base.with_name(f"{base.name}-{n}")
-    return folder
+LAUNCHED_BY = "MEMRECIPE_RUN"  # in a launch's environment: started by `memrecipe run` (the loop's resume hint says so)
+ERROR_LINE = b"memrecipe: error: "  # how the loop reports a RecipeError (recipes/sft.py's __main__)
+TRACEBACK = b"Traceback (most recent call last)"
 
 
-def make_folder(folder: Path) -> None:
-    if folder.exists() and not folder.is_dir():
-        raise RecipeError(f"--output-dir {folder} is a file: pick a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RecipeError(f"cannot create {folder}: {e.strerror}: pick another --output-dir") from None
+class LaunchOutput:
+    """What the launch prints, for the terminal and train.log. It passes through as it comes (progress
+    bars redraw in place) until the loop reports an error in its one line, or a signal asks the run to
+    stop; from then on it goes line by line, without what only repeats the story: after the error line
+    nothing more (each launcher's traceback: accelerate's CalledProcessError, torchrun's ChildFailedError
+    summary, the other ranks' copies of the line); after a stop signal, no traceback of a launcher's
+    reaction to it (KeyboardInterrupt, torchrun's SignalException, accelerate's CalledProcessError for
+    the loop's exit status 130 or 143), while the loop's own lines (its
+    checkpoint, its resume hint) and any other traceback still show."""
+
+    def __init__(self):
+        self.pending, self.shown = b"", 0  # the unfinished line, and how much of it the terminal has
+        self.filtering, self.held = False, []
+        self.error: str | None = None
+
+    def feed(self, chunk: bytes) -> tuple[bytes, list[str]]:
+        """(bytes for the terminal, complete lines for the log)."""
+        data = self.pending + chunk
+        *lines, self.pending = data.split(b"\n")
+        if not self.filtering and ERROR_LINE not in data:
+            self.shown = len(self.pending)
+            return chunk, [self._text(line) for line in lines]
+        self.filtering = True
+        out, kept = b"", []
+        for n, line in enumerate(lines):
+            for shown in self._lines(line):
+                # the start of the first line may be on the terminal already (it came before the filtering)
+                skip = self.shown if n == 0 and line.startswith(shown) else 0
+                out += (shown + b"\n")[skip:]
+                kept.append(self._text(shown))
+        self.shown = 0 if lines else self.shown
+        return out, kept
+
+    def finish(self) -> list[str]:
+        """The last unfinished line, and a traceback held back that never ended."""
+        rest, self.pending = self.pending, b""
+        if not self.filtering:
+            return [self._text(rest)] if rest else []
+        out = [*self.held, *(self._lines(rest) if rest else [])]
+        self.held = []
+        return [self._text(line) for line in out]
+
+    def _lines(self, line: bytes) -> list[bytes]:
+        """What of `line` (and of a traceback held back so far) goes out."""
+        text = line.rsplit(b"\r", 1)[-1]
+        if self.error is not None:
+            return []
+        for mark in (ERROR_LINE, TRACEBACK):  # one that starts after a progress bar's last frame: two lines
+            at = text.find(mark)
+            if at > 0:
+                return self._lines(text[:at]) + self._lines(text[at:])
+        if text.startswith(ERROR_LINE):
+            self.error = self._text(text)
+            return [line]
+        if text.startswith((TRACEBACK, b"During handling of the above exception")) or (
+                self.held and (not text or text[:1] in (b" ", b"\t"))):
+            self.held.append(line)  # a traceback, held until its last line says what it was
+            return []
+        if self.held:  # the exception's own line: a launcher's reaction to the signal is dropped, anything else shown
+            held, self.held = self.held, []
+            signalled = (text.startswith(b"KeyboardInterrupt") or b"SignalException: Process" in text  # torchrun's
+                         or text.rstrip(b".").endswith((b"exit status 130", b"exit status 143")))  # accelerate's
+            return [] if signalled else [*held, line]
+        return [line]
+
+    @staticmethod
+    def _text(line: bytes) -> str:
+        return line.rsplit(b"\r", 1)[-1].decode("utf-8", "replace")
 
 
-def clear_folder(folder: Path, overwrite: bool) -> None:
-    """Under our lock: refuse a non-empty folder, or (overwrite) remove the old run's files."""
-    old = machine_zero_files(folder)
-    if old and not overwrite:
-        raise RecipeError(f"{folder} is not empty: pass --overwrite to replace its run, --resume to continue it, "
-                          "or pick another --output-dir")
-    for child in old:
-        shutil.rmtree(child) if child.is_dir() else child.unlink()
-
-
-def stream(command: list[str], cwd: Path, env: dict, log: Path) -> tuple[int, int]:
+def stream(command: list[str], cwd: Path, env: dict, log: Path) -> tuple[int, int, str | None]:
     """Run the launch; its output goes to the terminal and to train.log (progress-bar redraws left
-    out). SIGTERM and SIGINT are passed on to every process of the launch, which then checkpoints
-    and stops; returns (exit status, the signal that asked it to stop or 0)."""
+    out; see LaunchOutput). SIGTERM and SIGINT are passed on to every process of the launch, which
+    then checkpoints and stops. Returns (exit status, the signal that asked it to stop or 0, the
+    loop's error line or None)."""
     received = []
+    output = LaunchOutput()
 
     def forward(signum, frame):
         received.append(signum)
+        output.filtering = True
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -180,62 +215,18 @@ def stream(command: list[str], cwd: Path, env: dict, log: Path) -> tuple[int, in
                                 stderr=subprocess.STDOUT, start_new_session=True)
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            pending = b""
             # the pipe closes when the last process of the launch (worker included) has exited
             while chunk := proc.stdout.read1(65536):
-                sys.stdout.buffer.write(chunk)
+                shown, lines = output.feed(chunk)
+                sys.stdout.buffer.write(shown)
                 sys.stdout.buffer.flush()
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    sink.write(line.rsplit(b"\r", 1)[-1].decode("utf-8", "replace") + "\n")
+                sink.writelines(line + "\n" for line in lines)
                 sink.flush()
-            if pending:
-                sink.write(pending.rsplit(b"\r", 1)[-1].decode("utf-8", "replace") + "\n")
-            return proc.wait(), (received[0] if received else 0)
+            sink.writelines(line + "\n" for line in output.finish())
+            return proc.wait(), (received[0] if received else 0), output.error
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-
-class RunLock:
-    """One run per folder (per machine of a multi-machine run): `.lock` holds the owner's pid and
-    host; a lock whose process is dead on this host is stale, named and taken over."""
-
-    def __init__(self, folder: Path, machine_rank: int = 0):
-        self.path = Path(folder) / (".lock" if machine_rank == 0 else f".lock.machine{machine_rank}")
-        self.taken_over: str | None = None
-
-    def acquire(self) -> RunLock:
-        me = f"{os.getpid()} {socket.gethostname()}"
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                pid, _, host = self.path.read_text().strip().partition(" ")
-                if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
-                    self.taken_over = pid
-                    self.path.unlink(missing_ok=True)
-                    continue
-                raise RecipeError(f"{self.path.parent} is in use by process {pid} on {host or 'this host'} "
-                                  f"(its .lock): wait for it, or remove the lock if that run is gone") from None
-            with os.fdopen(fd, "w") as f:
-                f.write(me)
-            return self
-        raise RecipeError(f"cannot take {self.path}: another run keeps taking it")
-
-    def release(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def shell_form(command: list[str], env: dict, cwd: Path) -> str:
@@ -250,7 +241,9 @@ def resumable(folder, recipe_ref, words, num_processes, machine, machine_rank=0)
     """The run folder's own recipe (only max_steps / num_train_epochs may change) and topology."""
     if folder is None:
         raise RecipeError("--resume needs the run folder: --output-dir runs/NAME")
-    recipe_file, launch_config = (folder / machine_file(n, machine_rank) for n in ("recipe.yaml", "accelerate_config.yaml"))
+    run = RunFolder(folder, machine_rank)
+    run.lock().check()  # a run still going: say so, not that no checkpoint is complete yet
+    recipe_file, launch_config = run.recipe, run.launch_config
     if not recipe_file.is_file() or not launch_config.is_file():
         raise RecipeError(f"{folder} is not a memrecipe run folder (no {recipe_file.name} / {launch_config.name})")
     if not complete_checkpoints(folder):
@@ -315,11 +308,11 @@ def check_fits(recipe, topo, machine, words, force, shape=None):
                            method(other)))
     est = verdict.estimate
     loading = " (loading: every process's copy of the model)" if est.host_load >= est.host_total() else ""
-    where = (f"host RAM {est.host_total() / 2**30:.1f} GiB{loading} > {machine.host_memory / 2**30:.1f} GiB"
-             if not verdict.host_fits else f"{est.total / 2**30:.1f} GiB per GPU > {machine.gpu_memory / 2**30:.1f} GiB")
+    where = (f"host RAM {est.host_total() / GiB:.1f} GiB{loading} > {machine.host_memory / GiB:.1f} GiB"
+             if not verdict.host_fits else f"{est.total / GiB:.1f} GiB per GPU > {machine.gpu_memory / GiB:.1f} GiB")
     if others:
         other_method, _, name, total, kind = min(others)
-        instead = f"{name} would fit ({total / 2**30:.1f} GiB per process)" + (
+        instead = f"{name} would fit ({total / GiB:.1f} GiB per process)" + (
             f", a {METHODS[kind]} recipe: no {METHODS[method(recipe)]} recipe fits" if other_method else "")
     else:
         instead = "no recipe fits on this topology: more GPUs, a shorter max_seq_length, or a smaller micro batch"

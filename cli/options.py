@@ -21,3 +21,9 @@ def topology_options(f):
 
 
 overrides_argument = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+
+
+model_option = click.option("--model", default=None,
+                            help="Hub id or local folder (default: the recipe's, or the embedded tiny model).")
+dataset_option = click.option("--dataset", default=None,
+                              help="Hub id or .jsonl/.json/.parquet/.csv file (default: the recipe's, or the embedded one).")

@@ -15,8 +15,8 @@ from .errors import RecipeError
 from .generator import resolve_precision
 from .recipe import Recipe
 from .topology import Topology
+from .units import GiB
 
-GiB = 2**30
 GPU_OVERHEAD = 1 * GiB  # CUDA context, kernels, cuBLAS/NCCL workspaces, allocator slack
 CPU_OVERHEAD = GiB // 2  # per process on CPU: torch, transformers, accelerate, DeepSpeed (measured RSS ~0.45 GiB)
 BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit state for tensors smaller than this

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import RecipeError
+from .units import GiB
 
-GiB = 2**30
 
 # the plan's stacked bars: model states, activations and logits at their joint peak (`working`), overhead
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868", "working": "#c44e52",
@@ -32,12 +32,12 @@ def plan_chart(verdicts, gpu_memory, path) -> str:
     names = [v.estimate.recipe for v in verdicts]
     bottom = [0.0] * len(verdicts)
     for category, color in COLORS.items():
-        values = [getattr(v.estimate, category) / 2**30 for v in verdicts]
+        values = [getattr(v.estimate, category) / GiB for v in verdicts]
         ax.bar(names, values, bottom=bottom, color=color, label=LABELS.get(category, category.replace("_", " ")))
         bottom = [b + x for b, x in zip(bottom, values)]
     if gpu_memory and not (verdicts and verdicts[0].estimate.cpu):
-        ax.axhline(gpu_memory / 2**30, color="black", linestyle="--", linewidth=1)
-        ax.text(len(verdicts) - 0.5, gpu_memory / 2**30, f" GPU {gpu_memory / 2**30:.0f} GiB", va="bottom", ha="right")
+        ax.axhline(gpu_memory / GiB, color="black", linestyle="--", linewidth=1)
+        ax.text(len(verdicts) - 0.5, gpu_memory / GiB, f" GPU {gpu_memory / GiB:.0f} GiB", va="bottom", ha="right")
     for i, v in enumerate(verdicts):
         why = "" if v.fits else " (no: GPU)" if not v.device_fits else " (no: host RAM)"
         ax.text(i, bottom[i], f"{bottom[i]:.1f}{why}", ha="center", va="bottom", fontsize=9)
@@ -89,8 +89,9 @@ def compare_chart(reports: list[dict], path) -> str:
     names = [f"{Path(r['output_dir']).name}\n{r['recipe']['name']}" for r in reports]
     at = list(range(len(reports)))  # one bar per run, at its own place: equal labels never merge two runs
     fig, (mem, speed) = plt.subplots(1, 2, figsize=(4 + 2 * len(reports), 4))
-    key = lambda r: "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in r["processes"][0] else "peak_rss_bytes"  # noqa: E731
-    mem.bar(at, [max(p[key(r)] for p in r["processes"]) / GiB for r in reports], color="#4c72b0")
+    from .report import peak_key
+
+    mem.bar(at, [max(p[peak_key(r["processes"][0])] for p in r["processes"]) / GiB for r in reports], color="#4c72b0")
     mem.set_ylabel("peak GiB per process")
     mem.set_title("memory")
     speed.bar(at, [r["throughput"]["tokens_per_second"] for r in reports], color="#55a868")

@@ -11,9 +11,10 @@ import os
 from pathlib import Path
 
 from .errors import RecipeError
+from .run_folder import RunFolder
 from .table import table
+from .units import GiB
 
-GiB = 2**30
 REQUIRED = ("recipe", "topology", "plan", "processes", "throughput", "history", "final_train_loss", "wall_seconds")
 # Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets (no sparsity). A device not
 # listed reports no MFU rather than a wrong one.
@@ -37,10 +38,15 @@ def flops_per_token(params: int, trainable: int, layers: int, hidden: int, seq: 
     return weights + 12 * layers * hidden * seq
 
 
+def peak_key(process: dict) -> str:
+    """The peak a process record has: the CUDA allocator's on GPUs, peak RSS on CPU (measure.peak_memory)."""
+    return "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in process else "peak_rss_bytes"
+
+
 def load(run_dir) -> dict:
-    path = Path(run_dir) / "report.json"
+    path = RunFolder(run_dir).report
     if not path.is_file():
-        raise RecipeError(f"{run_dir} has no report.json: is it a finished memrecipe run folder?")
+        raise RecipeError(f"{run_dir} has no {path.name}: is it a finished memrecipe run folder?")
     try:
         report = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -60,13 +66,13 @@ def card(report: dict) -> str:
     for category in ("parameters", "gradients", "optimizer_state"):
         measured = [p["held"][category] for p in procs]
         rows.append([category.replace("_", " "), _gib(plan.get(category)), *[_gib(m) for m in measured]])
-    peak_key = "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in procs[0] else "peak_rss_bytes"
+    peak = peak_key(procs[0])
     rows.append(["activations", _gib(plan.get("activations")), *["-" for _ in procs]])
     rows.append(["logits (the loss's peak)", _gib(plan.get("logits")), *[_gib(p["held"].get("logits")) for p in procs]])
-    rows.append(["total / peak" + (" (CUDA allocated)" if peak_key.startswith("cuda") else " (RSS)"),
-                 _gib(plan.get("total")), *[_gib(p[peak_key]) for p in procs]])
+    rows.append(["total / peak" + (" (CUDA allocated)" if peak.startswith("cuda") else " (RSS)"),
+                 _gib(plan.get("total")), *[_gib(p[peak]) for p in procs]])
     lines.append(table(["MEMORY GiB", "PLANNED", *[f"RANK {p['process_index']}" for p in procs]], rows))
-    if peak_key == "peak_rss_bytes":
+    if peak == "peak_rss_bytes":
         lines.append("(on CPU peak RSS is mostly libraries and kernel caches; the model-state rows are exact)")
     lines.append("(logits: planned for a full max_seq_length of targets, measured on the first micro batch)")
     offloaded = report.get("setup", {}).get("offloaded_bytes_per_micro_batch")
@@ -182,7 +188,7 @@ def compare_rows(reports: list[dict]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r in reports:
         procs = r["processes"]
-        key = "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in procs[0] else "peak_rss_bytes"
+        key = peak_key(procs[0])
         mfu = r["throughput"].get("mfu")
         rows.append([Path(r["output_dir"]).name, r["recipe"]["name"], str(r["topology"]["processes"]),
                      _gib(max(p[key] for p in procs)) + (" (RSS)" if key == "peak_rss_bytes" else ""),

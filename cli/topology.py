@@ -64,6 +64,18 @@ def make_topology(num_processes=1, num_machines=1, machine_rank=0, main_process_
     return Topology(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, cpu, bf16)
 
 
+def launched_topology(num_processes: int, cpu: bool, bf16: bool | None = None) -> Topology:
+    """The topology a running process was launched on, read from torchrun's environment (a launch that
+    did not come through `memrecipe run`, e.g. plain `accelerate launch` or the slurm script)."""
+    import os
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
+    machines = max(1, num_processes // max(1, local))
+    address = os.environ.get("MASTER_ADDR") if machines > 1 else None
+    port = int(os.environ["MASTER_PORT"]) if machines > 1 and "MASTER_PORT" in os.environ else None
+    return make_topology(num_processes, machines, int(os.environ.get("GROUP_RANK", 0)), address, port, cpu, bf16)
+
+
 def check_supported(recipe: Recipe, topo: Topology) -> None:
     """Refuse a topology the recipe does not support, saying which recipe would."""
     s = recipe.supports

@@ -6,6 +6,8 @@ import re
 
 from .errors import RecipeError
 
+GiB = 2**30
+
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -19,4 +21,4 @@ def parse_size(text: str, what: str = "memory size") -> int:
 
 
 def gib(n_bytes: float, digits: int = 1) -> str:
-    return f"{n_bytes / 2**30:.{digits}f}"
+    return f"{n_bytes / GiB:.{digits}f}"

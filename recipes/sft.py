@@ -16,9 +16,11 @@ therefore trains like one big batch, however unevenly the tokens fall.
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -32,6 +34,8 @@ from transformers import get_scheduler
 from memrecipe.checkpoint import resume_state, save, save_final
 from memrecipe.data import Collator, prepare_datasets
 from memrecipe.errors import RecipeError
+from memrecipe.files import write_files
+from memrecipe.launcher import LAUNCHED_BY, absolute_paths, run_files
 from memrecipe.measure import (LossMemory, MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes,
                                peak_memory, start_trackers, window_counts)
 from memrecipe.loss import count_targets, fuse_head, lm_loss
@@ -40,6 +44,8 @@ from memrecipe.modeling import (embedded_model, load_model, load_tokenizer, make
 from memrecipe.registry import load_recipe
 from memrecipe.plots import plot_loss
 from memrecipe.report import build, card
+from memrecipe.run_folder import INITIAL_ADAPTER, LOSS_PLOT, RunFolder
+from memrecipe.topology import launched_topology
 
 
 def parse_args(argv=None):
@@ -143,10 +149,17 @@ def main(argv=None):
     stamp = [datetime.now().strftime("%Y%m%d-%H%M%S")]
     broadcast_object_list(stamp)  # one folder name for all processes
     out = Path(args.output_dir or f"runs/{recipe.name}-{stamp[0]}")
-    if (out / "final").exists() and not args.overwrite and not args.resume:
+    run = RunFolder(out)
+    if run.final.exists() and not args.overwrite and not args.resume:
         raise RecipeError(f"{out} already holds a finished run: pass --overwrite, or another --output-dir")
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
+        if not run.recipe.exists():  # launched without `memrecipe run`: the folder gets the resolved
+            # recipe and a launch config as `memrecipe run` writes them, so resume, report and export take it
+            topology = launched_topology(accelerator.num_processes, accelerator.device.type == "cpu",
+                                         accelerator.mixed_precision == "bf16" or None)
+            ran = replace(recipe, mixed_precision=accelerator.mixed_precision)  # the launch config's, which wins
+            write_files(out, run_files(absolute_paths(ran), topology))
     set_seed(recipe.seed)
     say = tqdm.write if accelerator.is_main_process else (lambda *a, **k: None)
     if recipe.mixed_precision not in ("auto", accelerator.mixed_precision):
@@ -157,7 +170,7 @@ def main(argv=None):
     tokenizer = load_tokenizer(model_path, recipe.trust_remote_code, recipe.chat_template)
     mesh = accelerator.torch_device_mesh if recipe.parallelism else None  # tensor parallel: split as it loads
     model, offload = load_model(recipe, model_path, accelerator.mixed_precision, accelerator.device, mesh)
-    initial_adapter = out / "initial_adapter" if rewrites_base(recipe) else None  # PiSSA/OLoRA: to convert back
+    initial_adapter = run / INITIAL_ADAPTER if rewrites_base(recipe) else None  # PiSSA/OLoRA: to convert back
     if initial_adapter is not None and accelerator.is_main_process and not initial_adapter.exists():
         save_initial_adapter(model, initial_adapter)
     if recipe.fused_loss:  # the head and the loss run chunk by chunk: the [tokens x vocab] logits are never held
@@ -217,6 +230,11 @@ def main(argv=None):
         history, step, epoch, consumed = state["history"], state["step"], state["epoch"], state["consumed"]
         setup["resumed_at_step"] = step
         say(f"resumed from {state['path']} at step {step} (epoch {epoch}, {consumed} micro batches in)")
+        if state.get("total_steps", total_steps) != total_steps and history:  # a run extended (or cut short)
+            now = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](step)
+            say(f"note: {state['total_steps']} -> {total_steps} steps: the {recipe.lr_scheduler_type} schedule is "
+                f"rebuilt for {total_steps} steps: the learning rate of step {step + 1} is {now:.3e}, not "
+                f"{history[-1]['lr']:.3e}")
     started, local_tokens, stop = time.perf_counter(), 0, StopRequest()
     snapshot = MemorySnapshot(out, accelerator) if args.memory_snapshot else None
     loss_memory = LossMemory(model, accelerator.device)  # the loss's peak, on the first micro batch
@@ -271,11 +289,13 @@ def main(argv=None):
             stopping = stop.agreed(accelerator)  # every process stops at the same step
             if (recipe.save_steps and (step % recipe.save_steps == 0 or step == total_steps)) or stopping:
                 path = save(accelerator, model, out, {"step": step, "epoch": epoch, "consumed": consumed, "history": history,
-                                               "num_processes": accelerator.num_processes}, recipe.save_total_limit)
+                                               "num_processes": accelerator.num_processes, "total_steps": total_steps},
+                            recipe.save_total_limit)
                 say(f"checkpoint {path}")
             if stopping:
-                say(f"stopped by {stop.name} at step {step}; resume with: memrecipe run sft --resume "
-                    f"--output-dir {out.resolve()}")
+                how = ("memrecipe run sft --resume --output-dir" if os.environ.get(LAUNCHED_BY) else
+                       "your accelerate launch command with --resume --output-dir")  # (either works: the folder has both)
+                say(f"stopped by {stop.name} at step {step}; resume with: {how} {out.resolve()}")
                 accelerator.end_training()
                 sys.exit(128 + stop.signum)
             if step >= total_steps:
@@ -287,8 +307,7 @@ def main(argv=None):
     eval_loss = evaluate(model, eval_loader, accelerator) if eval_loader is not None else None
 
     # 6. Save: gather the full weights (FSDP shards, ZeRO-3 16-bit partitions) or the LoRA adapter.
-    final = out / "final"
-    save_final(accelerator, model, final, initial_adapter)
+    save_final(accelerator, model, run.final, initial_adapter)
     ranks = gather_object([{"process_index": accelerator.process_index, "num_processes": accelerator.num_processes,
                             "held": held, "tokens": local_tokens, **peak_memory(accelerator.device)}])
     if snapshot is not None and not snapshot.saved:
@@ -296,10 +315,10 @@ def main(argv=None):
 
     # 7. Report: measured next to planned, report.json and loss.png in the run folder.
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(final)  # with its chat template
+        tokenizer.save_pretrained(run.final)  # with its chat template
         report = build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eval_loss)
-        (out / "report.json").write_text(json.dumps(report, indent=2))
-        plotted = plot_loss(report, out / "loss.png")
+        run.report.write_text(json.dumps(report, indent=2))
+        plotted = plot_loss(report, run / LOSS_PLOT)
         say(card(report))
         say(f"run folder {out.resolve()}: final/, report.json" + (", loss.png" if plotted else
                                                                     " (pip install 'memrecipe[plot]' for loss.png)"))

@@ -18,7 +18,7 @@ import torch
 
 from safetensors.torch import load_file
 
-from helpers import child_env
+from helpers import REPO, child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXACT = ["mixed_precision=no", "max_steps=6", "save_steps=2", "eval_steps=null", "logging_steps=1", "max_seq_length=64"]
@@ -44,8 +44,8 @@ def finish(args, folder):
     assert proc.wait(timeout=600) == 0, open(f"{folder}.log").read()[-3000:]
 
 
-def losses(folder):
-    return [h["loss"] for h in json.loads((folder / "report.json").read_text())["history"]]
+def losses(folder, key="loss"):
+    return [h[key] for h in json.loads((folder / "report.json").read_text())["history"]]
 
 
 def final_weights(folder):
@@ -77,6 +77,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe):
     assert "resumed from checkpoints/step-" in log and "taken over" in log  # the dead run's lock was stale
     assert "step-5" not in log
     assert losses(moved) == pytest.approx(losses(whole), abs=1e-5)
+    assert losses(moved, "lr") == losses(whole, "lr")  # the schedule goes on where it stood, step for step
     expected, got = final_weights(whole), final_weights(moved)
     assert expected.keys() == got.keys() and expected
     for name, tensor in expected.items():
@@ -141,6 +142,7 @@ def test_a_signal_checkpoints_and_names_the_resume_command(tmp_path, recipe, pro
     assert state["step"] >= 10 and state["num_processes"] == processes
     assert f"stopped by {sig.name} at step {state['step']}" in (folder / "train.log").read_text()
     assert not (folder / ".lock").exists()
+    assert "Traceback" not in log and "Traceback" not in (folder / "train.log").read_text()  # the launchers' own
 
 
 def test_resume_keeps_the_recipe_and_the_process_count(tmp_path, cli):
@@ -153,7 +155,9 @@ def test_resume_keeps_the_recipe_and_the_process_count(tmp_path, cli):
     longer = cli("run", "sft", "--resume", "--output-dir", str(folder), "max_steps=4", timeout=600)
     assert longer.returncode == 0, longer.stderr[-2000:]
     assert len(losses(folder)) == 4 and "max_steps: 4" in (folder / "recipe.yaml").read_text()
-    assert "resumed from checkpoints/step-2 at step 2" in (folder / "train.log").read_text()  # the end was saved too
+    log = (folder / "train.log").read_text()
+    assert "resumed from checkpoints/step-2 at step 2" in log  # the end was saved too
+    assert "2 -> 4 steps: the cosine schedule is rebuilt for 4 steps: the learning rate of step 3 is" in log
     assert_checkpoint_exports_final(folder, "step-4", tmp_path / "exported")  # FSDP's full state dict
 
 
@@ -163,6 +167,8 @@ def test_a_running_folder_is_locked(tmp_path, cli):
     wait_for(lambda: (folder / ".lock").exists() and (folder / "train.log").exists(), proc)
     second = cli("run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(folder), "--overwrite")
     assert second.returncode == 2 and f"in use by process {proc.pid}" in second.stderr
+    resumed = cli("run", "sft", "--resume", "--output-dir", str(folder))  # not "no complete checkpoint"
+    assert resumed.returncode == 2 and f"in use by process {proc.pid}" in resumed.stderr
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
@@ -186,3 +192,39 @@ def test_a_non_finite_loss_stops_in_one_line_naming_the_step(tmp_path):
     assert "memrecipe: error: the loss is nan at step 1: stopped without saving" in log
     assert not list((folder / "checkpoints").glob("step-*")) if (folder / "checkpoints").exists() else True
     assert not (folder / "final").exists()
+
+
+@pytest.mark.parametrize("recipe, config", [("single-gpu-lora", "single_gpu_lora_cpu1")])  # fsdp_cpu2 too: ~1.5 min more
+def test_a_run_launched_by_plain_accelerate_resumes_both_ways_and_every_command_takes_its_folder(tmp_path, cli, recipe,
+                                                                                                 config):
+    """`accelerate launch ... recipes/sft.py` (no `memrecipe run`) leaves a folder with the resolved recipe and
+    a launch config; killed after a checkpoint, it continues exactly through `memrecipe run sft --resume` and
+    through its own launch line with --resume, and report and export take the folder."""
+    line = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "accelerate_configs" / f"{config}.yaml"), str(REPO / "recipes" / "sft.py"), "--recipe", recipe,
+            *EXACT]
+    env = child_env(**({"ACCELERATE_USE_CPU": "true"} if config.endswith("cpu2") else {}))  # as its header says
+
+    def plain(folder, *extra):
+        log = open(f"{folder}.log", "w")
+        return subprocess.Popen([*line, "--output-dir", str(folder), *extra], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert plain(whole).wait(timeout=600) == 0, open(f"{whole}.log").read()[-3000:]
+    proc = plain(cut)
+    wait_for(lambda: (cut / "checkpoints" / "step-2").is_dir(), proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert {"recipe.yaml", "accelerate_config.yaml"} <= {p.name for p in cut.iterdir()}
+    twin = tmp_path / "twin"
+    subprocess.run(["cp", "-r", str(cut), str(twin)], check=True)
+    finish(["--resume"], cut)  # through memrecipe run
+    again = plain(twin, "--resume")  # through its own launch line
+    assert again.wait(timeout=600) == 0, open(f"{twin}.log").read()[-3000:]
+    for resumed in (cut, twin):
+        assert losses(resumed) == pytest.approx(losses(whole), abs=1e-5)
+        assert losses(resumed, "lr") == losses(whole, "lr")
+    assert cli("report", str(twin)).returncode == 0
+    exported = cli("export", str(twin), str(tmp_path / "exported"), *(["--merge"] if recipe.endswith("lora") else []))
+    assert exported.returncode == 0, exported.stderr[-2000:]

@@ -146,7 +146,7 @@ def test_supports_cpu_agrees_with_what_is_known_to_fail_on_cpu():
 def test_other_machines_keep_their_own_launch_files_in_a_shared_folder(cli, tmp_path):
     """Machine rank 1 of a run writes *.machine1.* files and its own lock, so a folder shared by the
     machines holds both; machine rank 0 owns the plain names and ignores the others' files."""
-    from memrecipe.launcher import machine_zero_files
+    from memrecipe.run_folder import RunFolder
 
     words = ["run", "sft", "--recipe", "zero2", "--cpu", "--num-processes", "2", "--num-machines", "2",
              "--main-process-ip", "127.0.0.1", "--output-dir", str(tmp_path), "--dry-run"]
@@ -159,7 +159,7 @@ def test_other_machines_keep_their_own_launch_files_in_a_shared_folder(cli, tmp_
     assert "--recipe recipe.machine1.yaml" in done.stdout
     for name in ("recipe.machine1.yaml", "train.machine1.log", ".lock.machine1"):
         (tmp_path / name).write_text("x")
-    assert machine_zero_files(tmp_path) == []  # machine 0 may start in this folder without --overwrite
+    assert RunFolder(tmp_path).owned() == []  # machine 0 may start in this folder without --overwrite
 
 
 @pytest.mark.timeout(600)
@@ -207,3 +207,50 @@ def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_expo
                                    for path in (tmp_path / "merged", tmp_path / "from-checkpoint", embedded_model()))
     assert (merged - before).abs().max() > 1e-2  # trained
     torch.testing.assert_close(merged, resumed, atol=1e-4, rtol=0)
+
+
+def test_a_failure_after_launch_is_one_line_and_the_fixed_command_reuses_the_folder(tmp_path):
+    """A dataset too small for one window fails inside the loop: its one line, exit 2, no launcher traceback;
+    the folder (no checkpoint, no final save) takes the same command again once the problem is fixed."""
+    from memrecipe.data import EMBEDDED_DATASET
+
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(EMBEDDED_DATASET.read_text().splitlines(keepends=True)[:2]))
+    run = ["memrecipe", "run", "sft", "--recipe", "single-gpu-lora", "--dataset", str(two), "--output-dir", "R",
+           "eval_size=0", "max_steps=2"]
+    failed = launch(run, cwd=tmp_path)
+    said = failed.stdout + failed.stderr
+    assert failed.returncode == 2, said[-3000:]
+    assert said.count("memrecipe: error: the dataset gives") == 1 and "fewer than gradient_accumulation_steps" in said
+    assert "Traceback" not in said and "CalledProcessError" not in said
+    assert "Traceback" not in (tmp_path / "R" / "train.log").read_text()
+    fixed = launch([*run, "gradient_accumulation_steps=1", "per_device_train_batch_size=1"], cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert (tmp_path / "R" / "final").is_dir()
+    again = launch(run, cwd=tmp_path)  # a finished run keeps its protection
+    assert again.returncode == 2 and "is not empty" in again.stderr
+
+
+def test_launch_output_keeps_the_loops_lines_and_drops_the_launchers_tracebacks():
+    """After the loop's error line nothing more; after a stop signal no KeyboardInterrupt traceback, but
+    any other traceback (a real crash while stopping) still shows; before either, output passes as it comes."""
+    from memrecipe.launcher import LaunchOutput
+
+    out = LaunchOutput()
+    shown, logged = out.feed(b"train: 10%\rtrain: 20%")  # a progress bar redraws in place
+    assert shown == b"train: 10%\rtrain: 20%" and logged == []
+    out.filtering = True  # Ctrl-C reached the launch
+    shown, logged = out.feed(b"\ncheckpoint checkpoints/step-3\nTraceback (most recent call last):\n  File \"a\"\n"
+                             b"KeyboardInterrupt\nstopped by SIGINT at step 3\nTraceback (most recent call last):\n"
+                             b"  File \"c\"\nsubprocess.CalledProcessError: Command '[sft.py]' returned non-zero exit "
+                             b"status 130.\nTraceback (most recent call last):\n"
+                             b"  File \"b\"\nRuntimeError: disk full\n")
+    assert logged == ["train: 20%", "checkpoint checkpoints/step-3", "stopped by SIGINT at step 3",
+                      "Traceback (most recent call last):", '  File "b"', "RuntimeError: disk full"]
+    assert shown.startswith(b"\ncheckpoint") and b"KeyboardInterrupt" not in shown  # the bar's text was shown already
+    failed = LaunchOutput()
+    shown, logged = failed.feed(b"data: train\nmemrecipe: error: the dataset gives 1 micro batch(es)\n"
+                                b"memrecipe: error: the dataset gives 1 micro batch(es)\nTraceback (most recent call "
+                                b"last):\n  File \"c\"\nsubprocess.CalledProcessError: exit status 2\n")
+    assert logged == ["data: train", "memrecipe: error: the dataset gives 1 micro batch(es)"] and failed.finish() == []
+    assert failed.error == "memrecipe: error: the dataset gives 1 micro batch(es)"

@@ -3,8 +3,8 @@ from pathlib import Path
 import click
 
 from ..files import write_files
-from ..generator import shipped_files
-from ..registry import data_dir, load_recipe, recipe_path
+from ..generator import script_files, shipped_files
+from ..registry import load_recipe
 
 
 @click.command("cp")
@@ -20,11 +20,7 @@ def command(recipe, dest, force):
     """
     r = load_recipe(recipe)
     yaml_name = f"{r.name}.yaml"
-    # the recipe's header commands name repo paths; in DEST everything sits side by side
-    text = recipe_path(recipe).read_text(encoding="utf-8")
-    for old, new in ((f"recipes/{r.name}.yaml", yaml_name), ("recipes/sft.py", "sft.py"), ("accelerate_configs/", "")):
-        text = text.replace(old, new)
-    files = {"sft.py": (data_dir("recipes") / "sft.py").read_text(encoding="utf-8"), yaml_name: text}
+    files = script_files(recipe, r, yaml_name)  # in DEST everything sits side by side
     files |= shipped_files(r, folder=".", recipe_ref=r.name, script="sft.py", recipe_file=yaml_name)
     for path in write_files(dest, files, force):
         click.echo(f"wrote {path}")

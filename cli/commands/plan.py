@@ -6,12 +6,12 @@ from ..architecture import read_config, structure
 from ..errors import RecipeError
 from ..hardware import Machine
 from ..options import overrides_argument
-from ..planner import (CATEGORIES, METHODS, GiB, batch_for, estimate, judge, largest_micro_batch, method,
+from ..planner import (CATEGORIES, METHODS, batch_for, estimate, judge, largest_micro_batch, method,
                        recommend, recommend_by_method, with_batch)
 from ..registry import load_recipe, recipe_names
 from ..table import table
 from ..topology import check_supported, make_topology
-from ..units import parse_size
+from ..units import GiB, parse_size
 
 
 @click.command("plan")

@@ -7,18 +7,19 @@ import click
 from ..errors import RecipeError, did_you_mean
 from ..files import write_files
 from ..hardware import Machine
-from ..launcher import (SCRIPTS, RunLock, absolute_paths, check_fits, clear_folder, default_output_dir,
-                        launch_command, launch_env, machine_file, machine_zero_files, make_folder, plan_topology, preflight,
+from ..launcher import (SCRIPTS, absolute_paths, check_fits, launch_command, launch_env, plan_topology, preflight,
                         resumable, run_files, shell_form, stream)
-from ..options import overrides_argument, topology_options
+from ..run_folder import RunFolder, default_run_folder
+from ..options import dataset_option, model_option, overrides_argument, topology_options
 from ..registry import load_recipe
+from ..units import GiB
 
 
 @click.command("run")
 @click.argument("script")
 @click.option("--recipe", default=None, help="Recipe name (memrecipe ls) or YAML file.")
-@click.option("--model", default=None, help="Hub id or local folder (default: the recipe's, or the embedded tiny model).")
-@click.option("--dataset", default=None, help="Hub id or .jsonl/.json/.parquet/.csv file (default: the embedded one).")
+@model_option
+@dataset_option
 @click.option("--output-dir", type=click.Path(path_type=Path), default=None,
               help="Run folder (default: runs/<recipe>-<time>).")
 @topology_options
@@ -57,7 +58,8 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
         if not dry_run:
             preflight(r)
     verdict = check_fits(r, topo, machine, [*overrides, *flags], force)
-    folder = output_dir or default_output_dir(r)
+    folder = output_dir or default_run_folder(r.name)
+    run = RunFolder(folder, topo.machine_rank)
     files = run_files(r, topo)
     if resume:  # the folder's own launch configs stay; only the recipe may have raised max_steps
         files = {name: text for name, text in files.items() if name.startswith("recipe.")}
@@ -66,7 +68,7 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
     env = launch_env(r, topo, machine.cores)
     mode = "CPU smoke-test mode: no GPU, gloo" if topo.cpu else f"{topo.describe()}"
     need = verdict.estimate.host_total() if topo.cpu else verdict.estimate.total
-    banner = (f"memrecipe: {r.name} on {topo.describe()} ({mode}), planned {need / 2**30:.1f} GiB "
+    banner = (f"memrecipe: {r.name} on {topo.describe()} ({mode}), planned {need / GiB:.1f} GiB "
               f"{'of host RAM' if topo.cpu else 'per GPU'} -> {folder}")
     if dry_run:  # what `run` would do here, step by step; nothing is written
         click.echo(banner, err=True)
@@ -79,21 +81,24 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
         return
     # Machine rank 0 owns the folder; the other machines of a run add their own launch config to it.
     owner = not resume and topo.machine_rank == 0
-    if owner and folder.is_dir() and machine_zero_files(folder) and not overwrite:
-        clear_folder(folder, overwrite=False)  # refuses, before anything is touched
-    make_folder(folder)
-    lock = RunLock(folder, topo.machine_rank).acquire()  # before clearing: a running run's folder is never emptied
+    reuse = owner and run.failed_start()  # an earlier start that failed before any checkpoint: the same command may
+    if owner and folder.is_dir() and run.owned() and not overwrite and not reuse:
+        run.clear(overwrite=False)  # refuses, before anything is touched
+    run.make()
+    lock = run.lock().acquire()  # before clearing: a running run's folder is never emptied
     try:
         if owner:
-            clear_folder(folder, overwrite)
+            run.clear(overwrite or reuse)
         if lock.taken_over:
             click.echo(f"memrecipe: {folder}/.lock belonged to process {lock.taken_over}, which is gone: taken over",
                        err=True)
         click.echo(banner, err=True)
         write_files(folder, files, force=True)
-        status, stopped_by = stream(command_words, folder, env, folder / machine_file("train.log", topo.machine_rank))
+        status, stopped_by, error = stream(command_words, folder, env, run.train_log)
     finally:
         lock.release()
+    if error and not stopped_by:  # the loop said what is wrong, in its one line: the folder stays reusable
+        sys.exit(2)
     if stopped_by:
         click.echo(f"memrecipe: stopped by {signal.Signals(stopped_by).name}; resume with: "
                    f"memrecipe run {script} --resume --output-dir {folder}", err=True)

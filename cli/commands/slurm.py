@@ -5,18 +5,18 @@ import click
 
 from ..errors import RecipeError
 from ..files import write_files
-from ..generator import generate
+from ..generator import generate, script_files
 from ..launcher import PATH_KEYS, absolute_path
-from ..options import overrides_argument
-from ..registry import data_dir, load_recipe, recipe_path
+from ..options import dataset_option, model_option, overrides_argument
+from ..registry import load_recipe
 from ..slurm import HEAD, sbatch_script
 from ..topology import check_supported, make_topology
 
 
 @click.command("slurm")
 @click.argument("recipe")
-@click.option("--model", default=None, help="Hub id or local folder (default: the recipe's, or the embedded tiny model).")
-@click.option("--dataset", default=None, help="Hub id or .jsonl/.json/.parquet/.csv file (default: the embedded one).")
+@model_option
+@dataset_option
 @click.option("--nodes", type=int, required=True, help="Nodes to allocate (sbatch --nodes).")
 @click.option("--gpus-per-node", type=int, required=True, help="GPUs per node (sbatch --gpus-per-node).")
 @click.option("--partition", default=None, help="Slurm partition (sbatch --partition).")
@@ -49,8 +49,7 @@ def command(recipe, model, dataset, nodes, gpus_per_node, partition, time, port,
     recipe_file = f"{r.name}.yaml"
     files = generate(r, topo, ".", recipe_ref=recipe, overrides=words, script="sft.py", recipe_file=recipe_file)
     (config_file,) = [name for name in files if name.endswith(".yaml")]
-    files["sft.py"] = (data_dir("recipes") / "sft.py").read_text(encoding="utf-8")
-    files[recipe_file] = recipe_path(recipe).read_text(encoding="utf-8")
+    files |= script_files(recipe, r, recipe_file)
     regenerate = shlex.join(["memrecipe", "slurm", recipe, "--nodes", str(nodes), "--gpus-per-node", str(gpus_per_node),
                              *(w for k, v in (("--partition", partition), ("--time", time)) if v for w in (k, v)),
                              "--port", str(port), *(["--cpu"] if cpu else ["--cpus-per-gpu", str(cpus_per_gpu)]),

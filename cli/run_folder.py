@@ -1,0 +1,168 @@
+"""The run folder: its default name, the files in it, its lock, and what it holds (nothing yet, a start
+that failed, a resumable run, a finished one). The loop and every command ask here; no other module
+spells the name of a file in it.
+
+    runs/<recipe>-<YYYYmmdd-HHMMSS>/
+        recipe.yaml, accelerate_config.yaml [+ deepspeed_config.json]   the resolved recipe, the launch
+        train.log                                                       what the launch printed
+        checkpoints/step-N/                                             (checkpoint.py lays these out)
+        initial_adapter/                                                PiSSA/OLoRA's adapter before training
+        final/, report.json, loss.png                                   a finished run
+        .lock                                                           the running launcher's pid and host
+
+The other machines of a multi-machine run keep their own launch files, lock and log beside machine 0's
+(`accelerate_config.machine1.yaml`, `.lock.machine1`): a folder may be shared by all of them, or not.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from datetime import datetime
+from pathlib import Path
+
+from .errors import RecipeError
+
+RECIPE, LAUNCH_CONFIG, DEEPSPEED_CONFIG, TRAIN_LOG = "recipe.yaml", "accelerate_config.yaml", "deepspeed_config.json", "train.log"
+CHECKPOINTS, INITIAL_ADAPTER, FINAL, REPORT, LOSS_PLOT = "checkpoints", "initial_adapter", "final", "report.json", "loss.png"
+# What a run writes before its first checkpoint: a folder holding only these is a start that failed (a bad
+# dataset, a bad model) and the same command may use it again; a checkpoint or a final save (or anything
+# of the user's) keeps the folder protected.
+STARTED = {RECIPE, LAUNCH_CONFIG, DEEPSPEED_CONFIG, TRAIN_LOG, INITIAL_ADAPTER}
+MEMORY_RECORDS = "memory_"  # --memory-snapshot's files, per rank (measure.MemorySnapshot)
+
+
+def machine_file(name: str, machine_rank: int = 0) -> str:
+    """A launch file's name in the run folder: machine rank 0 owns the plain names; the other machines
+    of a multi-machine run (sharing the folder, or not) keep their own, e.g. accelerate_config.machine1.yaml."""
+    if machine_rank == 0:
+        return name
+    stem, dot, suffix = name.rpartition(".")
+    return f"{stem}.machine{machine_rank}{dot}{suffix}"
+
+
+def default_run_folder(recipe_name: str) -> Path:
+    """runs/<recipe>-<YYYYmmdd-HHMMSS>, with -2, -3... if runs start within the same second."""
+    base = Path("runs") / f"{recipe_name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    return folder
+
+
+class RunFolder:
+    """One run's folder, as machine `machine_rank` of the run sees it."""
+
+    def __init__(self, path, machine_rank: int = 0):
+        self.path, self.machine_rank = Path(path), machine_rank
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def file(self, name: str) -> Path:
+        """One of the per-machine launch files (recipe, launch config, log) of this machine."""
+        return self.path / machine_file(name, self.machine_rank)
+
+    @property
+    def recipe(self) -> Path:
+        return self.file(RECIPE)
+
+    @property
+    def launch_config(self) -> Path:
+        return self.file(LAUNCH_CONFIG)
+
+    @property
+    def train_log(self) -> Path:
+        return self.file(TRAIN_LOG)
+
+    @property
+    def final(self) -> Path:
+        return self.path / FINAL
+
+    @property
+    def report(self) -> Path:
+        return self.path / REPORT
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    def owned(self) -> list[Path]:
+        """What machine rank 0's run owns in the folder (not the locks, not the other machines' files)."""
+        return [c for c in self.path.iterdir() if not c.name.startswith(".lock") and ".machine" not in c.name]
+
+    def failed_start(self) -> bool:
+        names = {c.name for c in self.owned()} if self.path.is_dir() else set()
+        return bool(names) and all(n in STARTED or n.startswith(MEMORY_RECORDS) for n in names)
+
+    def make(self) -> None:
+        if self.path.exists() and not self.path.is_dir():
+            raise RecipeError(f"--output-dir {self.path} is a file: pick a folder")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RecipeError(f"cannot create {self.path}: {e.strerror}: pick another --output-dir") from None
+
+    def clear(self, overwrite: bool) -> None:
+        """Under our lock: refuse a non-empty folder, or (overwrite) remove the old run's files."""
+        old = self.owned()
+        if old and not overwrite:
+            raise RecipeError(f"{self.path} is not empty: pass --overwrite to replace its run, --resume to continue "
+                              "it, or pick another --output-dir")
+        for child in old:
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+    def lock(self) -> RunLock:
+        return RunLock(self.path, self.machine_rank)
+
+
+class RunLock:
+    """One run per folder (per machine of a multi-machine run): `.lock` holds the owner's pid and
+    host; a lock whose process is dead on this host is stale, named and taken over."""
+
+    def __init__(self, folder: Path, machine_rank: int = 0):
+        self.path = Path(folder) / (".lock" if machine_rank == 0 else f".lock.machine{machine_rank}")
+        self.taken_over: str | None = None
+
+    def check(self) -> None:
+        """Refuse, in one line, a folder whose lock a live run holds."""
+        try:
+            pid, _, host = self.path.read_text().strip().partition(" ")
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if not (host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))):
+            raise RecipeError(f"{self.path.parent} is in use by process {pid} on {host or 'this host'} "
+                              f"(its .lock): wait for it, or remove the lock if that run is gone") from None
+
+    def acquire(self) -> RunLock:
+        me = f"{os.getpid()} {socket.gethostname()}"
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                self.check()  # a live owner: refused; a dead one's lock is stale, named and taken over
+                try:
+                    self.taken_over = self.path.read_text().strip().partition(" ")[0]
+                except FileNotFoundError:  # released meanwhile
+                    pass
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            return self
+        raise RecipeError(f"cannot take {self.path}: another run keeps taking it")
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
