@@ -70,6 +70,7 @@ def test_two_machines_train_like_two_processes_on_one(tmp_path):
     assert ranks == [(0, 2), (1, 2)]  # one world of two processes over the two "machines"
     alone = tmp_path / "one-machine"
     done = launch(["memrecipe", "run", "sft", "--recipe", "ddp", "--cpu", "--num-processes", "2",
+                   "--main-process-port", str(free_port()),  # not 29500: an earlier test's store may linger there
                    "--output-dir", str(alone), *TRAIN])
     assert done.returncode == 0, done.stderr[-3000:]
     reference, _ = losses(alone)
