@@ -6,6 +6,10 @@ states of every process) plus `trainer_state.json` (step, epoch, micro batches c
 epoch, world size, the per-step history). It is written into `checkpoints/.tmp-step-N/` by every
 process and renamed to `checkpoints/step-N/` once all of them are done, so a reader never takes a
 partial checkpoint for the newest.
+
+Several machines may share the run folder (a shared filesystem) or each have their own: the run
+finds out at its start (`folder_sharing`). Shared: one process renames, the global main. Not shared:
+each machine writes a whole checkpoint of its own (accelerate's save_on_each_node) and renames it.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ from __future__ import annotations
 import functools
 import json
 import re
+import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RecipeError
-from .run_folder import CHECKPOINTS
+from .run_folder import CHECKPOINTS, PROBE
 
 STATE = "trainer_state.json"
 NAME = re.compile(r"step-(\d+)$")
@@ -41,7 +46,7 @@ def frozen_base_left_out(accelerator, model):
     - FSDP: accelerate's save_fsdp_model / load_fsdp_model have an `adapter_only` option that save_state
       and load_state do not pass on: here they do.
     - one process or DDP: a save_state pre-hook keeps the trainable entries of the gathered weights, and
-      load_state loads them non-strictly (resume_state checks that every trainable tensor was there)."""
+      load_state loads them non-strictly (Checkpoints.resume checks that every trainable tensor was there)."""
     kind = accelerator.distributed_type.value
     if kind == "DEEPSPEED" or all(p.requires_grad for p in model.parameters()):
         yield {}
@@ -78,53 +83,110 @@ def _keep_trained(models, weights, output_dir):
         weights[i] = {name: tensor for name, tensor in weights[i].items() if name in trained}
 
 
-def save(accelerator, model, out, state: dict, keep: int | None) -> Path:
-    """Every process calls this at the same optimizer step; returns the finished checkpoint."""
-    folder = Path(out) / CHECKPOINTS
-    final = folder / f"step-{state['step']}"
-    staging = folder / f".tmp-step-{state['step']}"
-    if accelerator.is_local_main_process:
-        shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed while saving
-    accelerator.wait_for_everyone()
-    with frozen_base_left_out(accelerator, model):
-        accelerator.save_state(str(staging))
+class Checkpoints:
+    """The run's checkpoints, as every process of it writes and reads them. Made after `prepare`, by
+    every process: it asks all machines whether they see one run folder (see `folder_sharing`)."""
+
+    def __init__(self, accelerator, model, out, keep: int | None = None):
+        self.accelerator, self.model, self.folder, self.keep = accelerator, model, Path(out) / CHECKPOINTS, keep
+        self.machines, self.shared = folder_sharing(accelerator, out)
+        if not self.shared:
+            kind = accelerator.distributed_type.value
+            if kind in ("FSDP", "DEEPSPEED"):  # their checkpoints are one set of shards over all ranks
+                raise RecipeError(f"{kind} checkpoints need one run folder all machines share, and machines 1.. do not "
+                                  f"see machine 0's {out}: put --output-dir on a shared filesystem")
+            accelerator.project_configuration.save_on_each_node = True  # model, optimizer on every machine
+        # the one process per folder that clears, labels, renames and prunes it
+        self.owner = accelerator.is_main_process if self.shared else accelerator.is_local_main_process
+
+    def save(self, state: dict) -> Path:
+        """Every process calls this at the same optimizer step; returns the finished checkpoint."""
+        accelerator = self.accelerator
+        final, staging = self.folder / f"step-{state['step']}", self.folder / f".tmp-step-{state['step']}"
+        if self.owner:
+            shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed while saving
+        accelerator.wait_for_everyone()
+        with frozen_base_left_out(accelerator, self.model):
+            accelerator.save_state(str(staging))
+        if self.owner:
+            (staging / STATE).write_text(json.dumps(state))
+        accelerator.wait_for_everyone()
+        if self.owner:
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+            if self.keep:
+                for old in complete_checkpoints(self.folder.parent)[:-self.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        return final
+
+    def resume(self) -> dict:
+        """Load the newest checkpoint that every machine holds whole into the prepared objects; returns
+        its trainer state. (Machines with folders of their own may hold different ones: a run killed
+        between their renames.)"""
+        from accelerate.utils import gather_object
+
+        accelerator, out = self.accelerator, self.folder.parent
+        mine = {int(NAME.match(p.name).group(1)): p for p in complete_checkpoints(out)}
+        common = set.intersection(*(set(steps) for steps in gather_object([sorted(mine)])))
+        if not common:
+            raise RecipeError(f"no complete checkpoint in {self.folder}" +
+                              (" that every machine holds" if mine else
+                               ": nothing to resume (set save_steps to write checkpoints)"))
+        newest = mine[max(common)]
+        state = json.loads((newest / STATE).read_text())
+        if state["num_processes"] != accelerator.num_processes:
+            raise RecipeError(f"{newest.name} was written by {state['num_processes']} processes, this run has "
+                              f"{accelerator.num_processes}: resume with --num-processes {state['num_processes']} "
+                              "(resharding a checkpoint is not supported)")
+        with frozen_base_left_out(accelerator, self.model) as load_kwargs:
+            accelerator.load_state(str(newest), **load_kwargs)
+        saved = newest / "model.safetensors"
+        if load_kwargs and saved.is_file():  # loaded non-strictly: every trainable tensor must have been there
+            from safetensors import safe_open
+
+            with safe_open(str(saved), framework="pt") as f:
+                missing = {n for n, p in self.model.named_parameters() if p.requires_grad} - set(f.keys())
+            if missing:
+                raise RecipeError(f"{newest.name} lacks {len(missing)} trained tensor(s) of this model, e.g. "
+                                  f"{sorted(missing)[0]}: it was written by another recipe or LoRA setting")
+        return state | {"path": str(newest)}
+
+
+def folder_sharing(accelerator, out) -> tuple[int, bool]:
+    """How many machines run, and whether all their processes see one run folder: the global main writes a probe file in
+    its folder and every process looks for it. True on one machine; on several, True when the folder
+    is on a filesystem they share, False when each machine has its own. Some machines sharing machine
+    0's folder and others not is refused: the sharing ones would write the same files twice."""
+    if accelerator.num_processes == 1:
+        return 1, True
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    probe = [f"{PROBE}{secrets.token_hex(4)}"]
+    broadcast_object_list(probe)  # machine 0's name for it
+    probe = Path(out) / probe[0]
     if accelerator.is_main_process:
-        (staging / STATE).write_text(json.dumps(state))
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.touch()
     accelerator.wait_for_everyone()
-    if accelerator.is_local_main_process and staging.exists():
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        if keep:
-            for old in complete_checkpoints(out)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+    machine = accelerator.process_index - accelerator.local_process_index  # the machine's first rank
+    seen = gather_object([(machine, probe.exists())])
     accelerator.wait_for_everyone()
-    return final
+    if accelerator.is_main_process:
+        probe.unlink()
+    return sharing_verdict(seen, out)
 
 
-def resume_state(accelerator, model, out) -> dict:
-    """Load the newest complete checkpoint into the prepared objects; returns its trainer state."""
-    found = complete_checkpoints(out)
-    if not found:
-        raise RecipeError(f"no complete checkpoint in {Path(out) / 'checkpoints'}: nothing to resume "
-                          "(set save_steps to write checkpoints)")
-    newest = found[-1]
-    state = json.loads((newest / STATE).read_text())
-    if state["num_processes"] != accelerator.num_processes:
-        raise RecipeError(f"{newest.name} was written by {state['num_processes']} processes, this run has "
-                          f"{accelerator.num_processes}: resume with --num-processes {state['num_processes']} "
-                          "(resharding a checkpoint is not supported)")
-    with frozen_base_left_out(accelerator, model) as load_kwargs:
-        accelerator.load_state(str(newest), **load_kwargs)
-    saved = newest / "model.safetensors"
-    if load_kwargs and saved.is_file():  # loaded non-strictly: every trainable tensor must have been there
-        from safetensors import safe_open
-
-        with safe_open(str(saved), framework="pt") as f:
-            missing = {n for n, p in model.named_parameters() if p.requires_grad} - set(f.keys())
-        if missing:
-            raise RecipeError(f"{newest.name} lacks {len(missing)} trained tensor(s) of this model, e.g. "
-                              f"{sorted(missing)[0]}: it was written by another recipe or LoRA setting")
-    return state | {"path": str(newest)}
+def sharing_verdict(seen: list[tuple[int, bool]], out) -> tuple[int, bool]:
+    """(machines, shared) from each process's (machine's first rank, sees machine 0's probe)."""
+    machines = len({m for m, _ in seen})
+    if all(sees for _, sees in seen):
+        return machines, True
+    sharing = sorted({m for m, sees in seen if sees and m != 0})
+    if sharing:
+        raise RecipeError(f"the machines whose first ranks are {sharing} see machine 0's run folder {out}, the others "
+                          "do not: give all machines one shared folder, or each its own")
+    return machines, False
 
 
 def trained_state_dict(accelerator, model) -> dict:

@@ -22,7 +22,7 @@ from .errors import RecipeError
 from .generator import accelerate_config, deepspeed_config, render_json, render_yaml
 from .hardware import Machine
 from .planner import METHODS, breakdown, estimate, judge, method
-from .recipe import Recipe, parse_overrides
+from .recipe import Recipe
 from .registry import data_dir, load_recipe, recipe_names
 from .run_folder import DEEPSPEED_CONFIG, LAUNCH_CONFIG, RECIPE, RunFolder, machine_file
 from .topology import Topology, check_supported, make_topology
@@ -248,11 +248,12 @@ def resumable(folder, recipe_ref, words, num_processes, machine, machine_rank=0)
         raise RecipeError(f"{folder} is not a memrecipe run folder (no {recipe_file.name} / {launch_config.name})")
     if not complete_checkpoints(folder):
         raise RecipeError(f"{folder} has no complete checkpoint to resume from (the run needs save_steps)")
-    changed = [key for key in parse_overrides(words) if key not in RESUMABLE_KEYS]
+    r = load_recipe(str(recipe_file), words)
+    changed = [key for key in differences(load_recipe(str(recipe_file)).to_dict(), r.to_dict())
+               if key not in RESUMABLE_KEYS]  # the first command's words again are fine
     if changed:
         raise RecipeError(f"a resumed run keeps its recipe: {changed[0]} cannot change on --resume "
                           f"(only {' and '.join(RESUMABLE_KEYS)} can)")
-    r = load_recipe(str(recipe_file), words)
     if recipe_ref and recipe_ref not in (r.name, str(recipe_file)):
         raise RecipeError(f"{folder} is a run of recipe {r.name}, not {recipe_ref}")
     config = yaml.safe_load(launch_config.read_text())
@@ -264,6 +265,16 @@ def resumable(folder, recipe_ref, words, num_processes, machine, machine_rank=0)
                          config.get("main_process_ip"), config.get("main_process_port"),
                          cpu=machine.gpus == 0, bf16=machine.bf16)
     return r, topo
+
+
+def differences(before: dict, after: dict, path: str = ""):
+    """The dotted keys whose values differ between two recipe dicts."""
+    for key in {**before, **after}:
+        old, new, here = before.get(key), after.get(key), f"{path}{key}"
+        if isinstance(old, dict) and isinstance(new, dict):
+            yield from differences(old, new, f"{here}.")
+        elif old != new:
+            yield here
 
 
 def preflight(recipe):

@@ -31,6 +31,7 @@ CHECKPOINTS, INITIAL_ADAPTER, FINAL, REPORT, LOSS_PLOT = "checkpoints", "initial
 # of the user's) keeps the folder protected.
 STARTED = {RECIPE, LAUNCH_CONFIG, DEEPSPEED_CONFIG, TRAIN_LOG, INITIAL_ADAPTER}
 MEMORY_RECORDS = "memory_"  # --memory-snapshot's files, per rank (measure.MemorySnapshot)
+PROBE = ".probe-"  # the loop's look at whether the machines share the folder (checkpoint.folder_sharing)
 
 
 def machine_file(name: str, machine_rank: int = 0) -> str:
@@ -91,7 +92,8 @@ class RunFolder:
 
     def owned(self) -> list[Path]:
         """What machine rank 0's run owns in the folder (not the locks, not the other machines' files)."""
-        return [c for c in self.path.iterdir() if not c.name.startswith(".lock") and ".machine" not in c.name]
+        return [c for c in self.path.iterdir()
+                if not c.name.startswith((".lock", PROBE)) and ".machine" not in c.name]
 
     def failed_start(self) -> bool:
         names = {c.name for c in self.owned()} if self.path.is_dir() else set()

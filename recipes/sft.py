@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from memrecipe.checkpoint import resume_state, save, save_final
+from memrecipe.checkpoint import Checkpoints, save_final
 from memrecipe.data import Collator, prepare_datasets
 from memrecipe.errors import RecipeError
 from memrecipe.files import write_files
@@ -206,6 +206,7 @@ def main(argv=None):
     scheduler = get_scheduler(recipe.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
     accelerator.register_for_checkpointing(scheduler)
+    checkpoints = Checkpoints(accelerator, model, out, recipe.save_total_limit)  # one folder, or one per machine
     setup = describe_setup(accelerator, model, optimizer)
     tracking = start_trackers(accelerator, recipe, out)  # TensorBoard / W&B through accelerate, if asked for
     world = accelerator.num_processes
@@ -219,6 +220,9 @@ def main(argv=None):
     dropped = len(train_loader) % accumulation
     if dropped:
         say(f"note: the last {dropped} micro batch(es) of each epoch do not fill a window and are skipped")
+    if checkpoints.machines > 1:
+        say(f"{checkpoints.machines} machines " + ("share the run folder: machine 0 writes the checkpoints" if
+            checkpoints.shared else "each keep their own run folder and write whole checkpoints into it"))
     if recipe.torch_compile:
         say("torch_compile: the decoder layers compile during the first step (tens of seconds; again if a batch "
             "brings a new shape), batches are padded to a multiple of 64 tokens")
@@ -226,7 +230,7 @@ def main(argv=None):
     # 5. The loop: one optimizer step per window of micro batches.
     history, step, epoch, consumed, held = [], 0, 0, 0, None
     if args.resume:  # model, optimizer, scheduler and RNG states, and where the data stood
-        state = resume_state(accelerator, model, out)
+        state = checkpoints.resume()
         history, step, epoch, consumed = state["history"], state["step"], state["epoch"], state["consumed"]
         setup["resumed_at_step"] = step
         say(f"resumed from {state['path']} at step {step} (epoch {epoch}, {consumed} micro batches in)")
@@ -288,9 +292,8 @@ def main(argv=None):
                     + (f" | eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
             stopping = stop.agreed(accelerator)  # every process stops at the same step
             if (recipe.save_steps and (step % recipe.save_steps == 0 or step == total_steps)) or stopping:
-                path = save(accelerator, model, out, {"step": step, "epoch": epoch, "consumed": consumed, "history": history,
-                                               "num_processes": accelerator.num_processes, "total_steps": total_steps},
-                            recipe.save_total_limit)
+                path = checkpoints.save({"step": step, "epoch": epoch, "consumed": consumed, "history": history,
+                                         "num_processes": accelerator.num_processes, "total_steps": total_steps})
                 say(f"checkpoint {path}")
             if stopping:
                 how = ("memrecipe run sft --resume --output-dir" if os.environ.get(LAUNCHED_BY) else

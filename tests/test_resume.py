@@ -150,9 +150,12 @@ def test_resume_keeps_the_recipe_and_the_process_count(tmp_path, cli):
     finish(["--recipe", "fsdp", "max_steps=2", "save_steps=1"], folder)
     changed = cli("run", "sft", "--resume", "--output-dir", str(folder), "learning_rate=1e-2")
     assert changed.returncode == 2 and "learning_rate cannot change on --resume" in changed.stderr
+    changed = cli("run", "sft", "--resume", "--output-dir", str(folder), "fsdp.activation_checkpointing=false")
+    assert changed.returncode == 2 and "fsdp.activation_checkpointing cannot change on --resume" in changed.stderr
     fewer = cli("run", "sft", "--resume", "--output-dir", str(folder), "--num-processes", "1")
     assert fewer.returncode == 2 and "trained by 2 processes: resume it with --num-processes 2" in fewer.stderr
-    longer = cli("run", "sft", "--resume", "--output-dir", str(folder), "max_steps=4", timeout=600)
+    longer = cli("run", "sft", "--resume", "--output-dir", str(folder), "max_steps=4", "save_steps=1",  # unchanged
+                 timeout=600)
     assert longer.returncode == 0, longer.stderr[-2000:]
     assert len(losses(folder)) == 4 and "max_steps: 4" in (folder / "recipe.yaml").read_text()
     log = (folder / "train.log").read_text()
@@ -228,3 +231,14 @@ def test_a_run_launched_by_plain_accelerate_resumes_both_ways_and_every_command_
     assert cli("report", str(twin)).returncode == 0
     exported = cli("export", str(twin), str(tmp_path / "exported"), *(["--merge"] if recipe.endswith("lora") else []))
     assert exported.returncode == 0, exported.stderr[-2000:]
+
+
+def test_machines_share_the_run_folder_all_or_none():
+    from memrecipe.checkpoint import sharing_verdict
+    from memrecipe.errors import RecipeError
+
+    assert sharing_verdict([(0, True), (0, True)], "runs/x") == (1, True)  # one machine, two processes
+    assert sharing_verdict([(0, True), (2, True)], "runs/x") == (2, True)  # a shared filesystem
+    assert sharing_verdict([(0, True), (2, False), (4, False)], "runs/x") == (3, False)  # a folder each
+    with pytest.raises(RecipeError, match=r"first ranks are \[2\] see machine 0's run folder runs/x"):
+        sharing_verdict([(0, True), (2, True), (4, False)], "runs/x")
