@@ -252,6 +252,14 @@ def fingerprint(ds, options: dict, *functions) -> str:
     return Hasher.hash([ds._fingerprint, code, options])
 
 
+def load_sources(spec, recipe, name: str):
+    """Each source of `dataset` (name "train") or `eval_dataset` ("eval"), loaded: yields (source, rows,
+    format, rows in the source); with several, an error names the entry: `train dataset[1] (path): ...`."""
+    for i, source in enumerate(sources(spec, recipe.dataset_format)):
+        where = f"{name} dataset[{i}] ({source.path}): " if isinstance(spec, tuple) else ""
+        yield (source, *load_source(source, recipe.seed, where))
+
+
 def mixture(spec, recipe, tokenizer, say, name: str):
     """The tokenized rows of `dataset` (or `eval_dataset`): each source loaded, its fraction drawn,
     tokenized in its own format; several are shuffled together with the seed, and `say` gets a line
@@ -259,10 +267,7 @@ def mixture(spec, recipe, tokenizer, say, name: str):
     from datasets import concatenate_datasets
 
     parts, formats, lines = [], [], []
-    listed = sources(spec, recipe.dataset_format)
-    for i, source in enumerate(listed):
-        where = f"{name} dataset[{i}] ({source.path}): " if isinstance(spec, tuple) else ""
-        raw, fmt, total = load_source(source, recipe.seed, where)
+    for source, raw, fmt, total in load_sources(spec, recipe, name):
         options = {"tokenizer": tokenizer, "fmt": fmt, "max_seq_length": recipe.max_seq_length,
                    "train_on_inputs": recipe.train_on_inputs}
         part = raw.map(tokenize, fn_kwargs=options, remove_columns=raw.column_names,

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from .errors import RecipeError
-from .optimizers import make_optimizer
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "data" / "tiny-llama"
 
@@ -239,10 +238,10 @@ def tensor_parallel(model, tp_size: int, device_mesh) -> None:
     model.config.distributed_config = config  # where accelerate reads the TP size (utils/other.py, get_model_tp_size)
 
 
-def load_model(recipe, name_or_path: str, precision: str, device=None, device_mesh=None):
+def load_base(recipe, name_or_path: str, precision: str, device=None, device_mesh=None):
     """from_pretrained with the recipe's memory techniques: quantization, tensor parallelism (split
-    over the mesh's "tp" dimension as it loads), LoRA, gradient checkpointing (+ activation offload),
-    dtype. Returns (model, activation offload hooks or None)."""
+    over the mesh's "tp" dimension as it loads), gradient checkpointing (+ activation offload), dtype.
+    Returns (model, activation offload hooks or None). LoRA and compiling come after (`load_model`)."""
     from transformers import AutoModelForCausalLM
 
     # A frozen LoRA base is stored in the compute dtype (2 bytes/param); trained weights stay fp32
@@ -285,6 +284,13 @@ def load_model(recipe, name_or_path: str, precision: str, device=None, device_me
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
     offload = enable_checkpointing(model, recipe.activation_offload) if recipe.gradient_checkpointing else None
+    return model, offload
+
+
+def load_model(recipe, name_or_path: str, precision: str, device=None, device_mesh=None):
+    """The model as the loop sets it up (recipes/sft.py's setup_model), in one call: the base with the
+    recipe's memory techniques, its LoRA adapters, its compiled layers. Returns (model, offload hooks or None)."""
+    model, offload = load_base(recipe, name_or_path, precision, device, device_mesh)
     if recipe.lora:
         model = add_lora(model, recipe.lora)
     if recipe.torch_compile:
@@ -347,23 +353,36 @@ def save_initial_adapter(model, folder: Path) -> None:
         config.init_lora_weights = init
 
 
-def prepare(accelerator, recipe, model, *loaders):
-    """Optimizer, then accelerate's prepare, in the order each engine needs. FSDP2 and DeepSpeed take
-    the model and the optimizer together; FSDP1 flattens parameters, so its optimizer is built on
-    the wrapped model, and with LoRA and flat parameters the adapters get FSDP units of their own
-    (PEFT's wrap policy; a 4-bit base computes in its storage dtype), as transformers' Trainer does."""
-    fsdp = recipe.fsdp if accelerator.distributed_type.value == "FSDP" else None
-    if fsdp is not None and fsdp.version == 1:
-        plugin = accelerator.state.fsdp_plugin
-        if recipe.lora and not fsdp.use_orig_params:
-            from peft.utils.other import fsdp_auto_wrap_policy
+def _fsdp1(accelerator, recipe) -> bool:
+    return accelerator.distributed_type.value == "FSDP" and recipe.fsdp is not None and recipe.fsdp.version == 1
 
-            plugin.auto_wrap_policy = fsdp_auto_wrap_policy(model)
-        storage = recipe.quantization.quant_storage if recipe.quantization else None
-        if storage not in (None, "uint8"):
-            plugin.set_mixed_precision(DTYPES[storage], override=True)
-        model = accelerator.prepare(model)
-        optimizer = make_optimizer(recipe, model, accelerator)
-        return (model, accelerator.prepare(optimizer), *(accelerator.prepare(loader) for loader in loaders))
-    optimizer = make_optimizer(recipe, model, accelerator)
-    return accelerator.prepare(model, optimizer, *loaders)
+
+def wrap_first(accelerator, recipe, model):
+    """FSDP1 flattens parameters, so its optimizer must be built on the wrapped model: the model is
+    wrapped here (with LoRA and flat parameters the adapters get FSDP units of their own, PEFT's wrap
+    policy; a 4-bit base computes in its storage dtype), as transformers' Trainer does. Every other
+    engine takes the model and the optimizer together in `prepare`: the model is returned as it is."""
+    if not _fsdp1(accelerator, recipe):
+        return model
+    fsdp, plugin = recipe.fsdp, accelerator.state.fsdp_plugin
+    if recipe.lora and not fsdp.use_orig_params:
+        from peft.utils.other import fsdp_auto_wrap_policy
+
+        plugin.auto_wrap_policy = fsdp_auto_wrap_policy(model)
+    storage = recipe.quantization.quant_storage if recipe.quantization else None
+    if storage not in (None, "uint8"):
+        plugin.set_mixed_precision(DTYPES[storage], override=True)
+    return accelerator.prepare(model)
+
+
+def prepare(accelerator, recipe, model, optimizer, *loaders):
+    """accelerate's prepare of the model (unless `wrap_first` wrapped it), the optimizer and the data
+    loaders (a None loader stays None): (model, optimizer, *loaders)."""
+    given = [loader for loader in loaders if loader is not None]
+    objects = ([] if _fsdp1(accelerator, recipe) else [model]) + [optimizer, *given]
+    prepared = accelerator.prepare(*objects)
+    prepared = list(prepared) if len(objects) > 1 else [prepared]
+    if len(prepared) == len(given) + 1:  # FSDP1: the model was prepared already
+        prepared.insert(0, model)
+    rest = iter(prepared[2:])
+    return (prepared[0], prepared[1], *(next(rest) if loader is not None else None for loader in loaders))

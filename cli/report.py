@@ -7,7 +7,6 @@ Shared by the loop (printed at the end of a run) and `memrecipe report` / `memre
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from .errors import RecipeError
@@ -132,15 +131,14 @@ def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eva
 
     from .architecture import read_config, structure
     from .planner import estimate, largest_micro_batch
-    from .topology import Topology
+    from .topology import launched_topology
 
     shape = structure(read_config(model_path))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-    machines = max(1, accelerator.num_processes // local)
     cuda = accelerator.device.type == "cuda"
     gpu_memory = torch.cuda.get_device_properties(accelerator.device).total_memory if cuda else None
     name = torch.cuda.get_device_name(accelerator.device) if cuda else "cpu"
-    topo = Topology(accelerator.num_processes, machines, cpu=not cuda)
+    topo = launched_topology(accelerator.num_processes, cpu=not cuda)
+    machines = topo.num_machines
     plan = estimate(recipe, shape, topo)
     this_session = [r for r in history if r["step"] > setup.get("resumed_at_step", 0)]  # what `wall` timed
     tokens = sum(r["tokens"] for r in this_session)

@@ -21,8 +21,14 @@ import shutil
 import socket
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import RecipeError
+from .generator import accelerate_config, deepspeed_config, render_json, render_yaml
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+    from .topology import Topology
 
 RECIPE, LAUNCH_CONFIG, DEEPSPEED_CONFIG, TRAIN_LOG = "recipe.yaml", "accelerate_config.yaml", "deepspeed_config.json", "train.log"
 CHECKPOINTS, INITIAL_ADAPTER, FINAL, REPORT, LOSS_PLOT = "checkpoints", "initial_adapter", "final", "report.json", "loss.png"
@@ -41,6 +47,20 @@ def machine_file(name: str, machine_rank: int = 0) -> str:
         return name
     stem, dot, suffix = name.rpartition(".")
     return f"{stem}.machine{machine_rank}{dot}{suffix}"
+
+
+def run_files(recipe: Recipe, topo: Topology) -> dict[str, str]:
+    """The run folder's resolved recipe and launch configs (this machine's); paths inside are
+    relative to the folder."""
+    name = lambda n: machine_file(n, topo.machine_rank)  # noqa: E731
+    files = {name(RECIPE): f"# Resolved recipe of this run: the single source of truth for it.\n{recipe.to_yaml()}"}
+    ds = deepspeed_config(recipe, topo)
+    header = [f"memrecipe run of recipe {recipe.name} on {topo.describe()}."]
+    files[name(LAUNCH_CONFIG)] = render_yaml(accelerate_config(recipe, topo, name(DEEPSPEED_CONFIG) if ds else None),
+                                             header)
+    if ds is not None:
+        files[name(DEEPSPEED_CONFIG)] = render_json(ds, f"memrecipe run of recipe {recipe.name} on {topo.describe()}")
+    return files
 
 
 def default_run_folder(recipe_name: str) -> Path:

@@ -64,6 +64,31 @@ def make_topology(num_processes=1, num_machines=1, machine_rank=0, main_process_
     return Topology(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, cpu, bf16)
 
 
+def plan_topology(recipe: Recipe, machine, num_processes=None, num_machines=1, machine_rank=0,
+                  main_process_ip=None, main_process_port=None, cpu=False) -> Topology:
+    """The topology for this run: the flags, else every GPU (as many as the recipe takes), else
+    the CPU smoke-test form (1 process, or 2 for recipes that shard)."""
+    cpu = cpu or machine.gpus == 0
+    s = recipe.supports
+    if num_processes is None:
+        if cpu:
+            num_processes = 1 if s.max_processes == 1 and s.min_processes == 1 else max(2, s.min_processes)
+        else:
+            num_processes = min(machine.gpus, s.max_processes or machine.gpus) * num_machines
+    topo = make_topology(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, cpu,
+                         None if cpu else machine.bf16)
+    check_supported(recipe, topo)
+    local = topo.processes_per_machine
+    if not cpu and local > machine.gpus:
+        raise RecipeError(f"{local} processes per machine need {local} GPUs; this machine has {machine.gpus}: "
+                          f"lower --num-processes")
+    if cpu and local > machine.cores:
+        raise RecipeError(f"{local} CPU processes need {local} cores; this machine has {machine.cores} (to prepare "
+                          f"a GPU run from here: memrecipe config {recipe.name} --num-processes {num_processes}, "
+                          f"or memrecipe slurm {recipe.name}, write its files)")
+    return topo
+
+
 def launched_topology(num_processes: int, cpu: bool, bf16: bool | None = None) -> Topology:
     """The topology a running process was launched on, read from torchrun's environment (a launch that
     did not come through `memrecipe run`, e.g. plain `accelerate launch` or the slurm script)."""

@@ -4,8 +4,11 @@
     accelerate launch --config_file accelerate_configs/single_gpu_lora_cpu1.yaml \
         recipes/sft.py --recipe recipes/single-gpu-lora.yaml [--output-dir DIR] [key=value ...]
 
-Steps: Accelerator -> model (+LoRA, checkpointing) -> data -> optimizer and schedule -> prepare
--> loop over windows of micro batches -> log, eval -> save the model and a report.
+Setup, in order: run (Accelerator, run folder) -> model (+ LoRA, compile) -> data -> optimizer ->
+prepare -> schedule and checkpoints; then the loop over windows of micro batches (log, eval,
+checkpoint), the final save and the report. Copy this file to change a step: the optimizer and
+the LoRA setup are built here, in `setup_model` and `setup_optimizer`. Everything it takes from
+memrecipe comes through `memrecipe.loop` (its docstring lists the names).
 
 Gradient accumulation is exact: an optimizer step sees a window of `gradient_accumulation_steps`
 micro batches on every process, and its loss is the sum over all the window's target tokens
@@ -22,30 +25,20 @@ import sys
 import time
 from dataclasses import replace
 from datetime import datetime
-from pathlib import Path
 
-import memrecipe  # noqa: F401  (first: it quiets library notices that say nothing about the run)
+# first: importing memrecipe quiets library notices that say nothing about the run
+from memrecipe.loop import (INITIAL_ADAPTER, LAUNCHED_BY, LOSS_PLOT, Checkpoints, Collator, LossMemory,  # isort: skip
+                            MemorySnapshot, RecipeError, RunFolder, absolute_paths, add_lora, build_report, card,
+                            compile_layers, count_targets, describe_setup, embedded_model, fuse_head, held_bytes,
+                            launched_topology, lm_loss, load_base, load_recipe, load_tokenizer, make_accelerator,
+                            make_optimizer, optimizer_state_dtypes, peak_memory, plot_loss, prepare,
+                            prepare_datasets, rewrites_base, run_files, save_final, save_initial_adapter,
+                            start_trackers, window_counts, wrap_first, write_files)
 import torch
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
-
-from memrecipe.checkpoint import Checkpoints, save_final
-from memrecipe.data import Collator, prepare_datasets
-from memrecipe.errors import RecipeError
-from memrecipe.files import write_files
-from memrecipe.launcher import LAUNCHED_BY, absolute_paths, run_files
-from memrecipe.measure import (LossMemory, MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes,
-                               peak_memory, start_trackers, window_counts)
-from memrecipe.loss import count_targets, fuse_head, lm_loss
-from memrecipe.modeling import (embedded_model, load_model, load_tokenizer, make_accelerator, prepare, rewrites_base,
-                                save_initial_adapter)
-from memrecipe.registry import load_recipe
-from memrecipe.plots import plot_loss
-from memrecipe.report import build, card
-from memrecipe.run_folder import INITIAL_ADAPTER, LOSS_PLOT, RunFolder
-from memrecipe.topology import launched_topology
 
 
 def parse_args(argv=None):
@@ -137,39 +130,43 @@ def evaluate(model, dataloader, accelerator):
     return loss_sum / targets
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    recipe = load_recipe(args.recipe, args.overrides)
-
-    # 1. Accelerator: the launch config (accelerate YAML / DeepSpeed JSON) says how processes share the work.
-    # (The embedded default model is built first: under ZeRO-3 the Accelerator makes every model a collective.)
-    model_path = recipe.model_name_or_path or embedded_model()
+def setup_run(args, recipe):
+    """The Accelerator (the launch config, accelerate YAML / DeepSpeed JSON, says how processes share the
+    work), the run folder, and `say` (prints on the main process only)."""
     accelerator = make_accelerator(recipe)
-    deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
     stamp = [datetime.now().strftime("%Y%m%d-%H%M%S")]
     broadcast_object_list(stamp)  # one folder name for all processes
-    out = Path(args.output_dir or f"runs/{recipe.name}-{stamp[0]}")
-    run = RunFolder(out)
+    run = RunFolder(args.output_dir or f"runs/{recipe.name}-{stamp[0]}")
     if run.final.exists() and not args.overwrite and not args.resume:
-        raise RecipeError(f"{out} already holds a finished run: pass --overwrite, or another --output-dir")
+        raise RecipeError(f"{run.path} already holds a finished run: pass --overwrite, or another --output-dir")
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+        run.path.mkdir(parents=True, exist_ok=True)
         if not run.recipe.exists():  # launched without `memrecipe run`: the folder gets the resolved
             # recipe and a launch config as `memrecipe run` writes them, so resume, report and export take it
             topology = launched_topology(accelerator.num_processes, accelerator.device.type == "cpu",
                                          accelerator.mixed_precision == "bf16" or None)
             ran = replace(recipe, mixed_precision=accelerator.mixed_precision)  # the launch config's, which wins
-            write_files(out, run_files(absolute_paths(ran), topology))
+            write_files(run.path, run_files(absolute_paths(ran), topology))
     set_seed(recipe.seed)
     say = tqdm.write if accelerator.is_main_process else (lambda *a, **k: None)
     if recipe.mixed_precision not in ("auto", accelerator.mixed_precision):
         say(f"note: the recipe asks for mixed_precision {recipe.mixed_precision}, the launch config runs "
             f"{accelerator.mixed_precision}; the config wins (regenerate it with memrecipe config, or use memrecipe run)")
+    return accelerator, run, say
 
-    # 2. Model and tokenizer: a hub id, a local folder, or the embedded tiny default.
+
+def setup_model(recipe, model_path, accelerator, run, say):
+    """Tokenizer and model (a hub id, a local folder, or the embedded tiny default) with the recipe's
+    memory techniques, then its LoRA adapters and compiled layers. Returns (model, tokenizer, activation
+    offload hooks or None, the PiSSA/OLoRA initial adapter's folder or None)."""
     tokenizer = load_tokenizer(model_path, recipe.trust_remote_code, recipe.chat_template)
     mesh = accelerator.torch_device_mesh if recipe.parallelism else None  # tensor parallel: split as it loads
-    model, offload = load_model(recipe, model_path, accelerator.mixed_precision, accelerator.device, mesh)
+    # quantization, tensor parallelism, gradient checkpointing (+ activation offload), dtype
+    model, offload = load_base(recipe, model_path, accelerator.mixed_precision, accelerator.device, mesh)
+    if recipe.lora:
+        model = add_lora(model, recipe.lora)  # peft, configured by the recipe's lora: section
+    if recipe.torch_compile:
+        compile_layers(model)  # each decoder layer in place: names, hooks and checkpoints unchanged
     initial_adapter = run / INITIAL_ADAPTER if rewrites_base(recipe) else None  # PiSSA/OLoRA: to convert back
     if initial_adapter is not None and accelerator.is_main_process and not initial_adapter.exists():
         save_initial_adapter(model, initial_adapter)
@@ -177,9 +174,13 @@ def main(argv=None):
         not_fused = fuse_head(model)
         if not_fused:
             say(f"note: fused_loss is off for this model ({not_fused}): the loss uses the full logits")
+    return model, tokenizer, offload, initial_adapter
 
-    # 3. Data: tokenized once (main process first, the others read its cache), whole documents packed into
-    # rows (packing: true, each with its own position_ids) or one example per row, padded per batch.
+
+def setup_data(recipe, tokenizer, accelerator, say):
+    """Train and eval loaders: tokenized once (main process first, the others read its cache), whole
+    documents packed into rows (packing: true, each with its own position_ids) or one example per row,
+    padded per batch."""
     with accelerator.main_process_first():
         train_set, eval_set = prepare_datasets(recipe, tokenizer, say)  # logs what the loss will learn from
     collate = Collator(tokenizer.pad_token_id, 64 if recipe.torch_compile else 1)  # compiled: few shapes
@@ -189,12 +190,19 @@ def main(argv=None):
                               collate_fn=collate, generator=torch.Generator().manual_seed(recipe.seed))
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_train_batch_size, collate_fn=collate) \
         if eval_set is not None else None
+    return train_loader, eval_loader
 
-    # 4. Optimizer and prepare: wraps the model (DDP / FSDP / DeepSpeed engine) and shards the data.
-    if eval_loader is not None:
-        model, optimizer, train_loader, eval_loader = prepare(accelerator, recipe, model, train_loader, eval_loader)
-    else:
-        model, optimizer, train_loader = prepare(accelerator, recipe, model, train_loader)
+
+def setup_optimizer(recipe, accelerator, model):
+    """The recipe's optimizer (AdamW, 8-bit, paged, APOLLO, the step in backward: optimizers.py), over
+    parameter groups without weight decay on norms and biases. FSDP1 flattens parameters, so there the
+    model is wrapped first (`wrap_first`) and the optimizer built on the wrapped model."""
+    model = wrap_first(accelerator, recipe, model)
+    return model, make_optimizer(recipe, model, accelerator)
+
+
+def setup_schedule(recipe, optimizer, train_loader, accelerator):
+    """The learning-rate schedule over the run's optimizer steps: (scheduler, total steps, steps per epoch)."""
     accumulation = accelerator.gradient_accumulation_steps  # DeepSpeed's JSON has the last word
     steps_per_epoch = len(train_loader) // accumulation
     if steps_per_epoch == 0:
@@ -206,7 +214,25 @@ def main(argv=None):
     scheduler = get_scheduler(recipe.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
     accelerator.register_for_checkpointing(scheduler)
+    return scheduler, total_steps, steps_per_epoch
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    # (the embedded default model is built first: under ZeRO-3 the Accelerator makes every model a collective)
+    model_path = recipe.model_name_or_path or embedded_model()
+    accelerator, run, say = setup_run(args, recipe)
+    out, deepspeed = run.path, accelerator.distributed_type.value == "DEEPSPEED"
+    model, tokenizer, offload, initial_adapter = setup_model(recipe, model_path, accelerator, run, say)
+    train_loader, eval_loader = setup_data(recipe, tokenizer, accelerator, say)
+    model, optimizer = setup_optimizer(recipe, accelerator, model)
+    # wraps the model (DDP / FSDP / DeepSpeed engine) and the optimizer, shards the data
+    model, optimizer, train_loader, eval_loader = prepare(accelerator, recipe, model, optimizer, train_loader,
+                                                          eval_loader)
+    scheduler, total_steps, steps_per_epoch = setup_schedule(recipe, optimizer, train_loader, accelerator)
     checkpoints = Checkpoints(accelerator, model, out, recipe.save_total_limit)  # one folder, or one per machine
+    accumulation = accelerator.gradient_accumulation_steps
     setup = describe_setup(accelerator, model, optimizer)
     tracking = start_trackers(accelerator, recipe, out)  # TensorBoard / W&B through accelerate, if asked for
     world = accelerator.num_processes
@@ -319,7 +345,7 @@ def main(argv=None):
     # 7. Report: measured next to planned, report.json and loss.png in the run folder.
     if accelerator.is_main_process:
         tokenizer.save_pretrained(run.final)  # with its chat template
-        report = build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eval_loss)
+        report = build_report(out, recipe, accelerator, model_path, setup, history, ranks, wall, eval_loss)
         run.report.write_text(json.dumps(report, indent=2))
         plotted = plot_loss(report, run / LOSS_PLOT)
         say(card(report))

@@ -53,11 +53,11 @@ def test_a_gpu_deepspeed_launch_gives_each_rank_its_share_of_the_cores(monkeypat
     (what --dry-run prints is what `run` would execute)."""
     from click.testing import CliRunner
 
-    from memrecipe.commands import run
+    from memrecipe import runner
     from memrecipe.main import cli
 
     node = Machine(gpus=8, gpu_memory=80 * 2**30, bf16=True, cores=96, host_memory=1024 * 2**30)
-    monkeypatch.setattr(run.Machine, "detect", classmethod(lambda cls: node))
+    monkeypatch.setattr(runner.Machine, "detect", classmethod(lambda cls: node))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     words = ["run", "sft", "--num-processes", "8", "--dry-run", "--output-dir", str(tmp_path / "r")]
     done = CliRunner().invoke(cli, [*words, "--recipe", "zero3-offload"])
@@ -111,7 +111,7 @@ def test_fsdp_counts_every_ranks_copy_of_the_model_while_it_loads(monkeypatch, t
     import json
 
     from memrecipe.architecture import structure
-    from memrecipe.commands import run
+    from memrecipe import runner
     from memrecipe.main import main
     from memrecipe.planner import estimate
     from memrecipe.topology import Topology
@@ -127,7 +127,7 @@ def test_fsdp_counts_every_ranks_copy_of_the_model_while_it_loads(monkeypatch, t
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(LLAMA_70B))
     node = Machine(gpus=8, gpu_memory=80 * 2**30, bf16=True, cores=96, host_memory=512 * 2**30)
-    monkeypatch.setattr(run.Machine, "detect", classmethod(lambda cls: node))
+    monkeypatch.setattr(runner.Machine, "detect", classmethod(lambda cls: node))
     with pytest.raises(SystemExit) as done:
         main(["run", "sft", "--recipe", "fsdp", "--model", str(folder), "--dry-run", "--output-dir", str(tmp_path / "r")])
     said = capsys.readouterr().err

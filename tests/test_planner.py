@@ -469,7 +469,7 @@ def test_plan_recommends_within_each_training_method(cli, tmp_path):
 
 def test_run_suggests_a_recipe_of_the_same_method_first_and_says_when_it_cannot():
     from memrecipe.hardware import Machine
-    from memrecipe.launcher import check_fits
+    from memrecipe.checks import check_fits
 
     gpu = Machine(gpus=1, gpu_memory=16 * 2**30, bf16=True, cores=16, host_memory=64 * 2**30)
     words = ["per_device_train_batch_size=2", "max_seq_length=2048"]

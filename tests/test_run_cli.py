@@ -234,7 +234,7 @@ def test_a_failure_after_launch_is_one_line_and_the_fixed_command_reuses_the_fol
 def test_launch_output_keeps_the_loops_lines_and_drops_the_launchers_tracebacks():
     """After the loop's error line nothing more; after a stop signal no KeyboardInterrupt traceback, but
     any other traceback (a real crash while stopping) still shows; before either, output passes as it comes."""
-    from memrecipe.launcher import LaunchOutput
+    from memrecipe.launch import LaunchOutput
 
     out = LaunchOutput()
     shown, logged = out.feed(b"train: 10%\rtrain: 20%")  # a progress bar redraws in place

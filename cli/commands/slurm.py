@@ -6,7 +6,7 @@ import click
 from ..errors import RecipeError
 from ..files import write_files
 from ..generator import generate, script_files
-from ..launcher import PATH_KEYS, absolute_path
+from ..paths import absolute_word
 from ..options import dataset_option, model_option, overrides_argument
 from ..registry import load_recipe
 from ..slurm import HEAD, sbatch_script
@@ -37,7 +37,7 @@ def command(recipe, model, dataset, nodes, gpus_per_node, partition, time, port,
     memrecipe slurm fsdp --nodes 2 --gpus-per-node 8 --partition gpu --time 1-00:00:00 --model meta-llama/Llama-3.1-8B
     sbatch slurm/fsdp-2x8gpu/fsdp.sbatch
     """
-    words = [_absolute(w) for w in (*overrides, *(f"{key}={value}" for key, value in
+    words = [absolute_word(w) for w in (*overrides, *(f"{key}={value}" for key, value in
                                                  (("model_name_or_path", model), ("dataset", dataset)) if value))]
     r = load_recipe(recipe, words)
     if nodes < 1 or gpus_per_node < 1 or cpus_per_gpu < 1:
@@ -61,8 +61,3 @@ def command(recipe, model, dataset, nodes, gpus_per_node, partition, time, port,
         click.echo(f"wrote {path}")
     click.echo(f"submit with: sbatch {folder / (r.name + '.sbatch')}   (sft.py needs memrecipe installed on the nodes)")
 
-
-def _absolute(word: str) -> str:
-    """The script runs from its own folder: a local model or dataset path is made absolute."""
-    key, _, value = word.partition("=")
-    return f"{key}={absolute_path(value)}" if key in PATH_KEYS else word

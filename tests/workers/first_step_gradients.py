@@ -21,7 +21,8 @@ from sft import accumulate_window, windows  # noqa: E402  (the loop's own functi
 
 from memrecipe.data import Collator, prepare_datasets  # noqa: E402
 from memrecipe.loss import fuse_head  # noqa: E402
-from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare  # noqa: E402
+from memrecipe.optimizers import make_optimizer  # noqa: E402
+from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare, wrap_first  # noqa: E402
 from memrecipe.registry import load_recipe  # noqa: E402
 
 result_path, name, *overrides = sys.argv[1:]
@@ -35,7 +36,9 @@ fuse_head(model)
 train, _ = prepare_datasets(recipe, tokenizer)
 loader = DataLoader(train, batch_size=recipe.per_device_train_batch_size, shuffle=True,
                     collate_fn=Collator(tokenizer.pad_token_id), generator=torch.Generator().manual_seed(recipe.seed))
-model, optimizer, loader = prepare(accelerator, recipe, model, loader)
+model = wrap_first(accelerator, recipe, model)
+optimizer = make_optimizer(recipe, model, accelerator)
+model, optimizer, loader = prepare(accelerator, recipe, model, optimizer, loader)
 # FSDP's activation checkpointing wraps each layer: its names gain the wrapper's prefix
 names = {id(p): n.replace("_checkpoint_wrapped_module.", "") for n, p in accelerator.unwrap_model(model).named_parameters()}
 grads = {}

@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader
 
 from memrecipe.data import Collator, prepare_datasets
 from memrecipe.loss import fuse_head, lm_loss, model_inputs, output_head, token_loss
-from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare
+from memrecipe.optimizers import make_optimizer
+from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare, wrap_first
 from memrecipe.registry import load_recipe
 
 result_path, name, *overrides = sys.argv[1:]
@@ -26,7 +27,9 @@ model, _ = load_model(recipe, path, accelerator.mixed_precision, accelerator.dev
 assert fuse_head(model, chunk_elements=7 * model.config.vocab_size) is None
 train, _ = prepare_datasets(recipe, tokenizer)
 loader = DataLoader(train, batch_size=recipe.per_device_train_batch_size, collate_fn=Collator(tokenizer.pad_token_id))
-model, optimizer, loader = prepare(accelerator, recipe, model, loader)
+model = wrap_first(accelerator, recipe, model)
+optimizer = make_optimizer(recipe, model, accelerator)
+model, optimizer, loader = prepare(accelerator, recipe, model, optimizer, loader)
 batch = next(iter(loader))
 deepspeed = hasattr(model, "zero_optimization_stage")
 

@@ -1,0 +1,163 @@
+"""Launching a run: the `accelerate launch` command and its environment, run from inside the run
+folder, its output streamed to the terminal and train.log, signals passed on."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from .recipe import Recipe
+from .registry import data_dir
+from .run_folder import LAUNCH_CONFIG, RECIPE, machine_file
+from .topology import Topology
+
+SCRIPTS = ("sft",)
+LAUNCHED_BY = "MEMRECIPE_RUN"  # in a launch's environment: started by `memrecipe run` (the loop's resume hint says so)
+ERROR_LINE = b"memrecipe: error: "  # how the loop reports a RecipeError (recipes/sft.py's __main__)
+TRACEBACK = b"Traceback (most recent call last)"
+
+
+def launch_env(recipe: Recipe, topo: Topology, cores: int) -> dict[str, str]:
+    """Environment the launch needs on top of the user's."""
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", LAUNCHED_BY: "1"}
+    if not topo.cpu and recipe.deepspeed is not None:
+        # accelerate launches DeepSpeed through torchrun, which sets 1 thread per process when a node runs
+        # several (torch/distributed/run.py, "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1),
+        # and --num_cpu_threads_per_process is not applied on that path: DeepSpeed's CPU Adam would run
+        # on one core per rank. Each rank gets its share of the machine's cores.
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // topo.processes_per_machine))
+    if topo.cpu:
+        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would guess the CPU anyway, with a warning
+        if recipe.deepspeed is None and topo.num_processes > 1:
+            # accelerate starts one process for MULTI_CPU; GPU types with this flag start N on gloo
+            env["ACCELERATE_USE_CPU"] = "true"
+    return env
+
+
+def launch_command(script: str, topo: Topology, cores: int, extra=()) -> list[str]:
+    """`accelerate launch` run from inside the run folder."""
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
+    words = [accelerate, "launch"] if accelerate else [sys.executable, "-m", "accelerate.commands.launch"]
+    words += ["--config_file", machine_file(LAUNCH_CONFIG, topo.machine_rank)]
+    if topo.cpu:  # share the cores out (accelerate warns and guesses otherwise)
+        words += ["--num_cpu_threads_per_process", str(max(1, cores // topo.processes_per_machine))]
+    if topo.num_machines > 1:  # c10d (the config's key is not read by launch); machine 0 hosts its store,
+        # said outright rather than guessed from host names (which all match on one box)
+        words += ["--rdzv_backend", "c10d", "--rdzv_conf", f"is_host={str(topo.machine_rank == 0).lower()}"]
+    sft = data_dir("recipes") / f"{script}.py"
+    return [*words, str(sft), "--recipe", machine_file(RECIPE, topo.machine_rank), "--output-dir", ".", *extra]
+
+
+class LaunchOutput:
+    """What the launch prints, for the terminal and train.log. It passes through as it comes (progress
+    bars redraw in place) until the loop reports an error in its one line, or a signal asks the run to
+    stop; from then on it goes line by line, without what only repeats the story: after the error line
+    nothing more (each launcher's traceback: accelerate's CalledProcessError, torchrun's ChildFailedError
+    summary, the other ranks' copies of the line); after a stop signal, no traceback of a launcher's
+    reaction to it (KeyboardInterrupt, torchrun's SignalException, accelerate's CalledProcessError for
+    the loop's exit status 130 or 143), while the loop's own lines (its
+    checkpoint, its resume hint) and any other traceback still show."""
+
+    def __init__(self):
+        self.pending, self.shown = b"", 0  # the unfinished line, and how much of it the terminal has
+        self.filtering, self.held = False, []
+        self.error: str | None = None
+
+    def feed(self, chunk: bytes) -> tuple[bytes, list[str]]:
+        """(bytes for the terminal, complete lines for the log)."""
+        data = self.pending + chunk
+        *lines, self.pending = data.split(b"\n")
+        if not self.filtering and ERROR_LINE not in data:
+            self.shown = len(self.pending)
+            return chunk, [self._text(line) for line in lines]
+        self.filtering = True
+        out, kept = b"", []
+        for n, line in enumerate(lines):
+            for shown in self._lines(line):
+                # the start of the first line may be on the terminal already (it came before the filtering)
+                skip = self.shown if n == 0 and line.startswith(shown) else 0
+                out += (shown + b"\n")[skip:]
+                kept.append(self._text(shown))
+        self.shown = 0 if lines else self.shown
+        return out, kept
+
+    def finish(self) -> list[str]:
+        """The last unfinished line, and a traceback held back that never ended."""
+        rest, self.pending = self.pending, b""
+        if not self.filtering:
+            return [self._text(rest)] if rest else []
+        out = [*self.held, *(self._lines(rest) if rest else [])]
+        self.held = []
+        return [self._text(line) for line in out]
+
+    def _lines(self, line: bytes) -> list[bytes]:
+        """What of `line` (and of a traceback held back so far) goes out."""
+        text = line.rsplit(b"\r", 1)[-1]
+        if self.error is not None:
+            return []
+        for mark in (ERROR_LINE, TRACEBACK):  # one that starts after a progress bar's last frame: two lines
+            at = text.find(mark)
+            if at > 0:
+                return self._lines(text[:at]) + self._lines(text[at:])
+        if text.startswith(ERROR_LINE):
+            self.error = self._text(text)
+            return [line]
+        if text.startswith((TRACEBACK, b"During handling of the above exception")) or (
+                self.held and (not text or text[:1] in (b" ", b"\t"))):
+            self.held.append(line)  # a traceback, held until its last line says what it was
+            return []
+        if self.held:  # the exception's own line: a launcher's reaction to the signal is dropped, anything else shown
+            held, self.held = self.held, []
+            signalled = (text.startswith(b"KeyboardInterrupt") or b"SignalException: Process" in text  # torchrun's
+                         or text.rstrip(b".").endswith((b"exit status 130", b"exit status 143")))  # accelerate's
+            return [] if signalled else [*held, line]
+        return [line]
+
+    @staticmethod
+    def _text(line: bytes) -> str:
+        return line.rsplit(b"\r", 1)[-1].decode("utf-8", "replace")
+
+
+def stream(command: list[str], cwd: Path, env: dict, log: Path) -> tuple[int, int, str | None]:
+    """Run the launch; its output goes to the terminal and to train.log (progress-bar redraws left
+    out; see LaunchOutput). SIGTERM and SIGINT are passed on to every process of the launch, which
+    then checkpoints and stops. Returns (exit status, the signal that asked it to stop or 0, the
+    loop's error line or None)."""
+    received = []
+    output = LaunchOutput()
+
+    def forward(signum, frame):
+        received.append(signum)
+        output.filtering = True
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    with open(log, "a", encoding="utf-8") as sink:
+        proc = subprocess.Popen(command, cwd=cwd, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            # the pipe closes when the last process of the launch (worker included) has exited
+            while chunk := proc.stdout.read1(65536):
+                shown, lines = output.feed(chunk)
+                sys.stdout.buffer.write(shown)
+                sys.stdout.buffer.flush()
+                sink.writelines(line + "\n" for line in lines)
+                sink.flush()
+            sink.writelines(line + "\n" for line in output.finish())
+            return proc.wait(), (received[0] if received else 0), output.error
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def shell_form(command: list[str], env: dict, cwd: Path) -> str:
+    words = [f"{k}={shlex.quote(v)}" for k, v in env.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"]
+    return f"cd {shlex.quote(str(cwd))} && " + " ".join(words + [shlex.join(command)])

@@ -1,0 +1,102 @@
+"""A run from start to end, as `memrecipe run` does it: checked and laid out (`plan_run`: the recipe,
+the topology, preflight, the fit, the folder's files, the launch command), then started (`start`: the
+folder made or reused under its lock, the files written, the launch streamed). The click command only
+parses options and prints; everything here is callable from Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checks import check_fits, preflight, resumable
+from .errors import RecipeError, did_you_mean
+from .files import write_files
+from .hardware import Machine
+from .launch import SCRIPTS, launch_command, launch_env, stream
+from .paths import absolute_paths
+from .planner import Verdict
+from .recipe import Recipe
+from .registry import load_recipe
+from .run_folder import RunFolder, default_run_folder, run_files
+from .topology import Topology, plan_topology
+from .units import GiB
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run checked and laid out, not started: what --dry-run shows and `start` does."""
+    recipe: Recipe
+    topo: Topology
+    verdict: Verdict
+    folder: Path
+    files: dict[str, str]  # file name in the folder -> text
+    command: list[str]  # run inside the folder
+    env: dict[str, str]  # on top of the user's environment
+    resume: bool
+
+    @property
+    def banner(self) -> str:
+        topo, est = self.topo, self.verdict.estimate
+        mode = "CPU smoke-test mode: no GPU, gloo" if topo.cpu else topo.describe()
+        need = est.host_total() if topo.cpu else est.total
+        return (f"memrecipe: {self.recipe.name} on {topo.describe()} ({mode}), planned {need / GiB:.1f} GiB "
+                f"{'of host RAM' if topo.cpu else 'per GPU'} -> {self.folder}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int  # the launch's exit status
+    stopped_by: int  # the signal that asked the run to stop, or 0
+    error: str | None  # the loop's one-line error, if it reported one
+
+
+def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: Path | None, topology: dict,
+             resume=False, force=False, memory_snapshot=False, check_inputs=True, machine: Machine | None = None
+             ) -> RunPlan:
+    """Everything `memrecipe run` checks before it touches the disk. `words` are the KEY=VALUE overrides
+    (the --model/--dataset/--report-to flags among them); `topology` the topology flags (num_processes,
+    num_machines, machine_rank, main_process_ip, main_process_port, cpu); `check_inputs` loads the
+    model's config, the tokenizer and the datasets' columns first (preflight)."""
+    if script not in SCRIPTS:
+        raise RecipeError(f"unknown script {script!r}{did_you_mean(script, SCRIPTS)}; scripts: {', '.join(SCRIPTS)}")
+    machine = machine or Machine.detect()
+    if resume:
+        r, topo = resumable(output_dir, recipe_ref, words, topology.get("num_processes"), machine,
+                            topology.get("machine_rank", 0))
+    else:
+        if recipe_ref is None:
+            raise RecipeError("name a recipe with --recipe (memrecipe ls lists them), or --resume a run")
+        r = absolute_paths(load_recipe(recipe_ref, words))
+        topo = plan_topology(r, machine, **topology)
+        if check_inputs:
+            preflight(r)
+    verdict = check_fits(r, topo, machine, words, force)
+    files = run_files(r, topo)
+    if resume:  # the folder's own launch configs stay; only the recipe may have raised max_steps
+        files = {name: text for name, text in files.items() if name.startswith("recipe.")}
+    extra = [flag for flag, on in (("--resume", resume), ("--memory-snapshot", memory_snapshot)) if on]
+    return RunPlan(r, topo, verdict, Path(output_dir or default_run_folder(r.name)), files,
+                   launch_command(script, topo, machine.cores, extra), launch_env(r, topo, machine.cores), resume)
+
+
+def start(plan: RunPlan, overwrite=False, say=print) -> Outcome:
+    """Make or reuse the folder under its lock, write the plan's files, launch and stream. Machine rank 0
+    owns the folder (clears it with `overwrite`, or reuses a start that failed); the other machines of a
+    run add their own launch files to it. `say` gets the lines for the user (the banner first)."""
+    folder, run = plan.folder, RunFolder(plan.folder, plan.topo.machine_rank)
+    owner = not plan.resume and plan.topo.machine_rank == 0
+    reuse = owner and run.failed_start()  # an earlier start that failed before any checkpoint: the same command may
+    if owner and folder.is_dir() and run.owned() and not overwrite and not reuse:
+        run.clear(overwrite=False)  # refuses, before anything is touched
+    run.make()
+    lock = run.lock().acquire()  # before clearing: a running run's folder is never emptied
+    try:
+        if owner:
+            run.clear(overwrite or reuse)
+        if lock.taken_over:
+            say(f"memrecipe: {folder}/.lock belonged to process {lock.taken_over}, which is gone: taken over")
+        say(plan.banner)
+        write_files(folder, plan.files, force=True)
+        return Outcome(*stream(plan.command, folder, plan.env, run.train_log))
+    finally:
+        lock.release()
