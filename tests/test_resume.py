@@ -8,6 +8,7 @@ save_state / load_state restoring every process's RNG states."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,34 +55,64 @@ def final_weights(folder):
     return load_file(final / name)
 
 
+def plain_launch(recipe, folder, *extra):
+    """`accelerate launch --config_file <its shipped CPU config> recipes/sft.py` in its own process group, no
+    `memrecipe run` (its config's header says ACCELERATE_USE_CPU for a 2-process CPU run)."""
+    config = "single_gpu_lora_cpu1" if recipe == "single-gpu-lora" else f"{recipe.replace('-', '_')}_cpu2"
+    line = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "accelerate_configs" / f"{config}.yaml"), str(REPO / "recipes" / "sft.py"), "--recipe", recipe,
+            *EXACT, "--output-dir", str(folder), *extra]
+    log = open(f"{folder}.log", "w")
+    return subprocess.Popen(line, env=child_env(**({"ACCELERATE_USE_CPU": "true"} if config.endswith("cpu2") else {})),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 # each checkpoint holds something the others do not: an adapter on a bf16 base, FSDP shards, ZeRO partitions
 # with offloaded state, adapters under FSDP, adapters on a 4-bit base, bitsandbytes' 8-bit optimizer state,
-# bf16 weights with torchao's 8-bit state in per-parameter optimizers stepped in backward (and stochastic rounding)
-@pytest.mark.parametrize("recipe", ["single-gpu-lora", "fsdp", "zero3-offload", "fsdp-lora", "qlora", "adamw-8bit",
-                                    "single-gpu-full"])
-def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe):
+# bf16 weights with torchao's 8-bit state in per-parameter optimizers stepped in backward (and stochastic rounding).
+# Two of them (1 process, and 2 under FSDP2) are started by plain `accelerate launch` instead of `memrecipe run`:
+# their folder gets the resolved recipe and a launch config from the loop, and resumes both through
+# `memrecipe run sft --resume` and through its own launch line with --resume.
+@pytest.mark.parametrize("recipe, launched_by", [("single-gpu-lora", "accelerate"), ("fsdp", "accelerate"),
+                                                 ("zero3-offload", "memrecipe"), ("fsdp-lora", "memrecipe"),
+                                                 ("qlora", "memrecipe"), ("adamw-8bit", "memrecipe"),
+                                                 ("single-gpu-full", "memrecipe")])
+def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched_by):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    finish(["--recipe", recipe, *EXACT], whole)
-    proc = start(["--recipe", recipe, *EXACT], cut)
+    launch = (lambda folder: plain_launch(recipe, folder)) if launched_by == "accelerate" else \
+        (lambda folder: start(["--recipe", recipe, *EXACT], folder))  # (a shipped config's precision wins)
+    assert launch(whole).wait(timeout=600) == 0, open(f"{whole}.log").read()[-3000:]
+    proc = launch(cut)
     wait_for(lambda: (cut / "checkpoints" / "step-2").is_dir(), proc)
     os.killpg(proc.pid, signal.SIGKILL)  # no chance to clean up: the lock and maybe a .tmp checkpoint stay
     proc.wait()
     assert not (cut / "final").exists()
+    assert {"recipe.yaml", "accelerate_config.yaml"} <= {p.name for p in cut.iterdir()}  # however it was launched
     partial = cut / "checkpoints" / ".tmp-step-5"  # a save cut off by a kill: never taken for a checkpoint
     partial.mkdir(exist_ok=True)
     (partial / "model.safetensors").write_bytes(b"cut off mid-write")
-    moved = tmp_path / "moved"
-    cut.rename(moved)  # a moved run folder still resumes
-    finish(["--resume"], moved)
-    log = open(f"{moved}.log").read()
-    assert "resumed from checkpoints/step-" in log and "taken over" in log  # the dead run's lock was stale
-    assert "step-5" not in log
-    assert losses(moved) == pytest.approx(losses(whole), abs=1e-5)
-    assert losses(moved, "lr") == losses(whole, "lr")  # the schedule goes on where it stood, step for step
-    expected, got = final_weights(whole), final_weights(moved)
-    assert expected.keys() == got.keys() and expected
-    for name, tensor in expected.items():
-        torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
+    resumed = [tmp_path / "moved"]
+    if launched_by == "accelerate":  # a copy resumes through its own launch line
+        resumed.append(tmp_path / "twin")
+        subprocess.run(["cp", "-r", str(cut), str(resumed[1])], check=True)
+    cut.rename(resumed[0])  # a moved run folder still resumes
+    finish(["--resume"], resumed[0])
+    if launched_by == "accelerate":
+        again = plain_launch(recipe, resumed[1], "--resume")
+        assert again.wait(timeout=600) == 0, open(f"{resumed[1]}.log").read()[-3000:]
+        assert cli("report", str(resumed[1])).returncode == 0
+    else:
+        assert "taken over" in open(f"{resumed[0]}.log").read()  # the dead run's lock was stale
+    for folder in resumed:
+        log = open(f"{folder}.log").read()
+        assert re.search(r"resumed from \S*checkpoints/step-\d at step", log) and "step-5" not in log
+        assert losses(folder) == pytest.approx(losses(whole), abs=1e-5)
+        assert losses(folder, "lr") == losses(whole, "lr")  # the schedule goes on where it stood, step for step
+        expected, got = final_weights(whole), final_weights(folder)
+        assert expected.keys() == got.keys() and expected
+        for name, tensor in expected.items():
+            torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
+    moved = resumed[-1]  # the export checks: on the folder resumed by its own launch line when there is one
     if recipe in ("single-gpu-lora", "qlora"):  # a checkpoint keeps the adapters, not the base again
         assert all("lora_" in name for name in load_file(moved / "checkpoints" / "step-6" / "model.safetensors"))
         assert_merged_equals_adapter(moved, tmp_path / "merged")
@@ -195,42 +226,6 @@ def test_a_non_finite_loss_stops_in_one_line_naming_the_step(tmp_path):
     assert "memrecipe: error: the loss is nan at step 1: stopped without saving" in log
     assert not list((folder / "checkpoints").glob("step-*")) if (folder / "checkpoints").exists() else True
     assert not (folder / "final").exists()
-
-
-@pytest.mark.parametrize("recipe, config", [("single-gpu-lora", "single_gpu_lora_cpu1")])  # fsdp_cpu2 too: ~1.5 min more
-def test_a_run_launched_by_plain_accelerate_resumes_both_ways_and_every_command_takes_its_folder(tmp_path, cli, recipe,
-                                                                                                 config):
-    """`accelerate launch ... recipes/sft.py` (no `memrecipe run`) leaves a folder with the resolved recipe and
-    a launch config; killed after a checkpoint, it continues exactly through `memrecipe run sft --resume` and
-    through its own launch line with --resume, and report and export take the folder."""
-    line = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "accelerate_configs" / f"{config}.yaml"), str(REPO / "recipes" / "sft.py"), "--recipe", recipe,
-            *EXACT]
-    env = child_env(**({"ACCELERATE_USE_CPU": "true"} if config.endswith("cpu2") else {}))  # as its header says
-
-    def plain(folder, *extra):
-        log = open(f"{folder}.log", "w")
-        return subprocess.Popen([*line, "--output-dir", str(folder), *extra], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert plain(whole).wait(timeout=600) == 0, open(f"{whole}.log").read()[-3000:]
-    proc = plain(cut)
-    wait_for(lambda: (cut / "checkpoints" / "step-2").is_dir(), proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert {"recipe.yaml", "accelerate_config.yaml"} <= {p.name for p in cut.iterdir()}
-    twin = tmp_path / "twin"
-    subprocess.run(["cp", "-r", str(cut), str(twin)], check=True)
-    finish(["--resume"], cut)  # through memrecipe run
-    again = plain(twin, "--resume")  # through its own launch line
-    assert again.wait(timeout=600) == 0, open(f"{twin}.log").read()[-3000:]
-    for resumed in (cut, twin):
-        assert losses(resumed) == pytest.approx(losses(whole), abs=1e-5)
-        assert losses(resumed, "lr") == losses(whole, "lr")
-    assert cli("report", str(twin)).returncode == 0
-    exported = cli("export", str(twin), str(tmp_path / "exported"), *(["--merge"] if recipe.endswith("lora") else []))
-    assert exported.returncode == 0, exported.stderr[-2000:]
 
 
 def test_machines_share_the_run_folder_all_or_none():
