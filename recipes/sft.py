@@ -351,6 +351,9 @@ def main(argv=None):
         say(card(report))
         say(f"run folder {out.resolve()}: final/, report.json" + (", loss.png" if plotted else
                                                                     " (pip install 'memrecipe[plot]' for loss.png)"))
+    # all ranks tear down together: a gloo rank that destroyed its process group while rank 0 still wrote the
+    # report was once aborted at exit ("terminate called without an active exception", SIGABRT)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
