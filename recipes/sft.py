@@ -253,7 +253,7 @@ def main(argv=None):
         say("torch_compile: the decoder layers compile during the first step (tens of seconds; again if a batch "
             "brings a new shape), batches are padded to a multiple of 64 tokens")
 
-    # 5. The loop: one optimizer step per window of micro batches.
+    # The loop: one optimizer step per window of micro batches.
     history, step, epoch, consumed, held = [], 0, 0, 0, None
     if args.resume:  # model, optimizer, scheduler and RNG states, and where the data stood
         state = checkpoints.resume()
@@ -335,14 +335,14 @@ def main(argv=None):
     wall = time.perf_counter() - started
     eval_loss = evaluate(model, eval_loader, accelerator) if eval_loader is not None else None
 
-    # 6. Save: gather the full weights (FSDP shards, ZeRO-3 16-bit partitions) or the LoRA adapter.
+    # Save: gather the full weights (FSDP shards, ZeRO-3 16-bit partitions) or the LoRA adapter.
     save_final(accelerator, model, run.final, initial_adapter)
     ranks = gather_object([{"process_index": accelerator.process_index, "num_processes": accelerator.num_processes,
                             "held": held, "tokens": local_tokens, **peak_memory(accelerator.device)}])
     if snapshot is not None and not snapshot.saved:
         snapshot.save()
 
-    # 7. Report: measured next to planned, report.json and loss.png in the run folder.
+    # Report: measured next to planned, report.json and loss.png in the run folder.
     if accelerator.is_main_process:
         tokenizer.save_pretrained(run.final)  # with its chat template
         report = build_report(out, recipe, accelerator, model_path, setup, history, ranks, wall, eval_loss)
