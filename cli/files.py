@@ -8,6 +8,20 @@ from pathlib import Path
 from .errors import RecipeError
 
 
+def make_folder(folder: Path, fix: str) -> None:
+    """Make `folder` (and its parents), writable; a file in the way or a folder that cannot be made or
+    written is one line ending in `fix` (what to do instead)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise RecipeError(f"{folder} is a file, not a folder: {fix}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise RecipeError(f"cannot write to {folder}: {e.strerror}: {fix}") from None
+
+
 def write_files(folder: Path, files: dict[str, str], force: bool = False) -> list[Path]:
     """Write name -> text into folder (made if missing); existing files are refused unless force."""
     folder = Path(folder)
@@ -16,12 +30,8 @@ def write_files(folder: Path, files: dict[str, str], force: bool = False) -> lis
     if existing and not force:
         more = f" (and {len(existing) - 1} more)" if len(existing) > 1 else ""
         raise RecipeError(f"{existing[0]}{more} already exists: pass --force to overwrite, or write elsewhere")
-    if folder.exists() and not folder.is_dir():
-        raise RecipeError(f"{folder} is a file, not a folder: write elsewhere")
+    make_folder(folder, "write elsewhere")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if not os.access(folder, os.W_OK):
-            raise PermissionError(13, "Permission denied")
         for target, text in zip(targets, files.values()):
             target.write_text(text, encoding="utf-8")
     except OSError as e:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import RecipeError
+from .files import make_folder
 from .generator import accelerate_config, deepspeed_config, render_json, render_yaml
 
 if TYPE_CHECKING:
@@ -120,12 +121,7 @@ class RunFolder:
         return bool(names) and all(n in STARTED or n.startswith(MEMORY_RECORDS) for n in names)
 
     def make(self) -> None:
-        if self.path.exists() and not self.path.is_dir():
-            raise RecipeError(f"--output-dir {self.path} is a file: pick a folder")
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise RecipeError(f"cannot create {self.path}: {e.strerror}: pick another --output-dir") from None
+        make_folder(self.path, "pick another --output-dir")
 
     def clear(self, overwrite: bool) -> None:
         """Under our lock: refuse a non-empty folder, or (overwrite) remove the old run's files."""

@@ -117,6 +117,9 @@ def _bad_inputs(tmp_path):
         (["validate", str(scalar)], "must hold a mapping"),
         (["validate", str(tmp_path / "missing.yaml")], "does not exist"),
         (["config"], "Missing argument"),
+        (["config", "fsdp", "--output-dir", str(not_yaml)], "is a file, not a folder: write elsewhere"),
+        (["run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(not_yaml)],
+         "is a file, not a folder: pick another --output-dir"),
     ]
 
 
