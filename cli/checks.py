@@ -42,23 +42,23 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
     verdict = judge(estimate(recipe, shape, topo), machine.gpu_memory, machine.host_memory or None)
     if verdict.fits or force:
         return verdict
-    others = []
+    others = {}  # recipe name -> (its training method, its verdict)
     for name in recipe_names():
         try:
             other = load_recipe(name, words)
             check_supported(other, topo)
-            others.append((method(other), judge(estimate(other, shape, topo), machine.gpu_memory,
-                                                machine.host_memory or None)))
+            others[name] = method(other), judge(estimate(other, shape, topo), machine.gpu_memory,
+                                                machine.host_memory or None)
         except RecipeError:
             continue
-    same, why = recommend([v for m, v in others if m == method(recipe)])
-    best, why = (same, why) if same else recommend([v for _, v in others])
+    same, why = recommend([v for m, v in others.values() if m == method(recipe)])
+    best, why = (same, why) if same else recommend([v for _, v in others.values()])
     est = verdict.estimate
     loading = " (loading: every process's copy of the model)" if est.host_load >= est.host_total() else ""
     where = (f"host RAM {est.host_total() / GiB:.1f} GiB{loading} > {machine.host_memory / GiB:.1f} GiB"
              if not verdict.host_fits else f"{est.total / GiB:.1f} GiB per GPU > {machine.gpu_memory / GiB:.1f} GiB")
     if best:
-        kind = method(load_recipe(best.estimate.recipe, words))
+        kind = others[best.estimate.recipe][0]
         instead = f"{best.estimate.recipe} would fit ({best.estimate.total / GiB:.1f} GiB per process)" + (
             f", a {METHODS[kind]} recipe: no {METHODS[method(recipe)]} recipe fits" if not same else "")
     else:

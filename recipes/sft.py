@@ -140,7 +140,7 @@ def setup_run(args, recipe):
     if run.final.exists() and not args.overwrite and not args.resume:
         raise RecipeError(f"{run.path} already holds a finished run: pass --overwrite, or another --output-dir")
     if accelerator.is_main_process:
-        run.path.mkdir(parents=True, exist_ok=True)
+        run.make()
         if not run.recipe.exists():  # launched without `memrecipe run`: the folder gets the resolved
             # recipe and a launch config as `memrecipe run` writes them, so resume, report and export take it
             topology = launched_topology(accelerator.num_processes, accelerator.device.type == "cpu",
