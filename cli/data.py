@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import RecipeError, did_you_mean
+from .recipe import template_fields
 
 IGNORE = -100  # label of tokens that are not targets (prompt, user turns, padding)
 EMBEDDED_DATASET = Path(__file__).resolve().parent / "data" / "chat.jsonl"
@@ -100,13 +101,6 @@ def sources(spec, dataset_format: str = "auto") -> list:
     return [replace(s, format=dataset_format) if s.format == "auto" else s for s in spec]
 
 
-def template_fields(template: str) -> list[str]:
-    """The column names a `{column}` template refers to."""
-    import string
-
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
-
-
 def _check_columns(mapping: dict, columns: list[str], where: str) -> None:
     for key, spec in mapping.items():
         if "{" in spec:
@@ -134,10 +128,14 @@ def load_source(source, seed: int = 0, where: str = ""):
     from dataclasses import asdict
 
     raw = load_any(source.path, source.split)
-    mapping = {k: v for k, v in asdict(source.columns).items() if v}
+    fields = asdict(source.columns)
+    mapping = {k: v for k, v in fields.items() if v}
     if mapping:
         _check_columns(mapping, raw.column_names, where)
-        raw = raw.map(_map_columns, fn_kwargs={"mapping": mapping}, remove_columns=raw.column_names,
+        # a field left unset is the column of its own name (`columns: {completion: output}` keeps `prompt`)
+        kept = [c for c in raw.column_names if c in fields and c not in mapping]
+        raw = raw.map(_map_columns, fn_kwargs={"mapping": mapping},
+                      remove_columns=[c for c in raw.column_names if c not in kept],
                       new_fingerprint=fingerprint(raw, {"mapping": mapping}, _map_columns))
     fmt = detect_format(raw.column_names, source.format)
     total = len(raw)

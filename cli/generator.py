@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import yaml
 
 from .recipe import Recipe, cpu_blocker
-from .topology import Topology
+from .topology import Topology, resolve_precision
 
 DISTRIBUTED_TYPE = {"no": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}
 
@@ -53,15 +53,6 @@ WHY = {
     "zero3_init_flag": "build the model already partitioned (ZeRO-3): no full copy per process",
     "deepspeed_multinode_launcher": "standard: each machine runs its own launcher (no pdsh/ssh)",
 }
-
-
-def resolve_precision(recipe: Recipe, topo: Topology) -> str:
-    """`auto` -> bf16 where the hardware does it (CPU, Ampere+), else fp16 with loss scaling."""
-    if recipe.mixed_precision != "auto":
-        return recipe.mixed_precision
-    if topo.cpu or topo.bf16 is not False:
-        return "bf16"
-    return "fp16"
 
 
 def config_name(recipe: Recipe, topo: Topology) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import RecipeError
+from .recipe import fp16_blocker
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "data" / "tiny-llama"
 
@@ -44,7 +45,12 @@ def make_accelerator(recipe, **kwargs):
     plugin = GradientAccumulationPlugin(num_steps=recipe.gradient_accumulation_steps, sync_with_dataloader=False)
     # A seeded sampler: every epoch's shuffle is reproducible, and the same on every process.
     data = DataLoaderConfiguration(use_seedable_sampler=True)
-    return Accelerator(gradient_accumulation_plugin=plugin, dataloader_config=data, kwargs_handlers=handlers, **kwargs)
+    accelerator = Accelerator(gradient_accumulation_plugin=plugin, dataloader_config=data, kwargs_handlers=handlers,
+                              **kwargs)
+    if accelerator.mixed_precision == "fp16" and fp16_blocker(recipe):  # the launch config's precision wins
+        raise RecipeError(f"the launch config runs mixed_precision fp16, and {fp16_blocker(recipe)}: set "
+                          "mixed_precision: bf16 in it (or regenerate it with memrecipe config on a GPU with bf16)")
+    return accelerator
 
 
 def embedded_model(timeout: float = 600.0) -> str:
@@ -143,13 +149,22 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
 
 
 def read_chat_template(value: str) -> str:
-    """The recipe's chat_template: a Jinja template given inline, or the text of a file."""
-    if "{%" in value or "{{" in value:
-        return value
+    """The recipe's chat_template: a Jinja template given inline, or the text of a file; compiled here, as
+    transformers compiles it (its sandbox and extensions), so that a broken one is refused before launch."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    inline = "{%" in value or "{{" in value
     path = Path(value).expanduser()
-    if not path.is_file():
+    if not inline and not path.is_file():
         raise RecipeError(f"chat_template {value} is neither a file nor a Jinja template ({{% ... %}})")
-    return path.read_text(encoding="utf-8")
+    text = value if inline else path.read_text(encoding="utf-8")
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        where = "the inline chat_template" if inline else f"chat_template {value}"
+        raise RecipeError(f"{where} is not valid Jinja (line {e.lineno}: {e.message})") from None
+    return text
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32,

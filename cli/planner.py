@@ -12,9 +12,8 @@ from dataclasses import dataclass, field, replace
 
 from .architecture import Structure, Tensor, lora_tensors_on_meta
 from .errors import RecipeError
-from .generator import resolve_precision
 from .recipe import Recipe
-from .topology import Topology
+from .topology import Topology, resolve_precision
 from .units import GiB
 
 GPU_OVERHEAD = 1 * GiB  # CUDA context, kernels, cuBLAS/NCCL workspaces, allocator slack

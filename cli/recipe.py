@@ -351,6 +351,7 @@ def check_combinations(r: Recipe) -> None:
             )
     check_optimizer(r)
     check_lora(r)
+    check_data(r)
     if r.torch_compile and (r.fsdp or r.deepspeed):
         raise RecipeError(f"torch_compile is not supported under {'FSDP' if r.fsdp else 'DeepSpeed'} in memrecipe (their "
                           "hooks gather each layer's weights around its forward): use it with distributed_type no or ddp")
@@ -365,6 +366,17 @@ def check_combinations(r: Recipe) -> None:
             raise RecipeError(f"deepspeed.offload_param needs zero_stage 3, got zero_stage {ds.zero_stage}")
         if ds.offload_optimizer != "none" and ds.zero_stage == 0:
             raise RecipeError("deepspeed.offload_optimizer needs zero_stage 1, 2 or 3, got 0")
+
+
+def fp16_blocker(r: Recipe) -> str | None:
+    """Why this recipe cannot train in fp16 (None: it can). Read wherever the precision is decided: the recipe's
+    own mixed_precision, `auto` on a GPU without bf16 (topology.check_supported), a launch config's (the loop)."""
+    if r.weight_dtype == "bf16":
+        return "weight_dtype bf16 computes in bf16 (bf16 weights have no fp32 master for fp16's loss scaling)"
+    if r.optimizer_in_backward:
+        return ("optimizer_in_backward cannot use fp16's loss scaler: it skips or rescales a whole step once every "
+                "gradient is seen, and each parameter is already updated by then")
+    return None
 
 
 def check_optimizer(r: Recipe) -> None:
@@ -384,8 +396,8 @@ def check_optimizer(r: Recipe) -> None:
         if engine:
             raise RecipeError(f"weight_dtype bf16 is for one process or DDP: {engine} keeps its own weight copies "
                               "(set weight_dtype=fp32)")
-        if r.mixed_precision == "fp16":
-            raise RecipeError("weight_dtype bf16 computes in bf16: set mixed_precision=bf16 (or auto)")
+    if r.mixed_precision == "fp16" and fp16_blocker(r):
+        raise RecipeError(f"{fp16_blocker(r)}: set mixed_precision=bf16 (or auto on a GPU with bf16)")
     if r.optimizer_in_backward:
         if r.distributed_type != "no":
             raise RecipeError("optimizer_in_backward runs on one process: under ddp, fsdp or deepspeed gradients are "
@@ -394,14 +406,38 @@ def check_optimizer(r: Recipe) -> None:
             raise RecipeError("optimizer_in_backward updates each parameter as soon as its gradient is complete, so "
                               "gradients cannot add up over micro batches: set gradient_accumulation_steps=1 (and "
                               "raise per_device_train_batch_size instead)")
-        if r.mixed_precision == "fp16":
-            raise RecipeError("optimizer_in_backward cannot use fp16's loss scaler: it skips or rescales a whole step "
-                              "once every gradient is seen, and each parameter is already updated by then (set "
-                              "mixed_precision=bf16)")
         if r.max_grad_norm is not None:
             raise RecipeError("optimizer_in_backward cannot clip: the norm of all gradients is known only after the "
                               "whole backward, when each parameter is already updated (as in torchtune): set "
                               "max_grad_norm=null")
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a `{column}` template refers to (a template that is not one: RecipeError)."""
+    import string
+
+    try:
+        return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    except ValueError as e:  # an unclosed or single brace
+        raise RecipeError(f"the template {template!r} is not a {{column}} template ({e}; a literal brace is "
+                          "written {{ or }})") from None
+
+
+def check_data(r: Recipe) -> None:
+    """The data keys that can be judged without reading the data: a list of sources is not empty, and each
+    column template parses."""
+    for key in ("dataset", "eval_dataset"):
+        spec = getattr(r, key)
+        if spec == ():
+            raise RecipeError(f"{key} is an empty list: give a path (null: the embedded dataset) or one or more "
+                              "{path: ...} entries")
+        for i, source in enumerate(spec if isinstance(spec, tuple) else ()):
+            for field_name, template in vars(source.columns).items():
+                if template and "{" in template:  # (data.py's rule: a spec with a brace is a template)
+                    try:
+                        template_fields(template)
+                    except RecipeError as e:
+                        raise RecipeError(f"{key}[{i}].columns.{field_name}: {e}") from None
 
 
 def check_lora(r: Recipe) -> None:

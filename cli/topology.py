@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import RecipeError
-from .recipe import Recipe, cpu_blocker
+from .recipe import Recipe, cpu_blocker, fp16_blocker
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,15 @@ def launched_topology(num_processes: int, cpu: bool, bf16: bool | None = None) -
     return make_topology(num_processes, machines, int(os.environ.get("GROUP_RANK", 0)), address, port, cpu, bf16)
 
 
+def resolve_precision(recipe: Recipe, topo: Topology) -> str:
+    """`auto` -> bf16 where the hardware does it (CPU, Ampere+), else fp16 with loss scaling."""
+    if recipe.mixed_precision != "auto":
+        return recipe.mixed_precision
+    if topo.cpu or topo.bf16 is not False:
+        return "bf16"
+    return "fp16"
+
+
 def check_supported(recipe: Recipe, topo: Topology) -> None:
     """Refuse a topology the recipe does not support, saying which recipe would."""
     s = recipe.supports
@@ -121,6 +130,9 @@ def check_supported(recipe: Recipe, topo: Topology) -> None:
             raise RecipeError(f"recipe {recipe.name} splits each layer over parallelism.tp_size={tp} processes and "
                               f"shards the rest with FSDP2: --num-processes must be a multiple of {tp}, at least "
                               f"{2 * tp}; got {n}")
+    if resolve_precision(recipe, topo) == "fp16" and fp16_blocker(recipe):
+        raise RecipeError(f"recipe {recipe.name}: mixed_precision auto is fp16 on GPUs without bf16 (before Ampere), "
+                          f"and {fp16_blocker(recipe)}: run it on a GPU with bf16, or use another recipe")
     blocker = cpu_blocker(recipe) if topo.cpu else None
     if blocker:
         raise RecipeError(f"recipe {recipe.name} is GPU-only: {blocker}; generate and check its GPU configs with "

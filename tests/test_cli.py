@@ -1,5 +1,6 @@
 """The CLI as a user meets it: fast paths import no torch; bad input is one line, exit 2."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -94,6 +95,10 @@ def _bad_inputs(tmp_path):
     unknown_key.write_text("name: mine\nlerning_rate: 0.1\nsupports: {max_processes: 1}\n")
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("just a string\n")
+    broken_template = tmp_path / "chat.jinja"
+    broken_template.write_text("{% for m in messages %}{{ m.content")
+    unclosed = json.dumps([{"path": str(tmp_path / "a.jsonl"), "columns": {"prompt": "{instruction"}}])
+    run = ["run", "sft", "--recipe", "single-gpu-lora", "--output-dir"]  # each into a folder that must not appear
     return [
         (["show", "fsdpp"], "did you mean 'fsdp'"),
         (["config", "zero3-ofload"], "did you mean 'zero3-offload'"),
@@ -120,6 +125,11 @@ def _bad_inputs(tmp_path):
         (["config", "fsdp", "--output-dir", str(not_yaml)], "is a file, not a folder: write elsewhere"),
         (["run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(not_yaml)],
          "is a file, not a folder: pick another --output-dir"),
+        ([*run, str(tmp_path / "run-unclosed"), f"dataset={unclosed}"],
+         "dataset[0].columns.prompt: the template '{instruction' is not a {column} template"),
+        ([*run, str(tmp_path / "run-empty"), "dataset=[]"], "dataset is an empty list"),
+        ([*run, str(tmp_path / "run-jinja"), f"chat_template={broken_template}"],
+         f"chat_template {broken_template} is not valid Jinja (line 1: unexpected end of template"),
     ]
 
 
@@ -134,6 +144,7 @@ def test_bad_input_is_one_line_exit_2_no_traceback(cli, tmp_path):
         assert "Traceback" not in done.stderr
         assert lines[0].startswith("memrecipe: error: ") and words in lines[0], (args, lines[0])
     assert (tmp_path / "existing" / "fsdp_8gpu.yaml").read_text() == "keep me\n"
+    assert not list(tmp_path.glob("run-*"))  # refused before any run folder is made
 
 
 def test_cp_copies_side_by_side_and_refuses_to_overwrite(cli, tmp_path):

@@ -197,6 +197,20 @@ def test_a_bad_column_mapping_is_one_line_naming_the_column(tok, tmp_path, colum
         prepare_datasets(load_recipe("single-gpu-lora", [f"dataset={entries}"]), tok)
 
 
+def test_a_partial_column_mapping_keeps_the_fields_it_does_not_name(tok, tmp_path):
+    """`columns: {completion: output}` on prompt/output data: `prompt` is still the column of that name."""
+    data = tmp_path / "po.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Add {i} and {i + 1}.", "output": f" It is {2 * i + 1}.",
+                                        "text": "not this"}) + "\n" for i in range(6)))
+    entries = json.dumps([{"path": str(data), "columns": {"completion": "output"}}])
+    said = []
+    train, _ = prepare_datasets(load_recipe("single-gpu-lora", [f"dataset={entries}", "eval_size=0", "packing=false"]),
+                                tok, said.append)
+    assert "prompt_completion format, 6 examples kept" in said[-1]
+    assert all(targets(ex, tok).startswith(" It is") for ex in train)  # the mapped column is the completion
+    assert all(tok.decode(ex["input_ids"]).startswith("Add ") for ex in train)
+
+
 @pytest.mark.parametrize("packing", [False, True])
 def test_train_on_inputs_makes_every_token_after_a_documents_first_a_target(tok, packing):
     import torch

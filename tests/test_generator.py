@@ -7,10 +7,9 @@ import textwrap
 
 import yaml
 
-from memrecipe.generator import (accelerate_config, deepspeed_config, generate, resolve_precision,
-                                 shipped_files)
+from memrecipe.generator import accelerate_config, deepspeed_config, generate, shipped_files
 from memrecipe.registry import data_dir, load_recipe, recipe_names
-from memrecipe.topology import Topology, make_topology
+from memrecipe.topology import Topology, make_topology, resolve_precision
 
 TOPOLOGIES = [
     Topology(1), Topology(8), Topology(2, cpu=True), Topology(1, cpu=True),

@@ -9,10 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memrecipe.generator import resolve_precision
 from memrecipe.hardware import Machine
 from memrecipe.registry import load_recipe
-from memrecipe.topology import make_topology
+from memrecipe.topology import make_topology, resolve_precision
 
 
 @pytest.fixture

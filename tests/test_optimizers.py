@@ -117,6 +117,28 @@ def test_the_step_in_backward_refuses_what_it_cannot_do(overrides, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
+def test_fp16_is_refused_wherever_the_run_resolves_to_it(monkeypatch):
+    """The recipe's own fp16 is refused above; `auto` on a GPU without bf16 (a V100) and a launch config that says
+    fp16 (it wins over the recipe in the loop) are refused too, for the step in backward and bf16 weights alike."""
+    from accelerate.state import AcceleratorState
+
+    from memrecipe.modeling import make_accelerator
+    from memrecipe.topology import check_supported, make_topology
+
+    volta = make_topology(1, bf16=False)
+    for overrides, why in (([], "weight_dtype bf16 computes in bf16"),
+                           (["weight_dtype=fp32"], "optimizer_in_backward cannot use fp16")):
+        with pytest.raises(RecipeError, match=f"mixed_precision auto is fp16 on GPUs without bf16.*{why}"):
+            check_supported(load_recipe("single-gpu-full", overrides), volta)
+    check_supported(load_recipe("single-gpu-lora"), volta)  # LoRA trains in fp16 with loss scaling there
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    try:
+        with pytest.raises(RecipeError, match="the launch config runs mixed_precision fp16, and weight_dtype bf16"):
+            make_accelerator(load_recipe("single-gpu-full"))
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 @pytest.mark.parametrize("recipe, overrides, words", [
     ("ddp", IN_BACKWARD, ["optimizer_in_backward runs on one process", "distributed_type no"]),
     ("fsdp", ["optim=apollo_adamw"], ["apollo_adamw", "shards", "ddp"]),
