@@ -50,11 +50,16 @@ def fused_blocker(config) -> str | None:
     return None
 
 
+def unwrapped(model):
+    """The model inside DDP / DeepSpeed engine wrappers (they keep it as .module)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def output_head(model):
     """The module that maps hidden states to logits, through DDP / DeepSpeed / PEFT wrappers."""
-    while hasattr(model, "module"):  # DDP and DeepSpeed engines keep the model as .module
-        model = model.module
-    return model.get_output_embeddings()
+    return unwrapped(model).get_output_embeddings()
 
 
 def fuse_head(model, chunk_elements: int = CHUNK_ELEMENTS) -> str | None:
@@ -92,30 +97,50 @@ def _chunk_loss(forward, hidden, targets):
     return F.cross_entropy(forward(hidden).float(), targets, reduction="none")
 
 
-def model_inputs(batch: dict) -> dict:
+# Attention implementations that read a packed row's documents from position_ids as variable-length sequences,
+# and only in a batch of ONE row: transformers' flash path (modeling_flash_attention_utils._is_packed_sequence:
+# `batch_size != 1 -> False`) would otherwise run plain causal attention over each [B, S] row, across documents.
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def varlen(model) -> bool:
+    """Whether the model's attention runs packed rows as variable-length sequences (then a packed micro batch is
+    called as one flattened row)."""
+    implementation = getattr(unwrapped(model).config, "_attn_implementation", None) or ""
+    return implementation in VARLEN_ATTENTION or "flash" in implementation  # (hub kernels: .../flash-attn...)
+
+
+def model_inputs(batch: dict, flatten: bool = False) -> dict:
     """What the model is called with. A packed batch (with position_ids) goes without attention_mask and
-    without a KV cache: transformers then reads the document boundaries from the positions restarting at 0
-    (masking_utils: a block-diagonal causal mask for sdpa/eager; flash-attention's varlen kernels), so no
-    token attends across documents. With an attention_mask, or a cache, it would not (measured: a second
-    document's logits differ by ~0.5)."""
+    without a KV cache: transformers then reads the document boundaries from the positions restarting at 0,
+    so no token attends across documents. With an attention_mask, or a cache, it would not (measured: a second
+    document's logits differ by ~0.5). sdpa and eager build a block-diagonal causal mask over each [B, S] row
+    (masking_utils); the varlen flash kernels see the documents only in one row, so with `flatten` (see `varlen`)
+    the micro batch is called as [1, B x S]: its rows end in padding (a document of its own) and start with a
+    document, whose first token is no target, so the targets and their order are unchanged. sdpa and eager keep
+    [B, S]: one flattened row would build a (B x S)^2 mask."""
     if "position_ids" in batch:
-        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+        ids, positions = batch["input_ids"], batch["position_ids"]
+        if flatten:
+            ids, positions = ids.reshape(1, -1), positions.reshape(1, -1)
+        return {"input_ids": ids, "position_ids": positions, "use_cache": False}
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
 def lm_loss(model, batch, per_sequence: bool = False) -> torch.Tensor:
     """The batch's next-token cross-entropy, summed over its target tokens (or per sequence), in fp32:
     through the fused head when the model has one, else from the full logits."""
-    head = output_head(model)
+    head, labels = output_head(model), batch["labels"]
+    inputs = model_inputs(batch, flatten=varlen(model))
     if not hasattr(head, "memrecipe_labels"):
-        logits = model(**model_inputs(batch)).logits
-        return token_loss(logits, batch["labels"], per_sequence)
-    head.memrecipe_labels = batch["labels"]
+        logits = model(**inputs).logits.view(*labels.shape, -1)  # (a flattened row back to its rows)
+        return token_loss(logits, labels, per_sequence)
+    head.memrecipe_labels = labels.reshape(inputs["input_ids"].shape)  # the targets of the row(s) it is called on
     try:  # the head returns one loss per target token, in the order of the labels' target mask
-        losses = model(**model_inputs(batch)).logits
+        losses = model(**inputs).logits
     finally:
         head.memrecipe_labels = None
     if not per_sequence:
         return losses.sum()
-    rows = (batch["labels"][:, 1:] != IGNORE).nonzero()[:, 0]
-    return losses.new_zeros(batch["labels"].shape[0]).index_add_(0, rows, losses)
+    rows = (labels[:, 1:] != IGNORE).nonzero()[:, 0]  # (flattened: the same targets, in the same row-major order)
+    return losses.new_zeros(labels.shape[0]).index_add_(0, rows, losses)

@@ -105,3 +105,56 @@ def test_packed_loss_and_gradients_equal_the_documents_alone(model):
         torch.testing.assert_close(packed_grads[name], p.grad, atol=1e-5 * scale, rtol=1e-5, msg=name)
     per_row = lm_loss(model, batch, per_sequence=True)
     assert float(per_row.sum()) == pytest.approx(float(packed), rel=1e-5)
+
+
+@pytest.mark.parametrize("implementation, flattened", [
+    ("flash_attention_2", True), ("flash_attention_3", True), ("kernels-community/flash-attn2", True),
+    ("sdpa", False), ("eager", False), ("flex_attention", False)])
+def test_only_varlen_attention_gets_a_packed_micro_batch_as_one_row(implementation, flattened):
+    """transformers' flash path sees packed documents only in a batch of one row (_is_packed_sequence); sdpa and
+    eager build a block-diagonal mask per row, where one flattened row would make a (B x S)^2 mask."""
+    from types import SimpleNamespace
+
+    from memrecipe.loss import varlen
+
+    model = SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation)))
+    assert varlen(model) is flattened  # (through an engine's .module)
+    batch, _ = packed_batch(documents())
+    rows, width = batch["input_ids"].shape
+    inputs = model_inputs(batch, flatten=varlen(model))
+    assert inputs["input_ids"].shape == inputs["position_ids"].shape == ((1, rows * width) if flattened else (rows, width))
+    assert torch.equal(inputs["position_ids"].reshape(rows, width), batch["position_ids"])
+    unpacked = Collator(0)(documents()[:3])
+    assert model_inputs(unpacked, flatten=True)["input_ids"].shape == unpacked["input_ids"].shape  # padded rows stay
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_flattened_packed_micro_batch_gives_the_same_loss_and_gradients(monkeypatch, fused):
+    """The flattened call (what FA2/FA3 get) through sdpa on CPU, which reads one row's documents from position_ids
+    too: loss, per-row eval losses and gradients equal the [B, S] call's."""
+    from memrecipe import loss
+
+    recipe = load_recipe("single-gpu-lora", ["lora=null", "mixed_precision=no", "gradient_checkpointing=false"])
+    model, _ = load_model(recipe, embedded_model(), "no")
+    if fused:
+        assert fuse_head(model) is None
+    batch, _ = packed_batch(documents(), width=24)
+    assert batch["input_ids"].shape[0] >= 3
+    results = []
+    for flatten in (False, True):
+        calls = []
+        monkeypatch.setattr(loss, "varlen", lambda m: flatten)
+        hook = model.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape),
+                                                     with_kwargs=True)
+        model.zero_grad()
+        total = lm_loss(model, batch)
+        total.backward()
+        per_row = lm_loss(model, batch, per_sequence=True).detach()
+        hook.remove()
+        assert calls[0][0] == (1 if flatten else batch["input_ids"].shape[0])  # the call really was flattened (or not)
+        results.append((total.detach(), per_row, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, plain_rows, plain_grads), (flat, flat_rows, flat_grads) = results
+    torch.testing.assert_close(flat, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flat_rows, plain_rows, atol=1e-5, rtol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(flat_grads[name], grad, atol=1e-5 * float(grad.abs().max()), rtol=1e-5, msg=name)
