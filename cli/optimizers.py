@@ -87,14 +87,49 @@ def optimizer_factory(recipe, device):
         cls, rounding = torchao_adamw8bit(), recipe.optim_args.bf16_stochastic_round
         return lambda groups: cls(groups, lr=lr, bf16_stochastic_round=rounding, compiled=device.type == "cuda")
     if recipe.optim == "apollo_adamw":
-        from apollo_torch import APOLLOAdamW
-        from apollo_torch.random_projector import GradientProjector
-        from apollo_torch.svd_projector import GaLoreProjector
-
-        # the projectors live in the optimizer state: let checkpoints load them with weights_only
-        torch.serialization.add_safe_globals([GradientProjector, GaLoreProjector])
-        return lambda groups: APOLLOAdamW(groups, lr=lr)
+        cls = apollo_adamw()
+        return lambda groups: cls(groups, lr=lr)
     return lambda groups: torch.optim.AdamW(groups, lr=lr)
+
+
+@functools.cache
+def apollo_adamw():
+    """apollo-torch's APOLLOAdamW, whose loaded state lands on its parameters' devices. Its state holds projector
+    objects (GradientProjector, GaLoreProjector); torch's load_state_dict moves the tensors, dicts and lists of a
+    state to the parameter's device (optimizer.py, _process_value_according_to_param_policy) but returns any other
+    object as it is, so a projection matrix stays where the checkpoint was loaded (accelerate loads to the CPU
+    with one process), and random_projector.py multiplies the GPU's gradient by it."""
+    from apollo_torch import APOLLOAdamW
+    from apollo_torch.random_projector import GradientProjector
+    from apollo_torch.svd_projector import GaLoreProjector
+
+    # the projectors live in the optimizer state: let checkpoints load them with weights_only
+    torch.serialization.add_safe_globals([GradientProjector, GaLoreProjector])
+
+    class APOLLO(APOLLOAdamW):
+        def load_state_dict(self, state_dict):
+            super().load_state_dict(state_dict)
+            for p, state in self.state.items():
+                for key, value in state.items():
+                    state[key] = on_device(value, p.device)
+
+    APOLLO.__name__ = APOLLOAdamW.__name__
+    return APOLLO
+
+
+def on_device(value, device: torch.device):
+    """`value` with every tensor it reaches on `device`: in dicts, lists, tuples and objects' attributes (moved
+    in place), dtypes unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, dict):
+        return {k: on_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_device(v, device) for v in value)
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        for name, attribute in vars(value).items():
+            setattr(value, name, on_device(attribute, device))
+    return value
 
 
 @functools.cache
