@@ -185,6 +185,30 @@ def test_a_checkpointed_optimizer_continues_exactly(tmp_path, optim):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["one-optimizer", "per-parameter"])
+def test_stochastic_rounding_lets_updates_below_half_a_bf16_step_move_the_weights(in_backward):
+    """bf16 weights of 1.0 (a step of 2^-7 there) take 10 updates of -1e-3 (AdamW on a constant gradient: lr per
+    step): rounded to nearest each is lost and the weights stay 1.0; rounded stochastically they reach ~0.99 on
+    average. 8192 elements: the mean's noise is ~1e-4, far from both."""
+    def after_ten_steps(rounding: bool):
+        recipe = full("weight_dtype=bf16", "optim=adamw_torch_8bit", "learning_rate=1e-3", "weight_decay=0",
+                      "warmup_steps=0", f"optim_args.bf16_stochastic_round={str(rounding).lower()}",
+                      *(IN_BACKWARD if in_backward else []))
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16)
+        torch.nn.init.ones_(layer.weight)
+        optimizer = make_optimizer(recipe, layer, CPU)
+        for _ in range(10):
+            layer.weight.sum().backward()  # a gradient of 1 everywhere
+            optimizer.step()
+            optimizer.zero_grad()
+        return layer.weight.float()
+
+    rounded, nearest = after_ten_steps(True), after_ten_steps(False)
+    assert float(rounded.mean()) == pytest.approx(0.99, abs=1e-3)
+    assert bool((nearest == 1.0).all())
+
+
 def reachable_tensors(value, through_object=False):
     """(tensor, reached through an object's attributes) for every tensor in dicts, lists, tuples and objects."""
     if isinstance(value, torch.Tensor):
