@@ -43,10 +43,13 @@ def count_targets(labels: torch.Tensor, per_sequence: bool = False):
 
 
 def fused_blocker(config) -> str | None:
-    """Why the fused loss cannot serve this model (None: it can)."""
-    for key in LOGIT_TRANSFORMS:
-        if getattr(config, key, None) not in (None, 1, 1.0):
-            return f"{config.model_type} transforms its logits ({key}) before the loss"
+    """Why the fused loss cannot serve this model (None: it can). A multimodal config keeps its language model's
+    keys in its text part (get_text_config), where the logit softcapping of e.g. Gemma 3 sits."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for part in (config, text) if text is not config else (config,):
+        for key in LOGIT_TRANSFORMS:
+            if getattr(part, key, None) not in (None, 1, 1.0):
+                return f"{config.model_type} transforms its logits ({key}) before the loss"
     return None
 
 

@@ -23,12 +23,21 @@ def batch():
     return Collator(0)(uneven_examples(8))  # prompts masked, padding, very different lengths
 
 
+def head_outputs(model) -> list:
+    """The shapes the output head returns, call by call: [targets] when fused (one loss per target token, never
+    the logits), [rows, tokens, vocab] when not."""
+    shapes = []
+    output_head(model).register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
+    return shapes
+
+
 def loss_grads_eval(model, fused, chunk_elements=64 * 5):
-    """Loss and gradients (fp32) of one batch, and per-sequence eval losses; the head fused in 5-token chunks."""
+    """Loss and gradients (fp32) of one batch, and per-sequence eval losses; the head fused in 5-token chunks.
+    A fused run also proves that the fused head ran: it returned one loss per target token, twice."""
     model = copy.deepcopy(model)
     if fused:
         assert fuse_head(model, chunk_elements=chunk_elements) is None
-    b = batch()
+    b, shapes = batch(), head_outputs(model)
     if fused:
         loss = lm_loss(model, b)
     else:  # the full logits, as before the fused loss existed
@@ -36,6 +45,8 @@ def loss_grads_eval(model, fused, chunk_elements=64 * 5):
     loss.backward()
     with torch.no_grad():
         per_sequence = lm_loss(model, b, per_sequence=True)
+    if fused:
+        assert shapes == [(count_targets(b["labels"]),)] * 2, shapes
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     return loss.item(), grads, per_sequence
 
@@ -86,11 +97,25 @@ def test_prompt_and_padding_positions_never_reach_the_head():
 def test_a_batch_without_targets_still_reaches_every_weight():
     model = tiny_model()
     fuse_head(model)
-    b = batch()
+    b, shapes = batch(), head_outputs(model)
     b["labels"][:] = -100
     loss = lm_loss(model, b)
     loss.backward()
+    assert shapes == [(0,)]  # the fused head ran, on no target
     assert loss.item() == 0 and model.lm_head.weight.grad is not None
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_multimodal_configs_text_part_is_read_for_logit_transforms():
+    from types import SimpleNamespace
+
+    from transformers import Gemma3Config
+
+    from memrecipe.loss import fused_blocker
+
+    config = Gemma3Config(text_config={"final_logit_softcapping": 30.0})
+    assert "final_logit_softcapping" in fused_blocker(config)
+    assert fused_blocker(SimpleNamespace(model_type="llama")) is None
 
 
 def test_models_that_transform_their_logits_keep_the_plain_loss():
@@ -140,7 +165,11 @@ def loss_step_bytes(model, recipe, b):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, overrides", [("single-gpu-lora", []), ("adamw-8bit", []),
                                                ("adamw-8bit", ["mixed_precision=no"])])
-def test_fused_loss_holds_a_fraction_and_the_planner_counts_both(big_vocab_model, recipe, overrides):
+def test_fused_loss_holds_a_fraction_and_the_planner_counts_both(big_vocab_model, monkeypatch, recipe, overrides):
+    from memrecipe import loss as fused_loss
+
+    chunks, chunk_loss = [], fused_loss._chunk_loss  # each chunk's head + cross-entropy, forward and recompute
+    monkeypatch.setattr(fused_loss, "_chunk_loss", lambda *args: chunks.append(len(args[2])) or chunk_loss(*args))
     B, S = 2, 1024
     ids = torch.randint(0, BIG_VOCAB["vocab_size"], (B, S), generator=torch.Generator().manual_seed(0))
     b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
@@ -148,47 +177,57 @@ def test_fused_loss_holds_a_fraction_and_the_planner_counts_both(big_vocab_model
     for fused in (False, True):
         r = load_recipe(recipe, [*overrides, f"fused_loss={str(fused).lower()}", f"per_device_train_batch_size={B}",
                                  f"max_seq_length={S}"])
+        chunks.clear()
         measured[fused] = loss_step_bytes(big_vocab_model, r, b)
+        per_pass = -(-B * (S - 1) // chunk_tokens(BIG_VOCAB["vocab_size"])) if fused else 0
+        assert len(chunks) == 2 * per_pass and sum(chunks) == 2 * B * (S - 1) * fused  # the chunks bound the loss
         mode = activation_mode(r, 4 if r.mixed_precision == "no" else 2)
         planned[fused] = activation_bytes(r, structure(BIG_VOCAB), mode, B, S)["logits"]
     assert measured[True] * 4 <= measured[False], measured
     for fused in (False, True):
         assert planned[fused] == pytest.approx(measured[fused], rel=0.1), (fused, planned, measured)
-    assert chunk_tokens(BIG_VOCAB["vocab_size"]) < B * S // 4  # the chunks, not the batch, bound the loss
 
 
 # --- the engines: one launch each, both losses in it ---------------------------------------------
 
 ENGINES = [
-    ("ddp", []),
-    ("fsdp", []),  # FSDP2, full fine-tune: the head's weights are a sharded unit of its own
-    ("fsdp-lora", ["lora.target_modules=[q_proj,v_proj,lm_head]", "lora.dropout=0"]),  # LoRA on the sharded head
-    ("zero3-offload", []),  # partitioned weights, gathered by the engine's own hooks
-    ("zero3-offload", ["lora.r=8", "lora.target_modules=[q_proj,v_proj,lm_head]", "lora.dropout=0"]),  # a ZeRO-3 leaf
+    ("ddp", [], "tied,lora-head"),  # and, in the same launch, a head tied to the embeddings, and LoRA on the head
+    ("fsdp", [], ""),  # FSDP2, full fine-tune: the head's weights are a sharded unit of its own
+    ("fsdp-lora", ["lora.target_modules=[q_proj,v_proj,lm_head]", "lora.dropout=0"], ""),  # LoRA on the sharded head
+    ("zero2", [], ""),  # partitioned gradients and optimizer state, whole weights
+    ("zero3-offload", [], ""),  # partitioned weights, gathered by the engine's own hooks
+    ("zero3-offload", ["lora.r=8", "lora.target_modules=[q_proj,v_proj,lm_head]", "lora.dropout=0"], ""),  # a ZeRO-3 leaf
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("recipe, overrides", ENGINES, ids=["ddp", "fsdp2", "fsdp2-lora-head", "zero3", "zero3-lora-head"])
-def test_fused_equals_plain_on_every_engine(tmp_path, recipe, overrides):
+@pytest.mark.parametrize("recipe, overrides, variants", ENGINES,
+                         ids=["ddp+tied+lora-head", "fsdp2", "fsdp2-lora-head", "zero2", "zero3", "zero3-lora-head"])
+def test_fused_equals_plain_on_every_engine(tmp_path, recipe, overrides, variants):
     words = [*overrides, "mixed_precision=no", "gradient_accumulation_steps=1"]
     config = subprocess.run([sys.executable, "-m", "memrecipe", "config", recipe, "--cpu", "--num-processes", "2",
                              "--output-dir", str(tmp_path), *words], capture_output=True, text=True, env=child_env())
     assert config.returncode == 0, config.stderr
     yaml_file, = (f for f in tmp_path.glob("*.yaml") if f.stem != recipe)  # beside it: the resolved recipe
-    env = child_env() if recipe.startswith("zero") else child_env(ACCELERATE_USE_CPU="true")
+    env = child_env(FUSED_VARIANTS=variants, **({} if recipe.startswith("zero") else {"ACCELERATE_USE_CPU": "true"}))
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_file),
                            str(REPO / "tests" / "workers" / "fused_vs_plain.py"), str(tmp_path / "out.json"), recipe,
                            *words], capture_output=True, text=True, env=env, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
-    r = json.loads((tmp_path / "out.json").read_text())
-    assert r["num_processes"] == 2 and r["distributed_type"] == {"ddp": "MULTI_CPU", "zero3-offload": "DEEPSPEED"}.get(
-        recipe, "FSDP")
-    assert r["fused_loss"] == pytest.approx(r["plain_loss"], rel=1e-6)
-    assert r["max_grad"] > 0.1 and r["max_grad_diff"] < 1e-5 * max(1.0, r["max_grad"])  # of the gradients' scale
-    assert r["head_grads"] >= 1  # the head trains: its own weights, or its adapters
-    assert r["max_eval_diff"] < 1e-6 * max(10.0, r["max_eval"])  # fp32: a few ulps of a packed row's summed loss
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert list(results) == ["base", *filter(None, variants.split(","))]
+    for variant, r in results.items():
+        assert r["num_processes"] == 2 and r["distributed_type"] == {"ddp": "MULTI_CPU", "zero2": "DEEPSPEED",
+                                                                      "zero3-offload": "DEEPSPEED"}.get(recipe, "FSDP")
+        assert r["chunks"] == r["expected_chunks"] > 2 and r["plain_chunks"] == 0, (variant, r)  # fused, really
+        lora_head = variant == "lora-head" or "lm_head" in " ".join(overrides)
+        assert r["head_lora"] is lora_head and r["z3_leaf"] is lora_head, (variant, r)  # a wrapped head: gathered whole
+        assert r["tied"] is (variant == "tied"), (variant, r)
+        assert r["fused_loss"] == pytest.approx(r["plain_loss"], rel=1e-6), variant
+        assert r["max_grad"] > 0.1 and r["max_grad_diff"] < 1e-5 * max(1.0, r["max_grad"]), (variant, r)  # of their scale
+        assert r["head_grads"] >= 1  # the head trains: its own weights, or its adapters
+        assert r["max_eval_diff"] < 1e-6 * max(10.0, r["max_eval"]), (variant, r)  # fp32: a few ulps of a packed row
 
 
 def test_loss_memory_profiles_the_first_micro_batch_only():
