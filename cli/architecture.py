@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import RecipeError
@@ -72,6 +72,15 @@ class Structure:
     expert_params: int = 0  # one layer's fused expert tensors
     largest: int = 0  # the largest module's own parameters, when read off the real modules (0: from linears)
     config: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a meta-device model's config
+    # decoder layers that differ (a mixture of experts whose first layers are dense): each group of identical
+    # layers as a Structure of its own (`layers`: how many, `first`: the first one's index); empty: all alike
+    blocks: tuple[Structure, ...] = ()
+    first: int = 0
+
+    def groups(self) -> tuple[Structure, ...]:
+        """The decoder layers in groups of identical ones; read each group's per-layer fields (linears, norms,
+        experts, intermediate) and its `layers` count, never its top_params."""
+        return self.blocks or (self,)
 
     @property
     def kv_dim(self) -> int:
@@ -79,24 +88,32 @@ class Structure:
 
     @property
     def layer_params(self) -> int:
+        """One decoder layer's parameters (of this group; see `groups`)."""
         return sum(lin.params for lin in self.linears) + sum(self.layer_norm_params)
 
     @property
+    def largest_layer_params(self) -> int:
+        return max(g.layer_params for g in self.groups())
+
+    @property
     def params(self) -> int:
-        return self.layers * self.layer_params + sum(self.top_params)
+        return sum(g.layers * g.layer_params for g in self.groups()) + sum(self.top_params)
+
+    def layer_tensors(self) -> list[Tensor]:
+        """One decoder layer's parameter tensors (of this group)."""
+        per_layer = [Tensor(lin.name, (lin.out_features, lin.in_features), "linear") for lin in self.linears]
+        per_layer += [Tensor(lin.name, (lin.out_features,), "other") for lin in self.linears if lin.bias]
+        return per_layer + [Tensor("norm", (n,), "other") for n in self.layer_norm_params]
 
     def tensors(self) -> list[Tensor]:
         """Every parameter tensor (biases separate), as an optimizer sees them. Of the tensors outside the
         layers the first is the token embedding, a second [vocab x hidden] one the untied head; the others
         (final norm, learned positions) count by size alone."""
-        per_layer = [Tensor(lin.name, (lin.out_features, lin.in_features), "linear") for lin in self.linears]
-        per_layer += [Tensor(lin.name, (lin.out_features,), "other") for lin in self.linears if lin.bias]
-        per_layer += [Tensor("norm", (n,), "other") for n in self.layer_norm_params]
         top = [Tensor("embed_tokens", (self.vocab, self.hidden), "embedding")]
         for n in self.top_params[1:]:
             head = n == self.vocab * self.hidden and not self.tied_embeddings
             top.append(Tensor("lm_head", (self.vocab, self.hidden), "linear") if head else Tensor("other", (n,), "other"))
-        return per_layer * self.layers + top
+        return [t for g in self.groups() for t in g.layer_tensors() * g.layers] + top
 
     @property
     def largest_module(self) -> int:
@@ -108,9 +125,6 @@ class Structure:
     def root_params(self) -> int:
         """What stays in FSDP's root unit when each decoder layer is its own unit."""
         return sum(self.top_params)
-
-    def lora_params(self, r: int, targets) -> int:
-        return self.layers * sum(r * (lin.in_features + lin.out_features) for lin in self.lora_linears(targets))
 
     def lora_linears(self, targets) -> list[Linear]:
         """The decoder-layer linears a LoRA `target_modules` picks (peft's all-linear: all but lm_head)."""
@@ -254,31 +268,44 @@ def _from_meta_device(c: dict) -> Structure:
     blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=None)
     if blocks is None or len(blocks) == 0:
         raise RecipeError(f"cannot find the decoder layers of model type {c.get('model_type')!r}")
-    layer = blocks[0]
-    linears = tuple(Linear(name.rsplit(".", 1)[-1], m.in_features, m.out_features, m.bias is not None)
-                    for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear))
-    in_linears = {id(p) for m in layer.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
-    other = tuple(p.numel() for p in layer.parameters() if id(p) not in in_linears)
     in_blocks = {id(p) for p in blocks.parameters()}
     top = tuple(p.numel() for p in model.parameters() if id(p) not in in_blocks)
-    h = getattr(config, "hidden_size", linears[0].in_features)
+    h = getattr(config, "hidden_size", None)
     heads = getattr(config, "num_attention_heads", 1)
     kv = getattr(config, "num_key_value_heads", heads) or heads
-    d = getattr(config, "head_dim", None) or h // heads
-    fused = [p for p in layer.parameters() if p.dim() == 3]  # experts as [experts x out x in] tensors
-    experts = fused[0].shape[0] if fused else 0
-    top_k = getattr(config, "num_experts_per_tok", None) or (1 if experts else 0)
-    i = (getattr(config, "moe_intermediate_size", None) if experts else None) or \
-        getattr(config, "intermediate_size", None) or max(lin.out_features for lin in linears)
-    gated = any("gate" in lin.name for lin in linears) or any(p.shape[1] == 2 * i for p in fused)
+    d = getattr(config, "head_dim", None) or (h or 0) // heads
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    # every block, in groups of identical ones (a mixture of experts may start with dense layers): one block of
+    # each group is read, so a 61-layer config costs two reads
+    kinds: dict[tuple, list[int]] = {}
+    for index, block in enumerate(blocks):
+        kinds.setdefault(tuple((n, tuple(p.shape)) for n, p in block.named_parameters()), []).append(index)
+    groups = []
+    for indices in kinds.values():
+        layer = blocks[indices[0]]
+        linears = tuple(Linear(name.rsplit(".", 1)[-1], m.in_features, m.out_features, m.bias is not None)
+                        for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear))
+        in_linears = {id(p) for m in layer.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+        other = tuple(p.numel() for p in layer.parameters() if id(p) not in in_linears)  # norms, fused experts
+        fused = [p for p in layer.parameters() if p.dim() == 3]  # experts as [experts x out x in] tensors
+        experts = fused[0].shape[0] if fused else 0
+        top_k = (getattr(config, "num_experts_per_tok", None) or 1) if experts else 0
+        i = (getattr(config, "moe_intermediate_size", None) if experts else None) or \
+            getattr(config, "intermediate_size", None) or max(lin.out_features for lin in linears)
+        gated = any("gate" in lin.name for lin in linears) or any(p.shape[1] == 2 * i for p in fused)
+        groups.append(Structure(config.model_type, config.vocab_size, h or linears[0].in_features, len(indices),
+                                heads, kv, d, i, gated, linears, other, (),
+                                bool(getattr(config, "tie_word_embeddings", False)), llama_like=False, experts=experts,
+                                top_k=top_k, expert_params=sum(p.numel() for p in fused), config=c, first=indices[0]))
+    # the model's own per-layer fields: its routed layers' (its biggest group's if none routes)
+    main = max(groups, key=lambda g: (g.experts > 0, g.layers))
     notes = ["structure read from the meta device"]
-    if experts:
-        notes.append(f"mixture of experts: {experts} experts per layer in fused tensors, {top_k} per token")
-    return Structure(config.model_type, config.vocab_size, h, len(blocks), heads, kv, d, i, gated, linears,
-                     other, top, bool(getattr(config, "tie_word_embeddings", False)), llama_like=False,
-                     notes=tuple(notes), experts=experts, top_k=top_k, expert_params=sum(p.numel() for p in fused),
-                     largest=largest, config=c)
+    if main.experts:
+        dense = sum(g.layers for g in groups if not g.experts)
+        notes.append(f"mixture of experts: {main.experts} experts per layer in fused tensors, {main.top_k} per token"
+                     + (f"; {dense} of its {len(blocks)} layers are dense" if dense else ""))
+    return replace(main, layers=len(blocks), top_params=top, notes=tuple(notes), largest=largest,
+                   blocks=tuple(groups) if len(groups) > 1 else (), first=0)
 
 
 def meta_model(c: dict):
@@ -286,7 +313,7 @@ def meta_model(c: dict):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with init_empty_weights():
+    with init_empty_weights(include_buffers=True):  # buffers too: DeepSeek-V3 would allocate 28 GiB of them
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**c))
     model.tie_weights()  # skipped on the meta device; a real model shares its embeddings
     return model

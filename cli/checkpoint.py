@@ -120,10 +120,11 @@ class Checkpoints:
         accelerator.wait_for_everyone()
         return final
 
-    def resume(self) -> dict:
-        """Load the newest checkpoint that every machine holds whole into the prepared objects; returns
-        its trainer state. (Machines with folders of their own may hold different ones: a run killed
-        between their renames.)"""
+    def resume(self, scheduler) -> dict:
+        """Load the newest checkpoint that every machine holds whole into the prepared objects, and set the
+        optimizer's learning rates from `scheduler` (see `follow_schedule`); returns its trainer state, with
+        `saved_lr`: the rate the checkpoint's optimizer held for the next step. (Machines with folders of their
+        own may hold different ones: a run killed between their renames.)"""
         from accelerate.utils import gather_object
 
         accelerator, out = self.accelerator, self.folder.parent
@@ -150,43 +151,63 @@ class Checkpoints:
             if missing:
                 raise RecipeError(f"{newest.name} lacks {len(missing)} trained tensor(s) of this model, e.g. "
                                   f"{sorted(missing)[0]}: it was written by another recipe or LoRA setting")
-        return state | {"path": str(newest)}
+        saved_lr = scheduler.optimizer.param_groups[0]["lr"]
+        follow_schedule(scheduler)
+        return state | {"path": str(newest), "saved_lr": saved_lr}
+
+
+def follow_schedule(scheduler) -> None:
+    """Set every parameter group's learning rate to the schedule's at its current step. load_state restores the
+    optimizer's param groups, and with them the rate the saved run's schedule gave its next step: for a run
+    resumed with another max_steps (its schedule rebuilt for the new length; the scheduler's lambdas are the new
+    run's, its step count the checkpoint's) that rate is wrong, 0 at the end of an old cosine. The groups are
+    reached through the prepared optimizer, so this sets the ones that step: DeepSpeed's engine (its ZeRO
+    optimizer's param_groups are its inner optimizer's), and each per-parameter optimizer of StepInBackward."""
+    rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = rates  # what get_last_lr() reports until the next step
 
 
 def folder_sharing(accelerator, out) -> tuple[int, bool]:
-    """How many machines run, and whether all their processes see one run folder: the global main writes a probe file in
-    its folder and every process looks for it. True on one machine; on several, True when the folder
-    is on a filesystem they share, False when each machine has its own. Some machines sharing machine
-    0's folder and others not is refused: the sharing ones would write the same files twice."""
+    """How many machines run, and whether all their processes see one run folder: each machine's first process
+    writes a probe file named for its machine into its folder, and every process says which machines' probes it
+    sees. True on one machine; on several, True when all share one folder (a shared filesystem), False when each
+    has its own. Any other grouping (machines 1 and 2 sharing a folder that machine 0 does not see, say) is
+    refused: two owners would rename and prune the same checkpoints."""
     if accelerator.num_processes == 1:
         return 1, True
     from accelerate.utils import broadcast_object_list, gather_object
 
-    probe = [f"{PROBE}{secrets.token_hex(4)}"]
-    broadcast_object_list(probe)  # machine 0's name for it
-    probe = Path(out) / probe[0]
-    if accelerator.is_main_process:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.touch()
-    accelerator.wait_for_everyone()
+    token = [secrets.token_hex(4)]
+    broadcast_object_list(token)  # one name for this run's probes
     machine = accelerator.process_index - accelerator.local_process_index  # the machine's first rank
-    seen = gather_object([(machine, probe.exists())])
+    folder = Path(out)
+    mine = folder / f"{PROBE}{token[0]}-{machine}"
+    if accelerator.is_local_main_process:
+        folder.mkdir(parents=True, exist_ok=True)
+        mine.touch()
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        probe.unlink()
-    return sharing_verdict(seen, out)
+    seen = frozenset(int(p.name.rsplit("-", 1)[1]) for p in folder.glob(f"{PROBE}{token[0]}-*"))
+    everyone = gather_object([(machine, seen)])
+    accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process:
+        mine.unlink()
+    return sharing_verdict(everyone, out)
 
 
-def sharing_verdict(seen: list[tuple[int, bool]], out) -> tuple[int, bool]:
-    """(machines, shared) from each process's (machine's first rank, sees machine 0's probe)."""
-    machines = len({m for m, _ in seen})
-    if all(sees for _, sees in seen):
-        return machines, True
-    sharing = sorted({m for m, sees in seen if sees and m != 0})
-    if sharing:
-        raise RecipeError(f"the machines whose first ranks are {sharing} see machine 0's run folder {out}, the others "
-                          "do not: give all machines one shared folder, or each its own")
-    return machines, False
+def sharing_verdict(seen: list[tuple[int, frozenset]], out) -> tuple[int, bool]:
+    """(machines, shared) from each process's (its machine's first rank, the machines whose probes it sees)."""
+    machines = {m for m, _ in seen}
+    if all(sees == machines for _, sees in seen):
+        return len(machines), True
+    if all(sees == {m} for m, sees in seen):
+        return len(machines), False
+    groups = sorted({tuple(sorted(sees)) for _, sees in seen})
+    raise RecipeError(f"the machines see {len(groups)} different run folders {out} ("
+                      + "; ".join(f"first ranks {list(g)} share one" if len(g) > 1 else f"{g[0]} has its own"
+                                  for g in groups)
+                      + "): give all machines one shared folder, or each its own")
 
 
 def trained_state_dict(accelerator, model) -> dict:

@@ -157,13 +157,15 @@ def base_bytes(recipe: Recipe, s: Structure, cb: int, layer_only: bool = False) 
     in the 4-bit storage dtype, or in fp32 after PEFT's k-bit preparation (upcast_unquantized)."""
     q = recipe.quantization
     if q is None:
-        return cb * (s.layer_params if layer_only else s.params)
+        return cb * (s.largest_layer_params if layer_only else s.params)
     # loaded in the float quant_storage dtype (uint8 storage: the compute dtype), or upcast by PEFT
     other = 4 if q.upcast_unquantized else {"bf16": 2, "fp16": 2, "fp32": 4}.get(q.quant_storage, cb)
-    layer = sum(quantized_bytes(lin.in_features * lin.out_features, lin.out_features, q)
-                + (other * lin.out_features if lin.bias else 0) for lin in s.linears)
-    layer += other * sum(s.layer_norm_params)
-    return layer if layer_only else s.layers * layer + other * sum(s.top_params)
+    layers = [(g.layers, sum(quantized_bytes(lin.in_features * lin.out_features, lin.out_features, q)
+                             + (other * lin.out_features if lin.bias else 0) for lin in g.linears)
+               + other * sum(g.layer_norm_params)) for g in s.groups()]
+    if layer_only:  # the largest layer
+        return max(layer for _, layer in layers)
+    return sum(n * layer for n, layer in layers) + other * sum(s.top_params)
 
 
 def trainable_tensors(recipe: Recipe, s: Structure) -> list[Tensor]:
@@ -174,13 +176,16 @@ def trainable_tensors(recipe: Recipe, s: Structure) -> list[Tensor]:
         return s.tensors()
     if s.experts:  # peft adapts fused experts and routers in shapes of its own: read them off peft
         return lora_tensors_on_meta(s.config, lora)
-    r, targets = lora.r, s.lora_linears(lora.target_modules)
-    per_layer = [t for lin in targets for t in (Tensor("lora_A", (r, lin.in_features), "other"),
-                                                Tensor("lora_B", (lin.out_features, r), "other"))]
-    if lora.use_dora:
-        per_layer += [Tensor("lora_magnitude_vector", (lin.out_features,), "other") for lin in targets]
-    biased = {"none": [], "all": s.linears, "lora_only": targets}[lora.bias]
-    per_layer += [Tensor(lin.name, (lin.out_features,), "other") for lin in biased if lin.bias]
+    adapters = []
+    for g in s.groups():
+        r, targets = lora.r, g.lora_linears(lora.target_modules)
+        per_layer = [t for lin in targets for t in (Tensor("lora_A", (r, lin.in_features), "other"),
+                                                    Tensor("lora_B", (lin.out_features, r), "other"))]
+        if lora.use_dora:
+            per_layer += [Tensor("lora_magnitude_vector", (lin.out_features,), "other") for lin in targets]
+        biased = {"none": [], "all": g.linears, "lora_only": targets}[lora.bias]
+        per_layer += [Tensor(lin.name, (lin.out_features,), "other") for lin in biased if lin.bias]
+        adapters += per_layer * g.layers
     copies = []
     for name in lora.modules_to_save or ():
         matched = [t for t in s.tensors() if t.name == name]
@@ -190,7 +195,7 @@ def trainable_tensors(recipe: Recipe, s: Structure) -> list[Tensor]:
             raise RecipeError(f"lora.modules_to_save names {name!r}, which this {s.model_type} model has not "
                               "(e.g. embed_tokens, lm_head)")
         copies += matched
-    return per_layer * s.layers + copies
+    return adapters + copies
 
 
 def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
@@ -208,7 +213,8 @@ def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
 
 def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) -> int:
     """Bytes one decoder layer saves for backward (Korthikanti et al. 2022's counting, redone for
-    what transformers' Llama layers and PyTorch autograd really keep; docs/memory.md)."""
+    what transformers' Llama layers and PyTorch autograd really keep; docs/memory.md). `s`: the layer's group
+    (Structure.groups)."""
     h, kv, i, a, T = s.hidden, s.kv_dim, s.intermediate, s.heads, b * seq
     gated = s.gated_mlp
     moe = s.experts > 0  # the MLP is routed experts, counted below
@@ -245,7 +251,7 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         total += 2 * sum(lin.params for lin in s.linears)  # autocast's bf16 weight copies, saved for backward
     if mode in ("lora", "qlora"):  # ... and of the fp32 adapters
         total += 2 * sum(recipe.lora.r * (lin.in_features + lin.out_features) for lin in targets)
-        on_experts = [t for t in trainable_tensors(recipe, s) if ".experts." in t.name and ".layers.0." in t.name]
+        on_experts = [t for t in trainable_tensors(recipe, s) if ".experts." in t.name and f".layers.{s.first}." in t.name]
         if moe and on_experts:  # peft's ParamWrapper runs the experts on W + BA: that merged weight is saved, in
             total += 2 * s.expert_params + 2 * sum(t.numel for t in on_experts)  # 16 bits, with its factors' casts
     return total
@@ -258,7 +264,10 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) 
     h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
     # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
     # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
-    layer = layer_activation_bytes(recipe, s, mode, b, seq) // (recipe.parallelism.tp_size if recipe.parallelism else 1)
+    tp = recipe.parallelism.tp_size if recipe.parallelism else 1
+    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq) // tp) for g in s.groups()]
+    layer = max(one for _, one in layers)  # the largest layer's (one is recomputed at a time)
+    every_layer = sum(n * one for n, one in layers)
     host = 0
     residual = 2 if mode in ("half", "lora") else 4
     rope = T * 2 * d * (4 if mode in ("fp32", "mixed", "qlora") else 2)
@@ -288,7 +297,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) 
         acts = inputs + small + max(layer, norm + head_copy)
         working = max(inputs + small + norm + head_copy + logits, inputs + small + layer)  # loss, or a recompute
     else:
-        acts = s.layers * layer + small + norm + head_copy
+        acts = every_layer + small + norm + head_copy
         forward_saved = saved_peak = acts + saved_logits
         working = acts + logits  # every layer's activations are still held at the loss
     return {"activations": acts, "logits": logits, "saved_peak": saved_peak, "forward_saved": forward_saved,
@@ -346,7 +355,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
              seq_length: int | None = None) -> Estimate:
     """Memory per process and per machine for this recipe, model and topology."""
     if s.experts and recipe.quantization is not None:
-        share = s.layers * s.expert_params / s.params
+        share = sum(g.layers * g.expert_params for g in s.groups()) / s.params
         raise RecipeError(f"QLoRA saves little on {s.model_type}, whose experts ({share:.0%} of its parameters) are fused "
                           "tensors that stay in 16 bits (bitsandbytes quantizes nn.Linear layers only): use a LoRA "
                           "recipe (single-gpu-lora, fsdp-lora), with lora.dropout=0")
@@ -396,7 +405,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     elif recipe.fsdp:
         f, tp = recipe.fsdp, recipe.parallelism.tp_size if recipe.parallelism else 1
         # one decoder layer, or the root (embeddings, head); under TP, FSDP gathers a unit's TP shard only
-        unit = max(s.layer_params, s.root_params) // tp
+        unit = max(s.largest_layer_params, s.root_params) // tp
         # the shards: trained params in fp32, a frozen LoRA base in the compute dtype (or quantized)
         base = base_bytes(recipe, s, cb) if recipe.lora else 0
         sharded = (base + 4 * (Pt if recipe.lora else P)) // n

@@ -43,7 +43,11 @@ def models(tmp_path_factory):
     AutoModelForCausalLM.from_config(LlamaConfig(**MEDIUM)).save_pretrained(folder)
     mixtral = tmp_path_factory.mktemp("mixtral")
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_MIXTRAL)).save_pretrained(mixtral)
-    return {"tiny": embedded_model(), "medium": str(folder), "mixtral": str(mixtral), "dir": folder.parent}
+    dense_first = tmp_path_factory.mktemp("qwen2_moe")  # its first layer dense, the next two routed
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2_moe", **{**SMALL, "num_hidden_layers": 3, "pad_token_id": 0}, **DENSE_FIRST["qwen2_moe"])).save_pretrained(dense_first)
+    return {"tiny": embedded_model(), "medium": str(folder), "mixtral": str(mixtral), "dense-first": str(dense_first),
+            "dir": folder.parent}
 
 
 def batch(vocab, b=2, s=48):
@@ -578,26 +582,57 @@ def test_other_families_are_read_off_their_real_modules(kind):
     assert (s.experts > 0) == (kind in ("mixtral", "qwen2_moe"))
 
 
+# mixtures of experts whose first layers are dense (DeepSeek-V3: 3 of 61, GLM-4.5-style, Qwen-MoE's mlp_only_layers)
+DENSE_FIRST = {
+    "qwen2_moe": {"mlp_only_layers": [0], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 64},
+    "deepseek_v3": {"first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16},
+}
+
+
+@pytest.mark.parametrize("kind", DENSE_FIRST)
+def test_a_mixture_of_experts_with_dense_first_layers_is_planned_block_by_block(kind):
+    """Every block counts, in groups of identical ones: the dense first layer and the routed ones (read as
+    blocks[0] x layers, these models were planned without their experts)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(kind, **{**SMALL, "num_hidden_layers": 3}, **DENSE_FIRST[kind])
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    s = structure(config.to_dict())
+    assert s.params == sum(p.numel() for p in model.parameters())
+    assert [(g.layers, g.experts, g.first) for g in s.groups()] == [(1, 0, 0), (2, 4, 1)]
+    assert (s.experts, s.top_k, s.layers) == (4, 2, 3) and "1 of its 3 layers are dense" in s.notes[-1]
+    experts = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 3)
+    assert sum(g.layers * g.expert_params for g in s.groups()) == experts > 0
+
+
 MOE_LORA = ["lora.dropout=0.0"]  # peft's LoRA on fused experts (ParamWrapper) takes no dropout
 
 
+@pytest.mark.parametrize("moe", ["mixtral", "dense-first"])
 @pytest.mark.parametrize("recipe", ["single-gpu-lora", "single-gpu-lora:q_proj,v_proj", "adamw-8bit", "adamw-8bit:adamw_torch"])
-def test_a_mixture_of_experts_holds_what_the_planner_says(models, recipe):
-    """A tiny Mixtral loaded as each recipe loads it, after a real step: LoRA all-linear adapts its fused experts
-    and router too (peft reads them off the modules), a full fine-tune trains the 3-D expert tensors."""
+def test_a_mixture_of_experts_holds_what_the_planner_says(models, recipe, moe):
+    """A tiny Mixtral, and a Qwen-MoE whose first layer is dense, loaded as each recipe loads it, after a real step:
+    LoRA all-linear adapts its fused experts and router too (peft reads them off the modules), a full fine-tune
+    trains the 3-D expert tensors."""
     name, _, extra = recipe.partition(":")
     overrides = MOE_LORA if name == "single-gpu-lora" else []
     if extra:
         overrides = [*overrides, f"lora.target_modules=[{extra}]" if "proj" in extra else f"optim={extra}"]
     r = load_recipe(name, overrides)
-    model, _ = load_model(r, models["mixtral"], "bf16")
+    model, _ = load_model(r, models[moe], "bf16")
     optimizer = make_optimizer(r, model, SimpleNamespace(device=torch.device("cpu")))
     ids = batch(512)["input_ids"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     params, grads, state = real_model_state_bytes(model, optimizer)
-    est = estimate(r, structure(read_config(models["mixtral"])), CPU1)
+    est = estimate(r, structure(read_config(models[moe])), CPU1)
     assert (est.parameters, est.gradients, est.optimizer_state) == pytest.approx((params, grads, state), rel=0.01)
 
 

@@ -162,6 +162,7 @@ def test_other_machines_keep_their_own_launch_files_in_a_shared_folder(cli, tmp_
     assert RunFolder(tmp_path).owned() == []  # machine 0 may start in this folder without --overwrite
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_exports(tmp_path):
     """A short recipe file starting from a shipped one, mixing an alpaca-style JSONL (columns mapped) with
@@ -209,6 +210,8 @@ def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_expo
     torch.testing.assert_close(merged, resumed, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # launches training
+@pytest.mark.timeout(600)
 def test_a_failure_after_launch_is_one_line_and_the_fixed_command_reuses_the_folder(tmp_path):
     """A dataset too small for one window fails inside the loop: its one line, exit 2, no launcher traceback;
     the folder (no checkpoint, no final save) takes the same command again once the problem is fixed."""
