@@ -256,15 +256,14 @@ def main(argv=None):
     # The loop: one optimizer step per window of micro batches.
     history, step, epoch, consumed, held = [], 0, 0, 0, None
     if args.resume:  # model, optimizer, scheduler and RNG states, and where the data stood
-        state = checkpoints.resume()
+        state = checkpoints.resume(scheduler)  # the optimizer then trains at this run's schedule's rate
         history, step, epoch, consumed = state["history"], state["step"], state["epoch"], state["consumed"]
         setup["resumed_at_step"] = step
         say(f"resumed from {state['path']} at step {step} (epoch {epoch}, {consumed} micro batches in)")
-        if state.get("total_steps", total_steps) != total_steps and history:  # a run extended (or cut short)
-            now = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](step)
+        if state.get("total_steps", total_steps) != total_steps:  # a run extended (or cut short)
             say(f"note: {state['total_steps']} -> {total_steps} steps: the {recipe.lr_scheduler_type} schedule is "
-                f"rebuilt for {total_steps} steps: the learning rate of step {step + 1} is {now:.3e}, not "
-                f"{history[-1]['lr']:.3e}")
+                f"rebuilt for {total_steps} steps: step {step + 1} trains at {scheduler.get_last_lr()[0]:.3e} (the "
+                f"{state['total_steps']}-step schedule: {state['saved_lr']:.3e})")
     started, local_tokens, stop = time.perf_counter(), 0, StopRequest()
     snapshot = MemorySnapshot(out, accelerator) if args.memory_snapshot else None
     loss_memory = LossMemory(model, accelerator.device)  # the loss's peak, on the first micro batch
@@ -284,6 +283,7 @@ def main(argv=None):
             grad_norm = None
             if recipe.max_grad_norm and not deepspeed:  # DeepSpeed clips by its JSON's gradient_clipping
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+            lr = float(optimizer.param_groups[0]["lr"])  # the rate this step trains with (the scheduler sets the next one)
             optimizer.step()
             scheduler.step()
             if step == 0 and recipe.torch_compile:
@@ -300,7 +300,7 @@ def main(argv=None):
 
             counts, window_tokens = window_counts(window, targets, sum_over_processes, tp_share)  # each batch once
             local_tokens += window_tokens
-            record = {"step": step, "loss": loss, **counts, "lr": float(scheduler.get_last_lr()[0]),
+            record = {"step": step, "loss": loss, **counts, "lr": lr,
                       "seconds": time.perf_counter() - tick}
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
