@@ -132,6 +132,7 @@ def test_fp16_is_refused_wherever_the_run_resolves_to_it(monkeypatch):
             check_supported(load_recipe("single-gpu-full", overrides), volta)
     check_supported(load_recipe("single-gpu-lora"), volta)  # LoRA trains in fp16 with loss scaling there
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    AcceleratorState._reset_state(True)  # an Accelerator made earlier in this process would keep its precision
     try:
         with pytest.raises(RecipeError, match="the launch config runs mixed_precision fp16, and weight_dtype bf16"):
             make_accelerator(load_recipe("single-gpu-full"))
