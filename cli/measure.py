@@ -8,6 +8,10 @@ import sys
 
 import torch
 
+# accelerate's distributed types, in words for the start-up line
+ENGINES = {"NO": "plain (no DDP/FSDP/DeepSpeed)", "MULTI_CPU": "DDP (gloo)", "MULTI_GPU": "DDP", "FSDP": "FSDP",
+           "DEEPSPEED": "DeepSpeed"}
+
 
 def describe_setup(accelerator, model, optimizer) -> dict:
     """Facts read off the live objects, so a test (or a user) can see the recipe really took effect."""
@@ -21,6 +25,7 @@ def describe_setup(accelerator, model, optimizer) -> dict:
 
     facts = {
         "distributed_type": accelerator.distributed_type.value,
+        "engine": ENGINES.get(accelerator.distributed_type.value, accelerator.distributed_type.value),
         "num_processes": accelerator.num_processes,
         "process_index": accelerator.process_index,
         "device": str(accelerator.device),

@@ -52,7 +52,7 @@ def parse_args(argv=None):
     parser.add_argument("--memory-snapshot", action="store_true",
                         help="record memory over the first steps (CUDA allocator history, or CPU profiler timeline)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. max_steps=10")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value words before, between or after the options
     # the same words as `memrecipe run`: --model and --dataset are overrides of the recipe's keys
     args.overrides += [f"{key}={value}" for key, value in (("model_name_or_path", args.model),
                                                             ("dataset", args.dataset)) if value is not None]
@@ -60,8 +60,7 @@ def parse_args(argv=None):
 
 
 def windows(dataloader, size):
-    """Yield lists of `size` micro batches. The micro batches left over at the end of an epoch
-    would make a smaller window; they are dropped (and the start-up log says how many)."""
+    """Yield lists of `size` micro batches (an epoch holds whole windows only: see `train_loader`)."""
     window = []
     for batch in dataloader:
         window.append(batch)
@@ -184,13 +183,21 @@ def setup_data(recipe, tokenizer, accelerator, say):
     with accelerator.main_process_first():
         train_set, eval_set = prepare_datasets(recipe, tokenizer, say)  # logs what the loss will learn from
     collate = Collator(tokenizer.pad_token_id, 64 if recipe.torch_compile else 1)  # compiled: few shapes
-    # Its own generator: starting an epoch's iterator must not draw from the global RNG that dropout
-    # uses, or a resumed run would see other dropout masks than the run it continues.
-    train_loader = DataLoader(train_set, batch_size=recipe.per_device_train_batch_size, shuffle=True,
-                              collate_fn=collate, generator=torch.Generator().manual_seed(recipe.seed))
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_train_batch_size, collate_fn=collate) \
         if eval_set is not None else None
-    return train_loader, eval_loader
+    return train_loader(recipe, train_set, collate), eval_loader
+
+
+def train_loader(recipe, train_set, collate):
+    """Micro batches of a new seeded shuffle each epoch (accelerate's seedable sampler: the order is a function
+    of the seed and the epoch alone), whole global batches only. Sharded by accelerate, process i takes micro
+    batches i, i + N, ...: with drop_last every optimizer step trains the same rows of the shuffle (rows k x G to
+    (k + 1) x G; G = micro batch x accumulation x processes) however G is split, and the epoch's last partial
+    global batch is left out (a new draw each epoch) instead of topped up with repeats on some topologies."""
+    # Its own generator: starting an epoch's iterator must not draw from the global RNG that dropout
+    # uses, or a resumed run would see other dropout masks than the run it continues.
+    return DataLoader(train_set, batch_size=recipe.per_device_train_batch_size, shuffle=True, drop_last=True,
+                      collate_fn=collate, generator=torch.Generator().manual_seed(recipe.seed))
 
 
 def setup_optimizer(recipe, accelerator, model):
@@ -238,14 +245,15 @@ def main(argv=None):
     world = accelerator.num_processes
     tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch: count it once
     sum_over_processes = lambda t: accelerator.reduce(t.to(accelerator.device), "sum")  # noqa: E731
-    say(f"memrecipe sft: recipe {recipe.name} | {world} process(es), {setup['distributed_type']} on "
+    say(f"memrecipe sft: recipe {recipe.name} | {world} process(es), {setup['engine']} on "
         f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
         f"{setup['params']:,} parameters train")
     say(f"batch: {recipe.per_device_train_batch_size} sequences x {accumulation} accumulation x {world} "
         f"process(es) per step | {total_steps} steps ({steps_per_epoch} per epoch)")
-    dropped = len(train_loader) % accumulation
-    if dropped:
-        say(f"note: the last {dropped} micro batch(es) of each epoch do not fill a window and are skipped")
+    rows, per_step = len(train_loader.dataset), recipe.per_device_train_batch_size * accumulation * (world // tp_share)
+    if rows > steps_per_epoch * per_step:  # drop_last (train_loader): whole global batches only
+        say(f"data: each epoch trains {steps_per_epoch * per_step:,} of its {rows:,} rows ({steps_per_epoch} steps of "
+            f"{per_step}); the other {rows - steps_per_epoch * per_step:,}, a new draw each epoch, are left out")
     if checkpoints.machines > 1:
         say(f"{checkpoints.machines} machines " + ("share the run folder: machine 0 writes the checkpoints" if
             checkpoints.shared else "each keep their own run folder and write whole checkpoints into it"))

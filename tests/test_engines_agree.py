@@ -1,10 +1,12 @@
 """FSDP and DeepSpeed scale gradients their own way; the loop's normalisation makes their first step's
-gradient equal a 1-process run of the same global batch (fp32, the same 16 sequences per step).
+gradient equal a 1-process run of the same global batch (fp32, the same 8 rows per step). And epochs end
+alike: over two epochs of a row count that the global batch does not divide, every step's loss is the
+1-process run's (the epoch's last partial global batch is left out on every topology; tests/test_epochs.py).
 
 Gradients, not losses after a few updates: AdamW (with clipping) is blind to a constant scale of the
 gradient, so a missing x processes or x accumulation factor would leave the losses equal. Each run is
-the loop's own first window (tests/workers/first_step_gradients.py), read before the optimizer.
-Stated tolerance: 1e-5 absolute on every gradient element (reductions run in another order)."""
+the loop's own loader and windows (tests/workers/first_step_gradients.py), the first read before the optimizer.
+Stated tolerance: 1e-5 absolute on every gradient element and loss (reductions run in another order)."""
 
 import subprocess
 import sys
@@ -15,11 +17,13 @@ import torch
 from helpers import REPO, child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-SAME = ["mixed_precision=no", "warmup_ratio=0.0", "eval_size=0.1", "per_device_train_batch_size=4"]
+# constant learning rate, no clipping; the embedded chat set packs into 38 rows: 4 steps of 8 per epoch, 6 left out
+SAME = ["mixed_precision=no", "warmup_ratio=0.0", "lr_scheduler_type=constant", "max_grad_norm=null", "eval_size=0",
+        "learning_rate=1e-3", "seed=7"]
 
 
-def first_gradients(tmp_path, recipe, processes, accumulation):
-    words = [*SAME, f"gradient_accumulation_steps={accumulation}"]
+def run(tmp_path, recipe, processes, micro, accumulation):
+    words = [*SAME, f"per_device_train_batch_size={micro}", f"gradient_accumulation_steps={accumulation}"]
     folder = tmp_path / f"{recipe}-{processes}"
     config = subprocess.run([sys.executable, "-m", "memrecipe", "config", recipe, "--cpu", "--num-processes",
                              str(processes), "--output-dir", str(folder), *words], capture_output=True, text=True,
@@ -36,15 +40,16 @@ def first_gradients(tmp_path, recipe, processes, accumulation):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    # 1 process x 4 sequences x 4 accumulation = 16 sequences per step, plain AdamW
-    return first_gradients(tmp_path_factory.mktemp("one"), "ddp", 1, 4)
+    # 1 process x 4 rows x 2 accumulation = 8 rows per step, plain AdamW
+    return run(tmp_path_factory.mktemp("one"), "ddp", 1, 4, 2)
 
 
-@pytest.mark.parametrize("recipe", ["fsdp", "zero3-offload"])
-def test_first_gradients_equal_one_process(tmp_path, one_process, recipe):
-    # 2 processes x 4 sequences x 2 accumulation = the same 16 sequences per step
-    sharded = first_gradients(tmp_path, recipe, 2, 2)
-    assert sharded["processes"] == 2 and sharded["distributed_type"] == {"fsdp": "FSDP"}.get(recipe, "DEEPSPEED")
+@pytest.mark.parametrize("recipe", ["ddp", "fsdp", "zero3-offload"])
+def test_first_gradients_and_two_epochs_equal_one_process(tmp_path, one_process, recipe):
+    # 2 processes x 2 rows x 2 accumulation = the same 8 rows per step
+    sharded = run(tmp_path, recipe, 2, 2, 2)
+    assert sharded["processes"] == 2 and sharded["distributed_type"] == {"fsdp": "FSDP", "ddp": "MULTI_CPU"}.get(
+        recipe, "DEEPSPEED")
     assert sharded["targets"] == one_process["targets"]  # the same window of target tokens
     assert sharded["loss"] == pytest.approx(one_process["loss"], abs=1e-5)
     expected, got = one_process["grads"], sharded["grads"]
@@ -53,3 +58,6 @@ def test_first_gradients_equal_one_process(tmp_path, one_process, recipe):
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=0, msg=name)
     assert max(g.abs().max() for g in expected.values()) > 1e-2  # gradients that a scale error would show in
+    rows = one_process["rows"]
+    assert rows % 8 and len(one_process["losses"]) == 2 * (rows // 8)  # two epochs of whole global batches
+    assert sharded["losses"] == pytest.approx(one_process["losses"], abs=1e-5)  # every step, both epochs

@@ -92,17 +92,19 @@ def stop_at_a_checkpoint(proc, folder) -> int:
 # its cosine ended at 0, the rate its optimizer saved for step 3: the resumed run equals the uninterrupted one
 # only if every engine's optimizer trains step 3 at the rebuilt schedule's rate (1 process, DDP, ZeRO-3, the
 # per-parameter optimizers; FSDP2 in test_resume_keeps_the_recipe_and_the_process_count).
-@pytest.mark.parametrize("recipe, launched_by, mode", [("single-gpu-lora", "accelerate", "kill"),
-                                                       ("fsdp", "accelerate", "kill"),
-                                                       ("fsdp-lora", "memrecipe", "kill"),
-                                                       ("zero3-offload", "memrecipe", "extend"),
-                                                       ("qlora", "memrecipe", "extend"),
-                                                       ("adamw-8bit", "memrecipe", "extend"),
-                                                       ("single-gpu-full", "memrecipe", "extend")])
-def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched_by, mode):
+# single-gpu-lora trains 64 rows a step: about 2 steps an epoch, so its resumed steps cross epoch boundaries.
+@pytest.mark.parametrize("recipe, launched_by, mode, words", [
+    ("single-gpu-lora", "accelerate", "kill", ["per_device_train_batch_size=16"]),
+    ("fsdp", "accelerate", "kill", []),
+    ("fsdp-lora", "memrecipe", "kill", []),
+    ("zero3-offload", "memrecipe", "extend", []),
+    ("qlora", "memrecipe", "extend", []),
+    ("adamw-8bit", "memrecipe", "extend", []),
+    ("single-gpu-full", "memrecipe", "extend", [])])
+def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched_by, mode, words):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    launch = (lambda folder, *extra: plain_launch(recipe, folder, *extra)) if launched_by == "accelerate" else \
-        (lambda folder, *extra: start(["--recipe", recipe, *EXACT, *extra], folder))  # (a shipped config's precision wins)
+    launch = (lambda folder, *extra: plain_launch(recipe, folder, *words, *extra)) if launched_by == "accelerate" else \
+        (lambda folder, *extra: start(["--recipe", recipe, *EXACT, *words, *extra], folder))  # (a shipped config's precision wins)
     assert launch(whole).wait(timeout=600) == 0, open(f"{whole}.log").read()[-3000:]
     if mode == "kill":
         resumed_at = stop_at_a_checkpoint(launch(cut), cut)
@@ -121,7 +123,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched
     cut.rename(resumed[0])  # a moved run folder still resumes
     finish(["--resume", "max_steps=6"], resumed[0])
     if launched_by == "accelerate":
-        again = plain_launch(recipe, resumed[1], "--resume")
+        again = plain_launch(recipe, resumed[1], *words, "--resume")
         assert again.wait(timeout=600) == 0, open(f"{resumed[1]}.log").read()[-3000:]
         assert cli("report", str(resumed[1])).returncode == 0
     elif mode == "kill":
@@ -130,6 +132,9 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched
         log = open(f"{folder}.log").read()
         assert re.search(rf"resumed from \S*checkpoints/step-{resumed_at} at step {resumed_at} ", log), log[-2000:]
         assert "step-5" not in log
+        if words:  # the resumed steps cross an epoch's end (the next epoch: a new shuffle, the remainder left out)
+            per_epoch = int(re.search(r"6 steps \((\d+) per epoch\)", log).group(1))
+            assert any(end >= resumed_at for end in range(per_epoch, 6, per_epoch)), (per_epoch, resumed_at)
         assert losses(folder) == pytest.approx(losses(whole), abs=1e-5)
         assert losses(folder, "lr") == pytest.approx(losses(whole, "lr"), rel=1e-12)  # the rate each step trained at
         expected, got = final_weights(whole), final_weights(folder)

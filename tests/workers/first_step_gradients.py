@@ -1,6 +1,7 @@
 """Worker, launched by `accelerate launch` with a recipe's generated config: the loop's first window
-(recipes/sft.py's own data order and accumulate_window), and every trainable parameter's whole
-gradient before the optimizer touches it; rank 0 saves them with the window's loss.
+(recipes/sft.py's own loader, data order and accumulate_window), and every trainable parameter's whole
+gradient before the optimizer touches it; then two epochs of optimizer steps (constant learning rate, no
+clipping: set max_grad_norm=null). Rank 0 saves the gradients, the first window's loss, and every step's.
 
     accelerate launch --config_file CONFIG first_step_gradients.py RESULT.pt RECIPE [key=value ...]
 
@@ -12,14 +13,12 @@ import sys
 import memrecipe  # noqa: F401
 import torch
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
 
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from sft import accumulate_window, windows  # noqa: E402  (the loop's own functions)
+from sft import accumulate_window, setup_data, windows  # noqa: E402  (the loop's own functions)
 
-from memrecipe.data import Collator, prepare_datasets  # noqa: E402
 from memrecipe.loss import fuse_head  # noqa: E402
 from memrecipe.optimizers import make_optimizer  # noqa: E402
 from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare, wrap_first  # noqa: E402
@@ -33,9 +32,7 @@ set_seed(recipe.seed)  # as the loop does: the seeded sampler draws from it
 tokenizer = load_tokenizer(path)
 model, _ = load_model(recipe, path, accelerator.mixed_precision, accelerator.device)
 fuse_head(model)
-train, _ = prepare_datasets(recipe, tokenizer)
-loader = DataLoader(train, batch_size=recipe.per_device_train_batch_size, shuffle=True,
-                    collate_fn=Collator(tokenizer.pad_token_id), generator=torch.Generator().manual_seed(recipe.seed))
+loader, _ = setup_data(recipe, tokenizer, accelerator, lambda *a, **k: None)
 model = wrap_first(accelerator, recipe, model)
 optimizer = make_optimizer(recipe, model, accelerator)
 model, optimizer, loader = prepare(accelerator, recipe, model, optimizer, loader)
@@ -61,18 +58,25 @@ if hasattr(model, "zero_optimization_stage"):  # the engine steps in the last ba
     step = model.step
 
     def reading_step(*args, **kwargs):
-        if model.is_gradient_accumulation_boundary():
+        if model.is_gradient_accumulation_boundary() and not grads:  # the first window's
             full_grads()
         return step(*args, **kwargs)
 
     model.step = reading_step
-if hasattr(loader, "set_epoch"):
-    loader.set_epoch(0)  # as the loop does: the seeded shuffle of epoch 0, the same on every process
-window = next(windows(loader, accelerator.gradient_accumulation_steps))
-loss, targets = accumulate_window(model, window, accelerator)
-if not grads:
-    full_grads()
+losses = []
+for epoch in range(2):
+    loader.set_epoch(epoch)  # as the loop does: the seeded shuffle of this epoch, the same on every process
+    for window in windows(loader, accelerator.gradient_accumulation_steps):
+        loss, targets = accumulate_window(model, window, accelerator)
+        if not grads:
+            full_grads()
+        if not losses:
+            first = {"loss": loss, "targets": targets}
+        losses.append(loss)
+        optimizer.step()  # (DeepSpeed's engine stepped in the window's last backward: the wrapper's step is a no-op)
+        optimizer.zero_grad()
 if accelerator.is_main_process:
-    torch.save({"loss": loss, "targets": targets, "grads": grads, "processes": accelerator.num_processes,
-                "distributed_type": accelerator.distributed_type.value}, result_path)
+    torch.save({**first, "grads": grads, "losses": losses, "rows": len(loader.dataset),
+                "processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value},
+               result_path)
 accelerator.end_training()
