@@ -162,7 +162,7 @@ def speed(report: dict, after_first: bool = False) -> float:
     """Real tokens/s of a memrecipe run: over the loop's wall time, or over the steps after the first
     (a compiled run's first step compiles)."""
     if not after_first:
-        return report["throughput"]["tokens_per_second"]
+        return report["throughput"]["tokens_per_second_overall"]  # first step included, as Trainer's train_runtime
     history = report["history"]
     first_steps.append(history[0]["seconds"])
     return sum(h["tokens"] for h in history[1:]) / sum(h["seconds"] for h in history[1:])

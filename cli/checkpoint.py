@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RecipeError
+from .files import readable_files
 from .run_folder import CHECKPOINTS, PROBE
 
 STATE = "trainer_state.json"
@@ -233,7 +234,11 @@ def save_final(accelerator, model, final: Path, initial_adapter: Path | None = N
             warnings.filterwarnings("ignore", message=".*changes the base weights of the model")
             unwrapped.save_pretrained(final, safe_serialization=True, is_main_process=accelerator.is_main_process,
                                       path_initial_model_for_weight_conversion=str(initial_adapter))
+        if accelerator.is_main_process:
+            readable_files(final)
         return
     state_dict = trained_state_dict(accelerator, model)  # under FSDP with LoRA: the adapters only
     unwrapped.save_pretrained(final, state_dict=state_dict, safe_serialization=True,
                               is_main_process=accelerator.is_main_process)
+    if accelerator.is_main_process:
+        readable_files(final)

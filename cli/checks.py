@@ -20,18 +20,23 @@ RESUMABLE_KEYS = ("max_steps", "num_train_epochs")
 
 def preflight(recipe):
     """Fail fast, with one line and before any folder exists: model, tokenizer, dataset columns."""
-    from .data import load_sources
+    from .data import check_targets, load_sources
     from .modeling import EMBEDDED_MODEL, check_model, check_tokenizer, read_chat_template
 
-    formats = {fmt for name, spec in (("train", recipe.dataset), ("eval", recipe.eval_dataset)) if spec or name == "train"
-               for _, _, fmt, _ in load_sources(spec, recipe, name)}
+    sources = []  # (where, rows, format) of each source of the train and eval data
+    for name, spec in (("train", recipe.dataset), ("eval", recipe.eval_dataset)):
+        if spec or name == "train":
+            for i, (source, raw, fmt, _) in enumerate(load_sources(spec, recipe, name)):
+                where = f"{name} dataset[{i}] ({source.path}): " if isinstance(spec, tuple) else f"{name} dataset: "
+                sources.append((where, raw, fmt))
     if recipe.chat_template:
         read_chat_template(recipe.chat_template)
     if recipe.model_name_or_path:
         check_model(recipe.model_name_or_path, recipe.trust_remote_code)
-    if recipe.model_name_or_path or recipe.chat_template or "messages" in formats:
-        check_tokenizer(recipe.model_name_or_path or str(EMBEDDED_MODEL), recipe.trust_remote_code,
-                        recipe.chat_template, chat="messages" in formats)
+    tokenizer = check_tokenizer(recipe.model_name_or_path or str(EMBEDDED_MODEL), recipe.trust_remote_code,
+                                recipe.chat_template, chat=any(fmt == "messages" for _, _, fmt in sources))
+    for where, raw, fmt in sources:  # examples too long for max_seq_length: known before launch
+        check_targets(raw, fmt, tokenizer, recipe, where)
 
 
 def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=None):

@@ -239,6 +239,36 @@ def pack(ds, max_seq_length: int):
     return Dataset.from_dict(rows)
 
 
+def learnable(labels: list[int]) -> bool:
+    """Whether a tokenized example has a target to learn from (a document's first token never is one)."""
+    return any(label != IGNORE for label in labels[1:])
+
+
+def check_targets(raw, fmt: str, tokenizer, recipe, where: str = "", sample: int = 256) -> None:
+    """Refuse, before launch, a source none of whose first `sample` examples keeps a target token within
+    max_seq_length (every prompt longer than it, say): the loop would drop them all."""
+    from transformers.utils import logging as hf_logging
+
+    rows = raw.select(range(min(sample, len(raw))))
+    if len(rows) == 0:
+        raise RecipeError(f"{where}the dataset has no rows")
+    lengths, verbosity = [], hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notice that a text is longer than the model's maximum: the point here
+    try:
+        for row in rows:
+            example = tokenize(row, tokenizer, fmt, recipe.max_seq_length, recipe.train_on_inputs)
+            if learnable(example["labels"]):
+                return
+            lengths.append(len(example["input_ids"]) + example["cut"])
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    which = f"its {len(rows)} examples" if len(rows) == len(raw) else f"its first {len(rows)} examples"
+    raise RecipeError(f"{where}none of {which} has a target token within max_seq_length={recipe.max_seq_length} "
+                      f"(they are {min(lengths)}{'' if min(lengths) == max(lengths) else f' to {max(lengths)}'} tokens "
+                      "long, the prompt first): raise "
+                      "max_seq_length, or shorten the prompts")
+
+
 def fingerprint(ds, options: dict, *functions) -> str:
     """A mapped dataset's cache key. datasets hashes a module's function by its name only, so a changed
     tokenize() would read the cache its old code wrote: the code is part of the key here."""
@@ -298,7 +328,10 @@ def prepare_datasets(recipe, tokenizer, say=None):
 
     def finish(ds, name, fmts):
         rows = len(ds)
-        ds = ds.filter(lambda ex: any(label != IGNORE for label in ex["labels"][1:]))  # nothing to learn: drop
+        ds = ds.filter(lambda ex: learnable(ex["labels"]))  # nothing to learn: drop
+        if len(ds) == 0:  # (memrecipe run's preflight says so before launch; a plain launch learns it here)
+            raise RecipeError(f"no {name} example has a target token within max_seq_length={recipe.max_seq_length} "
+                              f"(all {rows} dropped): raise max_seq_length, or shorten the prompts")
         cut = [n for n in ds["cut"] if n]
         ds = ds.remove_columns("cut")
         packed = pack(ds, recipe.max_seq_length) if recipe.packing else None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .checkpoint import complete_checkpoints
 from .errors import RecipeError
+from .files import readable_files
 from .run_folder import RunFolder
 
 DTYPES = ("bf16", "fp32")
@@ -63,6 +64,9 @@ def checkpoint_state_dict(path: Path) -> dict:
 
 
 def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool = False, dtype: str = "fp32") -> Path:
+    from .hardware import quiet_deepspeed
+
+    quiet_deepspeed()  # before transformers and peft look for DeepSpeed
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -106,6 +110,7 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
     model = model.to(torch_dtype)
     model.save_pretrained(output, safe_serialization=True)
     tokenizer.save_pretrained(output)
+    readable_files(output)
     (output / "memrecipe_export.json").write_text(json.dumps({"run": str(run.resolve()), "source": source.name,
                                                               "merged": merge, "dtype": dtype}, indent=2))
     return output

@@ -37,3 +37,14 @@ def write_files(folder: Path, files: dict[str, str], force: bool = False) -> lis
     except OSError as e:
         raise RecipeError(f"cannot write to {folder}: {e.strerror}: write elsewhere") from None
     return targets
+
+
+def readable_files(folder: Path) -> None:
+    """Give the files in `folder` the permissions the user's umask gives any new file: safetensors writes its
+    files through a private temporary file (mode 0600), so saved weights would be unreadable by the group
+    while the configs beside them are not."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in Path(folder).iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)

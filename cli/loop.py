@@ -32,6 +32,9 @@ from .report import build as build_report
 from .report import card
 from .run_folder import INITIAL_ADAPTER, LOSS_PLOT, RunFolder, run_files
 from .topology import launched_topology
+from .hardware import quiet_deepspeed
+
+quiet_deepspeed()  # a plain accelerate launch without CUDA: name DeepSpeed's CPU accelerator before it is imported
 
 __all__ = ["load_recipe", "RecipeError",
            "RunFolder", "INITIAL_ADAPTER", "LOSS_PLOT", "write_files", "run_files", "absolute_paths",

@@ -43,8 +43,9 @@ def make_accelerator(recipe, **kwargs):
     # Windows of micro batches are built by the loop, so accelerate must not sync on its own at the
     # end of the dataloader (that would cut the window short).
     plugin = GradientAccumulationPlugin(num_steps=recipe.gradient_accumulation_steps, sync_with_dataloader=False)
-    # A seeded sampler: every epoch's shuffle is reproducible, and the same on every process.
-    data = DataLoaderConfiguration(use_seedable_sampler=True)
+    # A seeded sampler: every epoch's shuffle is a function of the recipe's seed and the epoch alone, the same on
+    # every process, topology and resume (accelerate's SeedableRandomSampler seeds each epoch with data_seed + epoch).
+    data = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.seed)
     accelerator = Accelerator(gradient_accumulation_plugin=plugin, dataloader_config=data, kwargs_handlers=handlers,
                               **kwargs)
     if accelerator.mixed_precision == "fp16" and fp16_blocker(recipe):  # the launch config's precision wins
@@ -118,9 +119,9 @@ def check_model(name_or_path: str, trust_remote_code: bool = False):
 
 
 def check_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template: str | None = None,
-                    chat: bool = False) -> None:
+                    chat: bool = False):
     """A loadable tokenizer beside the model (with a chat template if `chat` data needs one), or a one-line
-    error (before anything is launched)."""
+    error (before anything is launched). Returns it."""
     from .data import NO_TEMPLATE
 
     try:
@@ -133,6 +134,7 @@ def check_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_tem
                           f"tokenizer.save_pretrained, e.g. tokenizer.json): {text}") from None
     if chat and not tokenizer.chat_template:
         raise RecipeError(f"model {name_or_path}: {NO_TEMPLATE}")
+    return tokenizer
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template: str | None = None):

@@ -26,6 +26,52 @@ def absolute_paths(recipe: Recipe) -> Recipe:
     return replace(recipe, **{key: absolute_path(getattr(recipe, key)) for key in PATH_KEYS})
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # the local dataset files data.load_any reads
+
+
+def looks_local(key: str, value) -> bool:
+    """Whether a recipe value can only be a local path (not a hub id, not an inline template)."""
+    if not isinstance(value, str) or not value or "{" in value:
+        return False
+    if value.startswith((".", "/", "~")):
+        return True
+    return Path(value).suffix in (DATA_SUFFIXES if key in ("dataset", "eval_dataset") else
+                                  (".jinja", ".j2") if key == "chat_template" else ())
+
+
+def from_recipe_file(data: dict, folder: Path) -> dict:
+    """A recipe file's own keys with its relative local paths read against the file's folder, as `base:` is: a
+    value that exists there, or can only be a local path (`alpaca.jsonl`, `./data`); hub ids stay as they are."""
+    def against(key, value):
+        if not isinstance(value, str) or Path(value).expanduser().is_absolute() or "{" in value:
+            return value
+        there = folder / value
+        return str(there) if there.exists() or looks_local(key, value) else value
+
+    out = dict(data)
+    for key in PATH_KEYS:
+        value = out.get(key)
+        if isinstance(value, list):
+            out[key] = [{**e, "path": against(key, e["path"])} if isinstance(e, dict) and "path" in e else e
+                        for e in value]
+        elif value is not None:
+            out[key] = against(key, value)
+    return out
+
+
+def check_paths(recipe: Recipe) -> None:
+    """A local path that does not exist, refused in one line (before launch, in validate and in a dry run)."""
+    from .errors import RecipeError
+
+    for key in PATH_KEYS:
+        value = getattr(recipe, key)
+        for i, path in enumerate(e.path for e in value) if isinstance(value, tuple) else [(None, value)]:
+            if looks_local(key, path) and not Path(path).expanduser().exists():
+                where = f"{key}[{i}].path" if i is not None else key
+                raise RecipeError(f"{where}: {path} does not exist (a recipe file's relative paths are read from "
+                                  "its own folder; a key=value word's from the current one)")
+
+
 def absolute_word(word: str) -> str:
     """An override `key=value` whose value, for a path key, is made absolute."""
     key, _, value = word.partition("=")

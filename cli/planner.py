@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from .architecture import Structure, Tensor, lora_tensors_on_meta
 from .errors import RecipeError
-from .recipe import Recipe
+from .recipe import METHODS, Recipe, method  # noqa: F401 (METHODS, method: read here by plan and checks)
 from .topology import Topology, resolve_precision
 from .units import GiB
 
@@ -499,30 +499,32 @@ def with_batch(recipe: Recipe, micro: int, accumulation: int) -> Recipe:
     return replace(recipe, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
 
 
-METHODS = {"full": "full fine-tune", "lora": "LoRA", "qlora": "QLoRA"}
-
-
-def method(recipe: Recipe) -> str:
-    """What trains: the whole model (full), adapters on a 16-bit base (lora), or on a quantized one (qlora).
-    A choice of quality, not of speed: recommendations stay within one."""
-    return "qlora" if recipe.quantization else "lora" if recipe.lora else "full"
-
-
 def recommend(verdicts: list[Verdict]) -> tuple[Verdict | None, str]:
     """The cheapest recipe that fits (the tuning flow: plain -> checkpointing -> sharding -> offload),
-    and why; or, if none fits, what comes closest."""
+    and why, with the host RAM it needs; or, if none fits, what binds (the GPUs, or the host RAM of those
+    the GPUs would hold), what comes closest and the remedy for that."""
     fitting = sorted((v for v in verdicts if v.fits), key=lambda v: (v.estimate.speed_cost, -(v.headroom or 0)))
     if fitting:
         best = fitting[0]
-        where = "per CPU process" if best.estimate.cpu else "per GPU"
+        e = best.estimate
+        where = "per CPU process" if e.cpu else "per GPU"
         spare = f", {best.headroom / GiB:.1f} GiB to spare" if best.headroom is not None else ""
-        return best, (f"{best.estimate.recipe}: the fastest recipe that fits (step time x{best.estimate.speed_cost} "
-                      f"of plain bf16), {best.estimate.total / GiB:.1f} GiB {where}{spare}")
+        host = ("" if e.cpu else f"; host RAM {e.host_total() / GiB:.1f} GiB per machine"
+                + ("" if best.host_capacity is not None else " (not checked: give --host-memory)"))
+        return best, (f"{e.recipe}: the fastest recipe that fits (step time x{e.speed_cost} of plain bf16), "
+                      f"{e.total / GiB:.1f} GiB {where}{spare}{host}")
     if not verdicts:
         return None, "no recipe runs on this topology"
+    on_device = [v for v in verdicts if v.device_fits]
+    if on_device:  # the GPUs would hold these: the host RAM is what binds
+        least = min(on_device, key=lambda v: v.estimate.host_total())
+        return None, (f"nothing fits in host RAM: the least is {least.estimate.recipe} at "
+                      f"{least.estimate.host_total() / GiB:.1f} GiB per machine, more than "
+                      f"{least.host_capacity / GiB:.1f}; give the machines more host RAM, use more machines (each "
+                      "holds its own processes' share), or train another way (LoRA, QLoRA)")
     least = min(verdicts, key=lambda v: v.estimate.total)
-    return None, (f"nothing fits: the least is {least.estimate.recipe} at {least.estimate.total / GiB:.1f} GiB per "
-                  "process; use more GPUs, a shorter max_seq_length, or per_device_train_batch_size=1")
+    return None, (f"nothing fits on the GPUs: the least is {least.estimate.recipe} at {least.estimate.total / GiB:.1f} "
+                  "GiB per process; use more GPUs, a shorter max_seq_length, or per_device_train_batch_size=1")
 
 
 def recommend_by_method(recipes: list[Recipe], verdicts: list[Verdict]) -> dict[str, tuple[Verdict | None, str]]:

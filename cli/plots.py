@@ -37,10 +37,12 @@ def plan_chart(verdicts, gpu_memory, path) -> str:
         bottom = [b + x for b, x in zip(bottom, values)]
     if gpu_memory and not (verdicts and verdicts[0].estimate.cpu):
         ax.axhline(gpu_memory / GiB, color="black", linestyle="--", linewidth=1)
-        ax.text(len(verdicts) - 0.5, gpu_memory / GiB, f" GPU {gpu_memory / GiB:.0f} GiB", va="bottom", ha="right")
+        # in both units: "80GB" is 80e9 bytes, 74.5 GiB, and the bars are in GiB
+        ax.text(len(verdicts) - 0.5, gpu_memory / GiB, f"GPU memory: {gpu_memory / 1e9:.0f} GB = {gpu_memory / GiB:.1f} GiB",
+                va="bottom", ha="right")
     for i, v in enumerate(verdicts):
-        why = "" if v.fits else " (no: GPU)" if not v.device_fits else " (no: host RAM)"
-        ax.text(i, bottom[i], f"{bottom[i]:.1f}{why}", ha="center", va="bottom", fontsize=9)
+        why = "" if v.fits else "\nover the GPU" if not v.device_fits else "\nover host RAM"
+        ax.text(i, bottom[i], f"{bottom[i]:.1f} GiB{why}", ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("GiB per process")
     ax.set_title("Memory per process by recipe")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))

@@ -524,6 +524,15 @@ def techniques(r: Recipe) -> list[str]:
     return out
 
 
+METHODS = {"full": "full fine-tune", "lora": "LoRA", "qlora": "QLoRA"}
+
+
+def method(recipe: Recipe) -> str:
+    """What trains: the whole model (full), adapters on a 16-bit base (lora), or on a quantized one (qlora).
+    A choice of quality, not of speed: recommendations stay within one."""
+    return "qlora" if recipe.quantization else "lora" if recipe.lora else "full"
+
+
 def processes_range(r: Recipe) -> str:
     s = r.supports
     if s.max_processes == s.min_processes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import RecipeError, did_you_mean
+from .paths import from_recipe_file
 from .recipe import Recipe, make_recipe, merge, parse_overrides, read_yaml
 
 PACKAGE = Path(__file__).resolve().parent
@@ -43,7 +44,7 @@ def resolve(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     relative to this one) is read first and this file changes only what it names. Sections merge key
     by key (`lora: {r: 8}` keeps the base's other LoRA keys); null replaces a whole section (`lora: null`
     turns LoRA off); `name` defaults to the file's stem."""
-    data = read_yaml(path)
+    data = from_recipe_file(read_yaml(path), path.parent)  # its relative paths: from its own folder
     if "base" not in data:
         return data
     ref = data.pop("base")

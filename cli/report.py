@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from .errors import RecipeError
-from .run_folder import RunFolder
+from .run_folder import RECIPE, RunFolder
 from .table import table
 from .units import GiB
 
@@ -72,7 +72,8 @@ def card(report: dict) -> str:
                  _gib(plan.get("total")), *[_gib(p[peak]) for p in procs]])
     lines.append(table(["MEMORY GiB", "PLANNED", *[f"RANK {p['process_index']}" for p in procs]], rows))
     if peak == "peak_rss_bytes":
-        lines.append("(on CPU peak RSS is mostly libraries and kernel caches; the model-state rows are exact)")
+        lines.append("(on CPU peak RSS is mostly libraries and kernel caches; the measured parameters, gradients and "
+                     "optimizer state are exact byte counts of what each rank holds)")
     lines.append("(logits: planned for a full max_seq_length of targets, measured on the first micro batch)")
     offloaded = report.get("setup", {}).get("offloaded_bytes_per_micro_batch")
     if offloaded is not None:
@@ -85,7 +86,8 @@ def card(report: dict) -> str:
     tput = report["throughput"]
     mfu = f"{tput['mfu']:.1%}" if tput.get("mfu") is not None else "n/a (" + tput.get("mfu_note", "") + ")"
     padding = f", padding {tput['padding_fraction']:.0%} of the batches" if "padding_fraction" in tput else ""
-    lines.append(f"throughput: {tput['tokens_per_second']:,.0f} real tokens/s total, "
+    warmup = f" after the first step ({tput['warmup_seconds']:.1f} s of warm-up)" if tput.get("warmup_seconds") else ""
+    lines.append(f"throughput{warmup}: {tput['tokens_per_second']:,.0f} real tokens/s total, "
                  f"{tput['tokens_per_second_per_process']:,.0f} per process, {tput['seconds_per_step']:.2f} s/step"
                  f"{padding} | MFU {mfu}")
     loss = f"loss: {report['history'][0]['loss']:.3f} -> {report['final_train_loss']:.3f}"
@@ -99,9 +101,10 @@ def card(report: dict) -> str:
 def advice(report: dict, gpu_memory: int | None, bigger_micro_batch: int | None) -> str:
     """One line drawn from the figures: raise the micro batch, or the next technique in the flow."""
     recipe, procs = report["recipe"], report["processes"]
-    if gpu_memory is None:
+    if gpu_memory is None:  # the run folder's resolved recipe: a command that works for a user's recipe file too
+        resolved = Path(report["output_dir"]) / RECIPE
         return (f"CPU smoke test passed; before renting GPUs, check the real run with "
-                f"`memrecipe plan --recipe {recipe['name']} --model MODEL --gpu-memory 80GB`")
+                f"`memrecipe plan --recipe {resolved} --model MODEL --gpu-memory 80GB`")
     peak = max(p.get("cuda_max_reserved_bytes", 0) for p in procs)
     used = peak / gpu_memory
     if used < 0.75 and bigger_micro_batch and bigger_micro_batch > recipe["per_device_train_batch_size"]:
@@ -144,11 +147,17 @@ def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eva
     tokens = sum(r["tokens"] for r in this_session)
     slots = sum(r.get("slots", r["tokens"]) for r in this_session)  # rows x their padded width
     steps = len(history)
-    per_process = tokens / wall / accelerator.num_processes
+    # the first step is warm-up (imports finishing, kernel caches, a compile): the speed is read after it
+    timed = this_session[1:] or this_session
+    speed = sum(r["tokens"] for r in timed) / max(sum(r["seconds"] for r in timed), 1e-9)
+    per_process = speed / accelerator.num_processes
     fpt = flops_per_token(shape.params, setup["trainable_params"], shape.layers, shape.hidden, recipe.max_seq_length)
     peak = bf16_peak(name) if cuda else None
-    throughput = {"tokens_per_second": tokens / wall, "tokens_per_second_per_process": per_process,
-                  "seconds_per_step": wall / max(len(this_session), 1), "flops_per_token": fpt,
+    throughput = {"tokens_per_second": speed, "tokens_per_second_per_process": per_process,
+                  "seconds_per_step": sum(r["seconds"] for r in timed) / max(len(timed), 1),
+                  "warmup_seconds": this_session[0]["seconds"] if len(this_session) > 1 else None,
+                  "tokens_per_second_overall": tokens / wall,  # the whole run: warm-up, evals and saves included
+                  "flops_per_token": fpt,
                   "padding_fraction": 1 - tokens / slots if slots else 0.0,
                   "mfu": fpt * per_process / peak if peak else None,
                   "mfu_note": "no GPU" if not cuda else (None if peak else f"{name} is not in the peak table")}

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from .errors import RecipeError
 from .files import make_folder
-from .generator import accelerate_config, deepspeed_config, render_json, render_yaml
+from .generator import Invocation, accelerate_config, deepspeed_config, render_json, render_yaml
 
 if TYPE_CHECKING:
     from .recipe import Recipe
@@ -56,7 +56,14 @@ def run_files(recipe: Recipe, topo: Topology) -> dict[str, str]:
     name = lambda n: machine_file(n, topo.machine_rank)  # noqa: E731
     files = {name(RECIPE): f"# Resolved recipe of this run: the single source of truth for it.\n{recipe.to_yaml()}"}
     ds = deepspeed_config(recipe, topo)
-    header = [f"memrecipe run of recipe {recipe.name} on {topo.describe()}."]
+    from .registry import data_dir
+
+    script = str(data_dir("recipes") / "sft.py")  # this installation's loop (`memrecipe cp` gives a copy to edit)
+    run = Invocation(name(LAUNCH_CONFIG), script, name(RECIPE), cpu_multiprocess=topo.cpu and topo.num_processes > 1
+                     and ds is None, multi_machine=topo.num_machines > 1)
+    header = [f"memrecipe run of recipe {recipe.name} on {topo.describe()}.",
+              "Continue it: memrecipe run sft --resume --output-dir THIS_FOLDER",
+              f"Run:        (in this folder) {run.shell()} --resume --output-dir ."]
     files[name(LAUNCH_CONFIG)] = render_yaml(accelerate_config(recipe, topo, name(DEEPSPEED_CONFIG) if ds else None),
                                              header)
     if ds is not None:

@@ -13,7 +13,7 @@ from .errors import RecipeError, did_you_mean
 from .files import write_files
 from .hardware import Machine
 from .launch import SCRIPTS, launch_command, launch_env, stream
-from .paths import absolute_paths
+from .paths import absolute_paths, check_paths
 from .planner import Verdict
 from .recipe import Recipe
 from .registry import load_recipe
@@ -33,6 +33,7 @@ class RunPlan:
     command: list[str]  # run inside the folder
     env: dict[str, str]  # on top of the user's environment
     resume: bool
+    refused: tuple[str, ...] = ()  # a dry run's: what a run here would be refused for (this machine, the fit)
 
     @property
     def banner(self) -> str:
@@ -51,15 +52,17 @@ class Outcome:
 
 
 def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: Path | None, topology: dict,
-             resume=False, force=False, memory_snapshot=False, check_inputs=True, machine: Machine | None = None
+             resume=False, force=False, memory_snapshot=False, dry_run=False, machine: Machine | None = None
              ) -> RunPlan:
     """Everything `memrecipe run` checks before it touches the disk. `words` are the KEY=VALUE overrides
     (the --model/--dataset/--report-to flags among them); `topology` the topology flags (num_processes,
-    num_machines, machine_rank, main_process_ip, main_process_port, cpu); `check_inputs` loads the
-    model's config, the tokenizer and the datasets' columns first (preflight)."""
+    num_machines, machine_rank, main_process_ip, main_process_port, cpu). A real run loads the model's config,
+    the tokenizer and the datasets' columns first (preflight); a dry run reads nothing, and what this machine or
+    the fit would refuse becomes the plan's `refused` lines (a GPU launch line can be previewed on a laptop)."""
     if script not in SCRIPTS:
         raise RecipeError(f"unknown script {script!r}{did_you_mean(script, SCRIPTS)}; scripts: {', '.join(SCRIPTS)}")
     machine = machine or Machine.detect()
+    refused: list[str] = []
     if resume:
         r, topo = resumable(output_dir, recipe_ref, words, topology.get("num_processes"), machine,
                             topology.get("machine_rank", 0))
@@ -67,16 +70,24 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
         if recipe_ref is None:
             raise RecipeError("name a recipe with --recipe (memrecipe ls lists them), or --resume a run")
         r = absolute_paths(load_recipe(recipe_ref, words))
-        topo = plan_topology(r, machine, **topology)
-        if check_inputs:
+        check_paths(r)  # also in a dry run: a missing file is known without reading anything
+        topo = plan_topology(r, machine, **topology, refused=refused if dry_run else None)
+        if not dry_run:
             preflight(r)
-    verdict = check_fits(r, topo, machine, words, force)
+    try:
+        verdict = check_fits(r, topo, machine, words, force)
+    except RecipeError as e:
+        if not dry_run:
+            raise
+        refused.append(str(e))
+        verdict = check_fits(r, topo, machine, words, force=True)
     files = run_files(r, topo)
     if resume:  # the folder's own launch configs stay; only the recipe may have raised max_steps
         files = {name: text for name, text in files.items() if name.startswith("recipe.")}
     extra = [flag for flag, on in (("--resume", resume), ("--memory-snapshot", memory_snapshot)) if on]
     return RunPlan(r, topo, verdict, Path(output_dir or default_run_folder(r.name)), files,
-                   launch_command(script, topo, machine.cores, extra), launch_env(r, topo, machine.cores), resume)
+                   launch_command(script, topo, machine.cores, extra), launch_env(r, topo, machine.cores), resume,
+                   tuple(refused))
 
 
 def start(plan: RunPlan, overwrite=False, say=print) -> Outcome:
@@ -100,3 +111,13 @@ def start(plan: RunPlan, overwrite=False, say=print) -> Outcome:
         return Outcome(*stream(plan.command, folder, plan.env, run.train_log))
     finally:
         lock.release()
+
+
+def discard_failed_start(plan: RunPlan) -> None:
+    """Remove the folder of a start that failed (nothing in it but the launch files and the log) when memrecipe
+    named it, runs/<recipe>-<time>: each retry would leave one more. A folder the user named stays, for the same
+    command to use again."""
+    import shutil
+
+    if not plan.resume and RunFolder(plan.folder).failed_start():
+        shutil.rmtree(plan.folder, ignore_errors=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import RecipeError
-from .recipe import Recipe, cpu_blocker, fp16_blocker
+from .recipe import METHODS, Recipe, cpu_blocker, fp16_blocker, method
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,10 @@ def make_topology(num_processes=1, num_machines=1, machine_rank=0, main_process_
 
 
 def plan_topology(recipe: Recipe, machine, num_processes=None, num_machines=1, machine_rank=0,
-                  main_process_ip=None, main_process_port=None, cpu=False) -> Topology:
+                  main_process_ip=None, main_process_port=None, cpu=False, refused: list | None = None) -> Topology:
     """The topology for this run: the flags, else every GPU (as many as the recipe takes), else
-    the CPU smoke-test form (1 process, or 2 for recipes that shard)."""
+    the CPU smoke-test form (1 process, or 2 for recipes that shard). What this machine cannot hold (GPUs,
+    cores) is refused, or with `refused` (a dry run) listed there."""
     cpu = cpu or machine.gpus == 0
     s = recipe.supports
     if num_processes is None:
@@ -78,14 +79,18 @@ def plan_topology(recipe: Recipe, machine, num_processes=None, num_machines=1, m
     topo = make_topology(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, cpu,
                          None if cpu else machine.bf16)
     check_supported(recipe, topo)
-    local = topo.processes_per_machine
+    local, why = topo.processes_per_machine, None
     if not cpu and local > machine.gpus:
-        raise RecipeError(f"{local} processes per machine need {local} GPUs; this machine has {machine.gpus}: "
-                          f"lower --num-processes")
+        why = (f"{local} processes per machine need {local} GPUs; this machine has {machine.gpus}: "
+               f"lower --num-processes")
     if cpu and local > machine.cores:
-        raise RecipeError(f"{local} CPU processes need {local} cores; this machine has {machine.cores} (to prepare "
-                          f"a GPU run from here: memrecipe config {recipe.name} --num-processes {num_processes}, "
-                          f"or memrecipe slurm {recipe.name}, write its files)")
+        why = (f"{local} CPU processes need {local} cores; this machine has {machine.cores} (to prepare "
+               f"a GPU run from here: memrecipe config {recipe.name} --num-processes {num_processes}, "
+               f"or memrecipe slurm {recipe.name}, write its files)")
+    if why and refused is None:
+        raise RecipeError(why)
+    if why:
+        refused.append(why)
     return topo
 
 
@@ -110,6 +115,19 @@ def resolve_precision(recipe: Recipe, topo: Topology) -> str:
     return "fp16"
 
 
+def recipes_for(recipe: Recipe, processes: int) -> str:
+    """The shipped recipes that take this many processes, those that train the same way (full, LoRA, QLoRA)
+    first, then the nearest way: 'fsdp-qlora, fsdp-lora (LoRA) or ...'."""
+    from .registry import load_recipe, recipe_names
+
+    fits = [r for r in map(load_recipe, recipe_names()) if r.supports.min_processes <= processes
+            and (r.supports.max_processes or processes) >= processes]
+    nearest = {"full": ("full", "lora", "qlora"), "lora": ("lora", "qlora", "full"), "qlora": ("qlora", "lora", "full")}
+    ordered = sorted(fits, key=lambda r: nearest[method(recipe)].index(method(r)))
+    words = [r.name + ("" if method(r) == method(recipe) else f" ({METHODS[method(r)]})") for r in ordered[:3]]
+    return ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else (words[0] if words else "another recipe")
+
+
 def check_supported(recipe: Recipe, topo: Topology) -> None:
     """Refuse a topology the recipe does not support, saying which recipe would."""
     s = recipe.supports
@@ -120,10 +138,8 @@ def check_supported(recipe: Recipe, topo: Topology) -> None:
             f"got {n}: use --num-processes {s.min_processes}, or single-gpu-lora / zero3-offload for one GPU"
         )
     if s.max_processes is not None and n > s.max_processes:
-        raise RecipeError(
-            f"recipe {recipe.name} runs on at most {s.max_processes} process(es) (supports.max_processes), "
-            f"got {n}: use fsdp, zero3-offload or adamw-8bit to train on {n} GPUs"
-        )
+        raise RecipeError(f"recipe {recipe.name} runs on at most {s.max_processes} process(es) (supports.max_processes), "
+                          f"got {n}: to train on {n} GPUs use {recipes_for(recipe, n)}")
     if recipe.parallelism:
         tp = recipe.parallelism.tp_size
         if n % tp or n // tp < 2:

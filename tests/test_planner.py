@@ -277,7 +277,7 @@ def test_plan_recommends_and_finds_micro_batch_and_accumulation(cli, tmp_path):
                "max_seq_length=2048", "per_device_train_batch_size=1")
     assert done.returncode == 0, done.stderr
     assert "8.030B parameters" in done.stdout and "LoRA: single-gpu-lora: the fastest" in done.stdout
-    assert "adamw-8bit" in done.stdout and "NO" in done.stdout
+    assert "adamw-8bit" in done.stdout and "no (-" in done.stdout
     data = json.loads(cli("plan", "--model", str(folder), "--gpu-memory", "80GB", "--num-processes", "8",
                           "--host-memory", "1TiB", "--global-batch", "512", "--json", "max_seq_length=2048").stdout)
     fsdp = next(e for e in data["estimates"] if e["recipe"] == "fsdp")
@@ -653,3 +653,23 @@ def test_qlora_and_dropout_on_fused_experts_are_refused_with_the_reason(models, 
         estimate(load_recipe("single-gpu-lora"), s, CPU1)
     done = cli("plan", "--model", models["mixtral"], "--gpu-memory", "24GiB", "--recipe", "qlora")
     assert done.returncode == 2 and "QLoRA saves little" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_plan_shows_each_rows_batch_and_what_binds_when_nothing_fits(cli, tmp_path):
+    """Each row's micro batch x tokens (recipes differ), a note when a GPU plan uses the recipes' smoke-test sizes,
+    the host RAM each recommendation needs, and, when the host RAM is what binds, that and its remedy."""
+    folder = tmp_path / "llama-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    done = cli("plan", "--model", str(folder), "--gpu-memory", "24GB")
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split()[1:4] for line in done.stdout.splitlines() if line.split()[:1] in
+            (["single-gpu-full"], ["single-gpu-lora"])}
+    assert rows == {"single-gpu-full": ["8", "x", "256"], "single-gpu-lora": ["4", "x", "256"]}
+    assert "sized for the CPU smoke test" in done.stdout and "max_seq_length=4096" in done.stdout
+    assert "host RAM 119.7 GiB per machine (not checked: give --host-memory)" in done.stdout  # zero2's
+    sized = cli("plan", "--model", str(folder), "--gpu-memory", "24GB", "max_seq_length=2048")
+    assert "sized for the CPU smoke test" not in sized.stdout
+    host = cli("plan", "--model", str(folder), "--gpu-memory", "24GB", "--host-memory", "64GiB", "--method", "full")
+    assert host.returncode == 2 and "nothing fits in host RAM: the least is zero2 at 119.7 GiB per machine" in host.stderr
+    assert "more host RAM, use more machines" in host.stderr and "per_device_train_batch_size=1" not in host.stderr

@@ -173,6 +173,7 @@ def test_a_bad_base_recipe_is_one_line_naming_what_is_wrong(tmp_path, text, reas
 
 def test_show_and_validate_resolve_a_base(tmp_path, cli):
     (tmp_path / "mine.yaml").write_text("base: single-gpu-lora\ndataset: data.jsonl\nmax_steps: 5\n")
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
     shown = cli("show", str(tmp_path / "mine.yaml"))
     assert shown.returncode == 0, shown.stderr
     resolved = yaml.safe_load(shown.stdout)
@@ -180,6 +181,7 @@ def test_show_and_validate_resolve_a_base(tmp_path, cli):
     assert make_recipe(resolved) == load_recipe(str(tmp_path / "mine.yaml"))
     ok = cli("validate", str(tmp_path / "mine.yaml"))
     assert ok.returncode == 0 and "valid recipe (mine, based on single-gpu-lora)" in ok.stdout
+    assert resolved["dataset"] == str(tmp_path / "data.jsonl")  # the recipe's relative path, from its own folder
     (tmp_path / "typo.yaml").write_text("base: single-gpu-lora\nlearning_rat: 1e-4\n")
     bad = cli("validate", str(tmp_path / "typo.yaml"))
     assert bad.returncode == 2 and "did you mean 'learning_rate'" in bad.stderr and "Traceback" not in bad.stderr
@@ -195,3 +197,25 @@ def test_docs_configs_names_every_recipe_key():
                 schema.Quantization, schema.Fsdp, schema.DeepSpeed, schema.Parallelism)
     missing = [f"{cls.__name__}.{f.name}" for cls in sections for f in dataclasses.fields(cls) if f"`{f.name}`" not in text]
     assert not missing
+
+
+def test_a_recipes_relative_paths_are_read_from_its_own_folder(tmp_path, cli):
+    """`memrecipe validate ../own/my.yaml` and a dry run from elsewhere read the recipe's dataset beside it, and a
+    missing one is refused before anything runs (before: validate said ok, then the run failed)."""
+    own, elsewhere = tmp_path / "own", tmp_path / "elsewhere"
+    own.mkdir()
+    elsewhere.mkdir()
+    (own / "my.yaml").write_text("base: single-gpu-lora\ndataset:\n  - {path: alpaca.jsonl}\nchat_template: chat.jinja\n")
+    ok = cli("validate", "../own/my.yaml", cwd=elsewhere)
+    assert ok.returncode == 2 and "dataset[0].path: ../own/alpaca.jsonl does not exist" in ok.stderr
+    (own / "alpaca.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    ok = cli("validate", "../own/my.yaml", cwd=elsewhere)
+    assert ok.returncode == 2 and "chat_template: ../own/chat.jinja does not exist" in ok.stderr
+    (own / "chat.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert cli("validate", "../own/my.yaml", cwd=elsewhere).returncode == 0
+    dry = cli("run", "sft", "--recipe", "../own/my.yaml", "--dry-run", cwd=elsewhere)
+    assert dry.returncode == 0 and str(own / "alpaca.jsonl") in dry.stdout
+    (own / "alpaca.jsonl").unlink()
+    dry = cli("run", "sft", "--recipe", "../own/my.yaml", "--dry-run", cwd=elsewhere)
+    assert dry.returncode == 2 and "alpaca.jsonl does not exist" in dry.stderr
+    assert load_recipe("single-gpu-lora", ["dataset=tatsu-lab/alpaca"]).dataset == "tatsu-lab/alpaca"  # a hub id

@@ -5,6 +5,8 @@ Each recipe runs once per session (a module fixture); several tests assert on th
 """
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -299,12 +301,19 @@ def test_report_json_and_card_hold_what_was_measured(runs, cli, tmp_path):
     assert r["versions"]["torch"] and r["resolved_config"]["distributed_type"] == "NO"
     assert r["throughput"]["tokens_per_second"] > 0 and r["throughput"]["mfu"] is None  # no GPU: no MFU
     assert all({"step", "loss", "lr", "tokens", "seconds"} <= set(h) for h in r["history"])
+    first, rest = r["history"][0], r["history"][1:]  # the first step is warm-up: the speed is read after it
+    assert r["throughput"]["warmup_seconds"] == first["seconds"] and rest
+    assert r["throughput"]["tokens_per_second"] == pytest.approx(sum(h["tokens"] for h in rest) /
+                                                                 sum(h["seconds"] for h in rest))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (folder / "final").iterdir()} == {0o666 & ~umask}  # not 0600
     assert r["plan"]["total"] > 0 and r["advice"].startswith("CPU smoke test passed")
     assert (folder / "loss.png").stat().st_size > 10_000
     log = (folder / "train.log").read_text()
     assert "memrecipe report: adamw-8bit" in log and "optimizer state" in log
     again = cli("report", str(folder))
-    assert again.returncode == 0 and "PLANNED" in again.stdout and "throughput:" in again.stdout
+    assert again.returncode == 0 and "PLANNED" in again.stdout and "throughput after the first step (" in again.stdout
     chart = tmp_path / "compare.png"
     both = cli("compare", str(folder), str(runs("single-gpu-lora")), "--plot", str(chart))
     assert both.returncode == 0 and "adamw-8bit" in both.stdout and "single-gpu-lora" in both.stdout

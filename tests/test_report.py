@@ -41,7 +41,9 @@ def test_advice_follows_the_tuning_flow(peak, recipe, words):
 
 
 def test_advice_on_cpu_points_to_the_planner():
-    assert "memrecipe plan" in advice(_report(0), None, None)
+    """With the run folder's resolved recipe: a user's recipe file named `my` is no shipped recipe name."""
+    said = advice(_report(0, name="my") | {"output_dir": "/runs/my-1"}, None, None)
+    assert "`memrecipe plan --recipe /runs/my-1/recipe.yaml --model MODEL --gpu-memory 80GB`" in said
 
 
 def _run_folder(folder, tokens_per_second, peak):

@@ -48,6 +48,11 @@ def test_dry_run_prints_the_command_and_writes_nothing(tmp_path, cli):
     assert "ACCELERATE_USE_CPU" not in command  # it would switch DeepSpeed off
     assert f"# memrecipe run would create it, write the 3 file(s) shown below into {out}, then run:" in ds.stdout
     assert "deepspeed_config_file: deepspeed_config.json" in ds.stdout
+    # a GPU launch line previewed on a 2-core machine: shown, with what a run here would be refused for
+    eight = cli("run", "sft", "--recipe", "fsdp", "--num-processes", "8", "--output-dir", str(out), "--dry-run")
+    assert eight.returncode == 0 and "num_processes: 8" in eight.stdout and "launch --config_file" in eight.stdout
+    assert "a run on this machine would be refused: 8 CPU processes need 8 cores" in eight.stderr
+    assert not out.exists()
 
 
 def _bad_runs(tmp_path):
@@ -70,18 +75,24 @@ def _bad_runs(tmp_path):
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "notes.txt").write_text("mine")
+    long = tmp_path / "long.jsonl"  # every prompt longer than max_seq_length=64: nothing would be left to learn
+    long.write_text("".join(json.dumps({"prompt": " ".join(f"word{i}" for i in range(400)), "completion": " yes"})
+                            + "\n" for _ in range(20)))
     return [
         (["--model", "someone/not-on-this-machine"], "neither a local folder nor reachable on the hub", None),
-        (["--model", "./no/such/model"], "model path ./no/such/model does not exist", None),
+        (["--model", "./no/such/model"], "model_name_or_path: ./no/such/model does not exist", None),
         (["--model", str(remote)], "trust_remote_code=true", None),
         (["--model", str(not_causal)], "not a causal language model", None),
         (["--model", str(no_tokenizer)], "has no tokenizer memrecipe can load", None),
         (["--model", str(no_template)], "no chat template: set chat_template to a Jinja file", None),
-        (["chat_template=nowhere.jinja"], "chat_template nowhere.jinja is neither a file nor a Jinja template", None),
+        (["chat_template=nowhere.jinja"], "chat_template: nowhere.jinja does not exist", None),
         (["--dataset", str(no_columns)], "it has: question, answer", None),
         (["--dataset", str(tmp_path / "missing.jsonl")], "does not exist", None),
         (["--num-processes", "4", "--recipe", "fsdp"], "(to prepare a GPU run from here: memrecipe config fsdp --num-processes 4", None),
         (["--recipe", "single-gpu-lora", "--num-processes", "2"], "at most 1 process", None),
+        (["--recipe", "qlora", "--num-processes", "2"], "use fsdp-qlora, fsdp-lora (LoRA) or", None),  # same way first
+        (["--dataset", str(long), "max_seq_length=64"],
+         "none of its 20 examples has a target token within max_seq_length=64", None),
         (["learning_rate=fast"], "learning_rate must be a number", None),
         ([], "is not empty: pass --overwrite", existing),
     ]
@@ -232,6 +243,11 @@ def test_a_failure_after_launch_is_one_line_and_the_fixed_command_reuses_the_fol
     assert (tmp_path / "R" / "final").is_dir()
     again = launch(run, cwd=tmp_path)  # a finished run keeps its protection
     assert again.returncode == 2 and "is not empty" in again.stderr
+    unnamed = tmp_path / "unnamed"  # the folder memrecipe named (runs/<recipe>-<time>) goes with the failed start
+    unnamed.mkdir()
+    failed = launch([word for word in run if word not in ("--output-dir", "R")], cwd=unnamed)
+    assert failed.returncode == 2 and "fewer than gradient_accumulation_steps" in failed.stdout + failed.stderr
+    assert not list(unnamed.glob("runs/*")), list(unnamed.rglob("*"))
 
 
 def test_launch_output_keeps_the_loops_lines_and_drops_the_launchers_tracebacks():
@@ -257,3 +273,30 @@ def test_launch_output_keeps_the_loops_lines_and_drops_the_launchers_tracebacks(
                                 b"last):\n  File \"c\"\nsubprocess.CalledProcessError: exit status 2\n")
     assert logged == ["data: train", "memrecipe: error: the dataset gives 1 micro batch(es)"] and failed.finish() == []
     assert failed.error == "memrecipe: error: the dataset gives 1 micro batch(es)"
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_signal_after_the_last_step_says_the_run_finished(tmp_path, monkeypatch, finished):
+    """A Ctrl-C that lands while the run writes its final save and report is no stop to resume from."""
+    import signal as signals
+
+    from click.testing import CliRunner
+
+    from memrecipe.commands import run as command
+    from memrecipe.main import cli
+    from memrecipe.runner import Outcome
+
+    def fake_start(plan, overwrite, say):
+        plan.folder.mkdir(parents=True)
+        if finished:
+            (plan.folder / "report.json").write_text("{}")
+        return Outcome(status=0 if finished else 130, stopped_by=signals.SIGINT, error=None)
+
+    monkeypatch.setattr(command, "start", fake_start)
+    done = CliRunner().invoke(cli, ["run", "sft", "--recipe", "single-gpu-lora", "--cpu", "--output-dir",
+                                    str(tmp_path / "R")])
+    if finished:
+        assert done.exit_code == 0 and "SIGINT came after the run had finished" in done.output
+        assert "--resume" not in done.output
+    else:
+        assert done.exit_code == 128 + signals.SIGINT and "resume with: memrecipe run sft --resume" in done.output

@@ -94,6 +94,11 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
                                                    for m, (best, why) in picks.items()}}, indent=2))
     else:
         echo_table(rows, gpu, host, topo, global_batch, shapes)
+        given = {word.partition("=")[0] for word in overrides}
+        if not topo.cpu and rows and "max_seq_length" not in given:
+            click.echo("note: each recipe is planned at its own defaults (BATCH), sized for the CPU smoke test: plan "
+                       "your job with its own sizes, e.g. max_seq_length=4096 per_device_train_batch_size=2 "
+                       "(or --global-batch)")
         for name, why in skipped:
             click.echo(f"  {name}: {why}")
     if plot:
@@ -118,18 +123,17 @@ def echo_table(rows, gpu, host, topo, global_batch, shapes):
     click.echo(f"topology: {topo.describe()}, {cap}" + (f", {host / GiB:.0f} GiB host RAM per machine" if host else
                                                          ", host RAM not given (--host-memory): HOST is not checked")
                + "\n")
-    headers = ["RECIPE", "PARAMS", "GRADS", "OPTIM", "ACTIV", "LOGITS", f"TOTAL/{where.split()[0]}", "HOST",
+    headers = ["RECIPE", "BATCH", "PARAMS", "GRADS", "OPTIM", "ACTIV", "LOGITS", f"TOTAL/{where.split()[0]}", "HOST",
                "FITS", "SPEED"] + (["MICRO x ACC"] if global_batch else [])
     body = []
     for r, v, note in rows:
         e = v.estimate
-        fits = ("yes" if v.fits else "NO") + (f" ({v.headroom / GiB:+.1f})" if v.headroom is not None else "")
-        body.append([r.name, *(f"{getattr(e, c) / GiB:.2f}" for c in CATEGORIES[:5]), f"{e.total / GiB:.2f}",
+        fits = ("yes" if v.fits else "no") + (f" ({v.headroom / GiB:+.1f})" if v.headroom is not None else "")
+        body.append([r.name, f"{e.micro_batch} x {e.seq_length}", *(f"{getattr(e, c) / GiB:.2f}" for c in CATEGORIES[:5]),
+                     f"{e.total / GiB:.2f}",
                      f"{e.host_total() / GiB:.1f}", fits, f"x{e.speed_cost}"] + ([note] if global_batch else []))
     click.echo(table(headers, body))
     click.echo("GiB per process (HOST: per machine); TOTAL counts ACTIV and LOGITS at their joint peak (with "
                "checkpointing the loss and a layer's recompute come one after the other); FITS: spare GiB on the "
                "tightest of GPU and host; SPEED: step "
-               "time vs plain bf16 on one GPU (rule of thumb); micro batch "
-               f"{rows[0][0].per_device_train_batch_size if rows and not global_batch else 'as shown'}, "
-               f"{rows[0][0].max_seq_length if rows else ''} tokens per sequence")
+               "time vs plain bf16 on one GPU (rule of thumb); BATCH: micro batch x tokens per sequence, per process")

@@ -1,12 +1,14 @@
 import signal
 import sys
+import time
 from pathlib import Path
 
 import click
 
 from ..launch import shell_form
 from ..options import dataset_option, model_option, overrides_argument, topology_options
-from ..runner import plan_run, start
+from ..run_folder import RunFolder
+from ..runner import discard_failed_start, plan_run, start
 
 
 @click.command("run")
@@ -41,10 +43,11 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
                            if value is not None)]
     topology = {"num_processes": num_processes, "num_machines": num_machines, "machine_rank": machine_rank,
                 "main_process_ip": main_process_ip, "main_process_port": main_process_port, "cpu": cpu}
-    plan = plan_run(script, recipe, words, output_dir, topology, resume, force, memory_snapshot,
-                    check_inputs=not dry_run)
+    plan = plan_run(script, recipe, words, output_dir, topology, resume, force, memory_snapshot, dry_run)
     if dry_run:  # what `run` would do here, step by step; nothing is written
         click.echo(plan.banner, err=True)
+        for why in plan.refused:
+            click.echo(f"memrecipe: a run on this machine would be refused: {why}", err=True)
         made = "" if plan.folder.is_dir() else "create it, "
         click.echo(f"# memrecipe run would {made}write the {len(plan.files)} file(s) shown below into {plan.folder}, "
                    "then run:")
@@ -53,11 +56,20 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
             click.echo(f"\n==> {plan.folder / name} <==")
             click.echo(text, nl=False)
         return
+    started = time.time()
     outcome = start(plan, overwrite, say=lambda line: click.echo(line, err=True))
+    if outcome.status and not outcome.stopped_by and output_dir is None:
+        discard_failed_start(plan)  # a timestamped folder holding only a failed start
     if outcome.error and not outcome.stopped_by:  # the loop said what is wrong, in its one line
         sys.exit(2)  # (the folder stays reusable by the same command)
     if outcome.stopped_by:
-        click.echo(f"memrecipe: stopped by {signal.Signals(outcome.stopped_by).name}; resume with: "
-                   f"memrecipe run {script} --resume --output-dir {plan.folder}", err=True)
+        name, report = signal.Signals(outcome.stopped_by).name, RunFolder(plan.folder).report
+        if report.is_file() and report.stat().st_mtime >= started:  # the signal came after the last step
+            click.echo(f"memrecipe: {name} came after the run had finished: final/ and report.json are in "
+                       f"{plan.folder}", err=True)
+            sys.exit(outcome.status)
+        else:
+            click.echo(f"memrecipe: stopped by {name}; resume with: "
+                       f"memrecipe run {script} --resume --output-dir {plan.folder}", err=True)
         sys.exit(128 + outcome.stopped_by)
     sys.exit(outcome.status)

@@ -3,6 +3,7 @@ from pathlib import Path
 import click
 
 from ..errors import RecipeError
+from ..paths import check_paths
 from ..recipe import make_recipe, read_yaml
 from ..registry import resolve
 
@@ -26,6 +27,7 @@ def command(file):
         return
     try:
         recipe = make_recipe(resolve(file))
+        check_paths(recipe)
     except RecipeError as e:
         raise RecipeError(f"{file}: {e}") from None
     based = f", based on {data['base']}" if "base" in data else ""

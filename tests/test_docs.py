@@ -1,0 +1,58 @@
+"""One figure per fact: the numbers the README, docs/recipes.md and `memrecipe ls` (the recipes' own lines) quote
+for an 8B job are the planner's, as `memrecipe plan` prints them (with its 1 GiB allowance), and the count of
+recipes that run on CPU is the recipes' own."""
+
+import re
+
+import pytest
+
+from helpers import REPO
+from memrecipe.architecture import structure
+from memrecipe.planner import estimate
+from memrecipe.recipe import cpu_blocker
+from memrecipe.registry import load_recipe, recipe_names
+from memrecipe.topology import Topology
+
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+            "max_position_embeddings": 131072, "head_dim": 128}
+JOB = ["per_device_train_batch_size=2", "max_seq_length=2048"]
+LORA_JOB = [*JOB, "lora.r=8", "lora.alpha=16"]
+GiB = 2**30
+
+
+def planned(recipe, *overrides, allowance=True) -> str:
+    est = estimate(load_recipe(recipe, list(overrides)), structure(LLAMA_8B), Topology(1))
+    return f"{(est.total - (0 if allowance else est.overhead)) / GiB:.1f}"
+
+
+def text(path) -> str:
+    return " ".join((REPO / path).read_text().split())  # prose wraps anywhere
+
+
+@pytest.mark.parametrize("path, sentence, figures", [
+    ("README.md", "puts LoRA on q_proj, v_proj at {} GiB and QLoRA at {} GiB",
+     lambda: [planned("single-gpu-lora", *LORA_JOB, "lora.target_modules=[q_proj,v_proj]"), planned("qlora", *LORA_JOB)]),
+    ("README.md", "without it these are {} and {} GiB",
+     lambda: [planned("single-gpu-lora", *LORA_JOB, "lora.target_modules=[q_proj,v_proj]", allowance=False),
+              planned("qlora", *LORA_JOB, allowance=False)]),
+    ("README.md", "(LoRA {} GiB, QLoRA {} GiB for that job)",
+     lambda: [planned("single-gpu-lora", *LORA_JOB, "lora.target_modules=[q_proj,v_proj]", "activation_offload=true"),
+              planned("qlora", *LORA_JOB, "activation_offload=true")]),
+    ("README.md", "plans at {} GiB (APOLLO: {})",
+     lambda: [planned("single-gpu-full", *JOB), planned("single-gpu-full", *JOB, "optim=apollo_adamw")]),
+    ("docs/recipes.md", "at 2 x 2048 tokens at {} GiB with this recipe", lambda: [planned("single-gpu-full", *JOB)]),
+    ("docs/recipes.md", "against {} GiB for `adamw-8bit`", lambda: [planned("adamw-8bit", *JOB)]),
+    ("docs/recipes.md", "then plans at {} GiB", lambda: [planned("single-gpu-full", *JOB, "optim=apollo_adamw")]),
+    ("recipes/single-gpu-full.yaml", "plans at {} GiB, not {}",  # what `memrecipe ls` shows
+     lambda: [planned("single-gpu-full", *JOB), planned("adamw-8bit", *JOB)]),
+], ids=lambda v: v if isinstance(v, str) and "/" in v or v == "README.md" else None)
+def test_quoted_figures_are_the_planners(path, sentence, figures):
+    assert sentence.format(*figures()) in text(path), (path, sentence.format(*figures()))
+
+
+def test_the_count_of_recipes_that_run_on_cpu_is_the_recipes_own():
+    words = {9: "Nine", 10: "Ten", 11: "Eleven", 8: "Eight"}
+    runs = sum(cpu_blocker(load_recipe(name)) is None for name in recipe_names())
+    assert f"{words[runs]} recipes run end to end on CPU" in text("README.md")
+    assert re.search(rf"which run end to end on CPU: {words[runs].lower()} do", text("docs/recipes.md"))
