@@ -68,8 +68,7 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
             click.echo(f"memrecipe: {name} came after the run had finished: final/ and report.json are in "
                        f"{plan.folder}", err=True)
             sys.exit(outcome.status)
-        else:
-            click.echo(f"memrecipe: stopped by {name}; resume with: "
-                       f"memrecipe run {script} --resume --output-dir {plan.folder}", err=True)
+        click.echo(f"memrecipe: stopped by {name}; resume with: "
+                   f"memrecipe run {script} --resume --output-dir {plan.folder}", err=True)
         sys.exit(128 + outcome.stopped_by)
     sys.exit(outcome.status)
