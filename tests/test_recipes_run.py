@@ -21,6 +21,7 @@ SHORT = ["max_steps=20", "eval_steps=10", "logging_steps=5", "max_seq_length=64"
 def memrecipe_run(folder, recipe, *args):
     done = launch(["memrecipe", "run", "sft", "--recipe", recipe, "--output-dir", str(folder), *args, *SHORT])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (folder.parent / f"{folder.name}.launch.log").write_text(done.stdout + done.stderr)  # what the user saw
     return folder
 
 
@@ -344,3 +345,15 @@ def test_every_recipe_that_runs_on_cpu_is_run_here():
     for name in recipe_names():
         if load_recipe(name).supports.cpu:
             assert f'runs("{name}")' in source, f"{name} claims a CPU run but no test runs it"
+
+
+def test_a_launch_is_quiet_and_its_folder_says_how_to_run_it(runs):
+    """What a person reads: the engine in words, no DeepSpeed notice that it guessed the CPU, and the run folder's
+    launch config headed by the Run line its comments refer to."""
+    folder = runs("zero3-offload")
+    said = (folder.parent / f"{folder.name}.launch.log").read_text()
+    assert "2 process(es), DeepSpeed on cpu" in said and "Setting accelerator to CPU" not in said
+    assert "1 process(es), plain (no DDP/FSDP/DeepSpeed) on cpu" in (runs("adamw-8bit") / "train.log").read_text()
+    config = (folder / "accelerate_config.yaml").read_text()
+    run_line = next(line for line in config.splitlines() if line.startswith("# Run:"))
+    assert "--config_file accelerate_config.yaml" in run_line and "--recipe recipe.yaml --resume --output-dir ." in run_line
