@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import RecipeError, did_you_mean
+from .paths import FILE_BUILDERS
 from .recipe import template_fields
 
 IGNORE = -100  # label of tokens that are not targets (prompt, user turns, padding)
@@ -18,7 +19,6 @@ EMBEDDED_DATASET = Path(__file__).resolve().parent / "data" / "chat.jsonl"
 FORMAT_COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 NO_TEMPLATE = ("the dataset has 'messages' but the tokenizer has no chat template: set chat_template to a Jinja "
                "file (chat_template: template.jinja), or use prompt/completion data")
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def load_any(source: str | None, split: str = "train"):
@@ -265,8 +265,7 @@ def check_targets(raw, fmt: str, tokenizer, recipe, where: str = "", sample: int
     which = f"its {len(rows)} examples" if len(rows) == len(raw) else f"its first {len(rows)} examples"
     raise RecipeError(f"{where}none of {which} has a target token within max_seq_length={recipe.max_seq_length} "
                       f"(they are {min(lengths)}{'' if min(lengths) == max(lengths) else f' to {max(lengths)}'} tokens "
-                      "long, the prompt first): raise "
-                      "max_seq_length, or shorten the prompts")
+                      "long, the prompt first): raise max_seq_length, or shorten the prompts")
 
 
 def fingerprint(ds, options: dict, *functions) -> str:

@@ -26,7 +26,8 @@ def absolute_paths(recipe: Recipe) -> Recipe:
     return replace(recipe, **{key: absolute_path(getattr(recipe, key)) for key in PATH_KEYS})
 
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # the local dataset files data.load_any reads
+# the local dataset files data.load_any reads: suffix -> the datasets builder that reads it
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def looks_local(key: str, value) -> bool:
@@ -35,7 +36,7 @@ def looks_local(key: str, value) -> bool:
         return False
     if value.startswith((".", "/", "~")):
         return True
-    return Path(value).suffix in (DATA_SUFFIXES if key in ("dataset", "eval_dataset") else
+    return Path(value).suffix in (tuple(FILE_BUILDERS) if key in ("dataset", "eval_dataset") else
                                   (".jinja", ".j2") if key == "chat_template" else ())
 
 
