@@ -34,7 +34,7 @@ def make_model(folder: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from memrecipe.modeling import EMBEDDED_MODEL
+    from memrecipe.planning.registry import EMBEDDED_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1376, num_hidden_layers=6,

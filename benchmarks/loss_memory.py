@@ -19,11 +19,11 @@ import time
 import memrecipe  # noqa: F401  (first: quiets library notices)
 import torch
 
-from memrecipe.data import Collator, prepare_datasets
-from memrecipe.loss import count_targets, fuse_head, lm_loss
-from memrecipe.measure import LossMemory
-from memrecipe.modeling import embedded_model, load_model, load_tokenizer
-from memrecipe.registry import load_recipe
+from memrecipe.training.data import Collator, prepare_datasets
+from memrecipe.training.loss import count_targets, fuse_head, lm_loss
+from memrecipe.training.measure import LossMemory
+from memrecipe.training.modeling import embedded_model, load_model, load_tokenizer
+from memrecipe.planning.registry import load_recipe
 
 BIG_VOCAB = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,

@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 
 from sft import accumulate_window  # noqa: E402
 
-from memrecipe.data import Collator, prepare_datasets  # noqa: E402
-from memrecipe.measure import held_bytes, optimizer_state_dtypes, peak_memory  # noqa: E402
-from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator  # noqa: E402
-from memrecipe.optimizers import make_optimizer  # noqa: E402
-from memrecipe.registry import load_recipe  # noqa: E402
+from memrecipe.training.data import Collator, prepare_datasets  # noqa: E402
+from memrecipe.training.measure import held_bytes, optimizer_state_dtypes, peak_memory  # noqa: E402
+from memrecipe.training.modeling import embedded_model, load_model, load_tokenizer, make_accelerator  # noqa: E402
+from memrecipe.training.optimizers import make_optimizer  # noqa: E402
+from memrecipe.planning.registry import load_recipe  # noqa: E402
 
 
 def timed(fn, repeat):

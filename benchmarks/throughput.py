@@ -75,8 +75,8 @@ def make_fixture(folder: Path, examples: int = 2000) -> tuple[Path, Path]:
 TRAINER = r'''
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
-from memrecipe.data import Collator, load_any, tokenize
-from memrecipe.registry import load_recipe
+from memrecipe.training.data import Collator, load_any, tokenize
+from memrecipe.planning.registry import load_recipe
 
 model_dir, data, recipe_name, steps, out = sys.argv[1:6]
 recipe = load_recipe(recipe_name)

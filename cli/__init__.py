@@ -1,7 +1,7 @@
 """memrecipe: memory-saving fine-tuning recipes for Hugging Face Accelerate.
 
 The CLI lives in memrecipe.main; recipes/sft.py imports the training helpers from
-memrecipe.data, memrecipe.modeling and memrecipe.measure. Importing this package imports no torch.
+memrecipe.training.data, memrecipe.training.modeling and memrecipe.training.measure. Importing this package imports no torch.
 """
 
 import logging

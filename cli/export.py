@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .checkpoint import complete_checkpoints
 from .errors import RecipeError
 from .files import readable_files
-from .run_folder import RunFolder
+from .launching.run_folder import RunFolder, complete_checkpoints
 
 DTYPES = ("bf16", "fp32")
 
@@ -53,7 +52,7 @@ def checkpoint_state_dict(path: Path) -> dict:
 
             return load_file(Path(tmp) / "model.safetensors")
     if (path / "pytorch_model").is_dir():
-        from .hardware import quiet_deepspeed
+        from .training.device import quiet_deepspeed
 
         quiet_deepspeed()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -64,14 +63,14 @@ def checkpoint_state_dict(path: Path) -> dict:
 
 
 def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool = False, dtype: str = "fp32") -> Path:
-    from .hardware import quiet_deepspeed
+    from .training.device import quiet_deepspeed
 
     quiet_deepspeed()  # before transformers and peft look for DeepSpeed
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .modeling import add_lora, embedded_model
-    from .registry import load_recipe
+    from .planning.registry import load_recipe
+    from .training.modeling import add_lora, embedded_model
 
     folder = RunFolder(run)
     if not folder.recipe.is_file():

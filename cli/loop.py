@@ -14,25 +14,25 @@ notices that say nothing about the run (memrecipe/__init__.py).
     the end             save_final, build_report, card, plot_loss
 """
 
-from .checkpoint import Checkpoints, save_final
-from .data import Collator, prepare_datasets
 from .errors import RecipeError
 from .files import write_files
-from .launch import LAUNCHED_BY
-from .loss import count_targets, fuse_head, lm_loss
-from .measure import (LossMemory, MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes, peak_memory,
-                      start_trackers, window_counts)
-from .modeling import (add_lora, compile_layers, embedded_model, load_base, load_tokenizer, make_accelerator, prepare,
-                       rewrites_base, save_initial_adapter, wrap_first)
-from .optimizers import make_optimizer
-from .paths import absolute_paths
+from .launching.launch import LAUNCHED_BY
+from .launching.run_folder import INITIAL_ADAPTER, LOSS_PLOT, RunFolder, run_files
+from .planning.paths import absolute_paths
+from .planning.registry import load_recipe
+from .planning.topology import launched_topology
 from .plots import plot_loss
-from .registry import load_recipe
 from .report import build as build_report
 from .report import card
-from .run_folder import INITIAL_ADAPTER, LOSS_PLOT, RunFolder, run_files
-from .topology import launched_topology
-from .hardware import quiet_deepspeed
+from .training.checkpoint import Checkpoints, save_final
+from .training.data import Collator, prepare_datasets
+from .training.device import quiet_deepspeed
+from .training.loss import count_targets, fuse_head, lm_loss
+from .training.measure import (LossMemory, MemorySnapshot, describe_setup, held_bytes, optimizer_state_dtypes,
+                               peak_memory, start_trackers, window_counts)
+from .training.modeling import (add_lora, compile_layers, embedded_model, load_base, load_tokenizer, make_accelerator,
+                                prepare, rewrites_base, save_initial_adapter, wrap_first)
+from .training.optimizers import make_optimizer
 
 quiet_deepspeed()  # a plain accelerate launch without CUDA: name DeepSpeed's CPU accelerator before it is imported
 

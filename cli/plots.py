@@ -7,7 +7,6 @@ from pathlib import Path
 from .errors import RecipeError
 from .units import GiB
 
-
 # the plan's stacked bars: model states, activations and logits at their joint peak (`working`), overhead
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868", "working": "#c44e52",
           "overhead": "#937860"}

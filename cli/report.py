@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from .errors import RecipeError
-from .run_folder import RECIPE, RunFolder
+from .launching.run_folder import RECIPE, RunFolder
 from .table import table
 from .units import GiB
 
@@ -132,9 +132,9 @@ def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eva
 
     import torch
 
-    from .architecture import read_config, structure
-    from .planner import estimate, largest_micro_batch
-    from .topology import launched_topology
+    from .planning.architecture import read_config, structure
+    from .planning.planner import estimate, largest_micro_batch
+    from .planning.topology import launched_topology
 
     shape = structure(read_config(model_path))
     cuda = accelerator.device.type == "cuda"

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from helpers import RECIPES, free_port, launch, child_env, tiny_model, uneven_examples
-from memrecipe.data import Collator, pack
-from memrecipe.loss import token_loss
-from memrecipe.modeling import make_accelerator
-from memrecipe.registry import load_recipe
+from memrecipe.training.data import Collator, pack
+from memrecipe.training.loss import token_loss
+from memrecipe.training.modeling import make_accelerator
+from memrecipe.planning.registry import load_recipe
 
 sys.path.insert(0, str(RECIPES))
 from sft import accumulate_window  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from helpers import REPO, child_env, free_port
-from memrecipe.checkpoint import sharing_verdict
+from memrecipe.training.checkpoint import sharing_verdict
 from memrecipe.errors import RecipeError
 
 

@@ -1,5 +1,6 @@
 """The CLI as a user meets it: fast paths import no torch; bad input is one line, exit 2."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -11,12 +12,23 @@ import yaml
 from conftest import REPO
 
 
+HEAVY = ("torch", "transformers", "deepspeed", "accelerate", "datasets", "peft", "bitsandbytes", "torchao")
+LLAMA_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False}
+
+
 @pytest.mark.parametrize("args", [["--help"], ["ls"], ["show", "fsdp"], ["config", "zero3-offload", "--num-processes", "8"],
                                   ["plan", "--gpu-memory", "24GiB", "--host-memory", "64GiB"],
-                                  ["config", "--help"], ["slurm", "fsdp", "--nodes", "2", "--gpus-per-node", "8",
-                                                          "--output-dir", "TMP"]])
+                                  ["plan", "--model", "LLAMA", "--gpu-memory", "80GB", "--host-memory", "512GiB"],
+                                  ["validate", "REPO/recipes/fsdp.yaml"], ["validate", "REPO/recipes/zero3-offload.yaml"],
+                                  ["config", "--help"], ["run", "--help"],
+                                  ["slurm", "fsdp", "--nodes", "2", "--gpus-per-node", "8", "--output-dir", "TMP"]])
 def test_fast_paths_import_no_torch(args, tmp_path):
-    args = [str(tmp_path / "out") if a == "TMP" else a for a in args]
+    """The planning side's commands (and the help texts) import none of the training libraries."""
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(LLAMA_8B))
+    words = {"TMP": str(tmp_path / "out"), "LLAMA": str(tmp_path / "llama")}
+    args = [words.get(a, a.replace("REPO", str(REPO))) for a in args]
     code = textwrap.dedent(f"""
         import sys
         from memrecipe.main import main
@@ -24,12 +36,41 @@ def test_fast_paths_import_no_torch(args, tmp_path):
             main({args!r})
         except SystemExit as e:
             assert e.code in (0, None), e.code
-        heavy = sorted(m for m in ("torch", "transformers", "deepspeed", "accelerate", "datasets", "peft")
-                       if m in sys.modules)
+        heavy = sorted(m for m in {HEAVY!r} if m in sys.modules)
         assert not heavy, heavy
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_planning_and_launching_sides_import_no_torch():
+    """The torch line: no module of memrecipe.planning or memrecipe.launching imports a training library,
+    directly or through what it imports; and no planning module imports one lazily either, nor the
+    training side, but for the one exception: architecture's meta-device read of a model type it has no
+    reader for (memrecipe.training.meta)."""
+    code = textwrap.dedent(f"""
+        import importlib, pkgutil, sys
+        import memrecipe.planning, memrecipe.launching
+        for package in (memrecipe.planning, memrecipe.launching):
+            for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+                importlib.import_module(module.name)
+        heavy = sorted(m for m in {HEAVY!r} if m in sys.modules)
+        assert not heavy, heavy
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    reached = []
+    for path in sorted((REPO / "cli" / "planning").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = ["." * node.level + (node.module or "")]
+            else:
+                continue
+            reached += [(path.name, name) for name in names
+                        if name.split(".")[0] in HEAVY or name.startswith("..training")]
+    assert reached == [("architecture.py", "..training.meta")] * 2, reached
 
 
 def test_ls_lists_every_recipe_with_what_it_saves_and_costs(cli):

@@ -5,12 +5,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memrecipe.data import Collator
+from memrecipe.training.data import Collator
 from memrecipe.errors import RecipeError
-from memrecipe.loss import count_targets, fuse_head, lm_loss
-from memrecipe.modeling import embedded_model, load_model
-from memrecipe.optimizers import make_optimizer
-from memrecipe.registry import load_recipe
+from memrecipe.training.loss import count_targets, fuse_head, lm_loss
+from memrecipe.training.modeling import embedded_model, load_model
+from memrecipe.training.optimizers import make_optimizer
+from memrecipe.planning.registry import load_recipe
 
 
 def losses(compiled: bool, steps: int = 4) -> tuple[list[float], object]:
@@ -52,7 +52,7 @@ def test_compiled_layers_train_to_the_eager_losses():
 
 
 def test_compile_is_refused_where_it_is_not_supported(monkeypatch):
-    from memrecipe.modeling import make_accelerator
+    from memrecipe.training.modeling import make_accelerator
 
     with pytest.raises(RecipeError, match="torch_compile is not supported under FSDP"):
         load_recipe("fsdp-lora", ["torch_compile=true"])

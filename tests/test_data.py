@@ -5,10 +5,11 @@ import re
 
 import pytest
 
-from memrecipe.data import IGNORE, Collator, detect_format, load_any, pack, prepare_datasets, tokenize
+from memrecipe.training.data import IGNORE, Collator, detect_format, load_any, pack, prepare_datasets, tokenize
 from memrecipe.errors import RecipeError
-from memrecipe.modeling import EMBEDDED_MODEL, load_tokenizer
-from memrecipe.registry import load_recipe
+from memrecipe.planning.registry import EMBEDDED_MODEL
+from memrecipe.training.modeling import load_tokenizer
+from memrecipe.planning.registry import load_recipe
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_embedded_dataset_splits_and_has_targets(tok):
 def test_a_given_eval_dataset_wins_over_eval_size_and_null_means_no_eval(tok, tmp_path):
     import json
 
-    from memrecipe.data import EMBEDDED_DATASET
+    from memrecipe.planning.registry import EMBEDDED_DATASET
 
     rows = EMBEDDED_DATASET.read_text().splitlines()
     (tmp_path / "eval.jsonl").write_text("\n".join(rows[:5]) + "\n")
@@ -145,7 +146,7 @@ def mixture_files(folder):
     """20 alpaca-style rows (instruction/input/output) in a JSONL, 10 chat conversations in a parquet."""
     from datasets import Dataset
 
-    from memrecipe.data import EMBEDDED_DATASET
+    from memrecipe.planning.registry import EMBEDDED_DATASET
 
     alpaca = folder / "alpaca.jsonl"
     alpaca.write_text("".join(json.dumps({"instruction": f"Add {i} and {i + 1}.", "input": "" if i % 2 else "Be brief.",
@@ -216,8 +217,8 @@ def test_train_on_inputs_makes_every_token_after_a_documents_first_a_target(tok,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from memrecipe.loss import count_targets, lm_loss
-    from memrecipe.modeling import embedded_model
+    from memrecipe.training.loss import count_targets, lm_loss
+    from memrecipe.training.modeling import embedded_model
 
     r = load_recipe("single-gpu-lora", ["train_on_inputs=true", f"packing={str(packing).lower()}", "eval_size=0",
                                         "max_seq_length=64"])
@@ -244,8 +245,8 @@ def test_train_on_inputs_makes_every_token_after_a_documents_first_a_target(tok,
 
 
 def test_chat_template_comes_from_the_recipe_and_a_model_without_one_names_the_key(tok, tmp_path):
-    from memrecipe.data import _tokenize_chat
-    from memrecipe.modeling import check_tokenizer, read_chat_template
+    from memrecipe.training.data import _tokenize_chat
+    from memrecipe.training.modeling import check_tokenizer, read_chat_template
 
     bare = tmp_path / "bare"
     tok.save_pretrained(bare)

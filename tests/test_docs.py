@@ -7,11 +7,11 @@ import re
 import pytest
 
 from helpers import REPO
-from memrecipe.architecture import structure
-from memrecipe.planner import estimate
-from memrecipe.recipe import cpu_blocker
-from memrecipe.registry import load_recipe, recipe_names
-from memrecipe.topology import Topology
+from memrecipe.planning.architecture import structure
+from memrecipe.planning.planner import estimate
+from memrecipe.planning.recipe import cpu_blocker
+from memrecipe.planning.registry import load_recipe, recipe_names
+from memrecipe.planning.topology import Topology
 
 LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,

@@ -11,7 +11,7 @@ import pytest
 from accelerate.data_loader import prepare_data_loader
 
 from helpers import REPO
-from memrecipe.registry import load_recipe
+from memrecipe.planning.registry import load_recipe
 
 sys.path.insert(0, str(REPO / "recipes"))
 from sft import train_loader, windows  # noqa: E402  (the loop's own)

@@ -7,9 +7,9 @@ import textwrap
 
 import yaml
 
-from memrecipe.generator import accelerate_config, deepspeed_config, generate, shipped_files
-from memrecipe.registry import data_dir, load_recipe, recipe_names
-from memrecipe.topology import Topology, make_topology, resolve_precision
+from memrecipe.planning.configs import accelerate_config, deepspeed_config, generate, shipped_files
+from memrecipe.planning.registry import data_dir, load_recipe, recipe_names
+from memrecipe.planning.topology import Topology, make_topology, resolve_precision
 
 TOPOLOGIES = [
     Topology(1), Topology(8), Topology(2, cpu=True), Topology(1, cpu=True),
@@ -193,7 +193,7 @@ def test_each_shipped_file_is_headed_by_the_command_that_regenerates_it(tmp_path
 
 def test_recipe_headers_hold_the_exact_launch_commands_of_their_configs():
     """Each recipe YAML opens with the commands that run it: they must be the configs' own Run lines."""
-    from memrecipe.registry import recipe_path
+    from memrecipe.planning.registry import recipe_path
 
     folder = data_dir("accelerate_configs")
     for name in recipe_names():

@@ -9,9 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memrecipe.hardware import Machine
-from memrecipe.registry import load_recipe
-from memrecipe.topology import make_topology, resolve_precision
+from memrecipe.planning.hardware import Machine
+from memrecipe.training import device
+from memrecipe.training.device import detect_machine
+from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.topology import make_topology, resolve_precision
 
 
 @pytest.fixture
@@ -28,7 +30,7 @@ def volta(monkeypatch):
 
 def test_auto_precision_is_fp16_on_a_v100_although_torch_can_emulate_bf16(volta):
     assert torch.cuda.is_bf16_supported()  # what torch says by default: emulated bf16 counts
-    machine = Machine.detect()
+    machine = detect_machine()
     assert machine.gpus == 1 and machine.bf16 is False
     topo = make_topology(1, bf16=machine.bf16)
     assert resolve_precision(load_recipe("single-gpu-lora"), topo) == "fp16"
@@ -43,7 +45,7 @@ def test_plan_reads_the_compute_capability_from_nvidia_smi(tmp_path, monkeypatch
                    + "  *) echo \"Field is not a valid field\" >&2; exit 2;;\nesac\n")
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    machine = Machine.probe()
+    machine = Machine.from_nvidia_smi()
     assert (machine.gpus, machine.gpu_memory, machine.bf16) == (2, 16 * 2**30, bf16)
 
 
@@ -52,11 +54,10 @@ def test_a_gpu_deepspeed_launch_gives_each_rank_its_share_of_the_cores(monkeypat
     (what --dry-run prints is what `run` would execute)."""
     from click.testing import CliRunner
 
-    from memrecipe import runner
     from memrecipe.main import cli
 
     node = Machine(gpus=8, gpu_memory=80 * 2**30, bf16=True, cores=96, host_memory=1024 * 2**30)
-    monkeypatch.setattr(runner.Machine, "detect", classmethod(lambda cls: node))
+    monkeypatch.setattr(device, "detect_machine", lambda: node)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     words = ["run", "sft", "--num-processes", "8", "--dry-run", "--output-dir", str(tmp_path / "r")]
     done = CliRunner().invoke(cli, [*words, "--recipe", "zero3-offload"])
@@ -75,7 +76,7 @@ def test_fsdp_qlora_quantizes_on_the_host_and_fsdp_moves_each_quant_state_with_i
     cannot be set into a CPU tensor, the assignment half)."""
     from transformers import AutoModelForCausalLM
 
-    from memrecipe.modeling import embedded_model, load_model
+    from memrecipe.training.modeling import embedded_model, load_model
 
     seen = {}
     real = AutoModelForCausalLM.from_pretrained
@@ -109,11 +110,10 @@ def test_fsdp_counts_every_ranks_copy_of_the_model_while_it_loads(monkeypatch, t
     before sharding: a 70B needs ~2.2 TB of host RAM per node at load. `run` says so before launching."""
     import json
 
-    from memrecipe.architecture import structure
-    from memrecipe import runner
+    from memrecipe.planning.architecture import structure
     from memrecipe.main import main
-    from memrecipe.planner import estimate
-    from memrecipe.topology import Topology
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.topology import Topology
 
     s = structure(LLAMA_70B)
     full = estimate(load_recipe("fsdp"), s, Topology(8))
@@ -126,7 +126,7 @@ def test_fsdp_counts_every_ranks_copy_of_the_model_while_it_loads(monkeypatch, t
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(LLAMA_70B))
     node = Machine(gpus=8, gpu_memory=80 * 2**30, bf16=True, cores=96, host_memory=512 * 2**30)
-    monkeypatch.setattr(runner.Machine, "detect", classmethod(lambda cls: node))
+    monkeypatch.setattr(device, "detect_machine", lambda: node)
     with pytest.raises(SystemExit) as done:
         main(["run", "sft", "--recipe", "fsdp", "--model", str(folder), "--dry-run", "--output-dir", str(tmp_path / "r")])
     said = capsys.readouterr().err  # a dry run shows the launch, and what a run would be refused for
@@ -139,7 +139,7 @@ def test_fsdp1_flat_parameters_keep_weight_decay_for_the_matrices_they_flatten()
     """FSDP1 (fsdp-qlora) hands the optimizer 1-D flat parameters; torch's FlatParameter keeps the
     original shapes in `_shapes` (torch/distributed/fsdp/_flat_param.py): adapters' units are all
     matrices and keep their weight decay, a unit of norms does not."""
-    from memrecipe.optimizers import make_optimizer
+    from memrecipe.training.optimizers import make_optimizer
 
     adapters = torch.nn.Parameter(torch.zeros(2 * 8 * 16))
     adapters._shapes = (torch.Size([8, 16]), torch.Size([16, 8]))  # lora_A, lora_B flattened

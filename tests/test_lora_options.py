@@ -8,15 +8,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from memrecipe.architecture import read_config, structure
-from memrecipe.checkpoint import save_final
+from memrecipe.planning.architecture import read_config, structure
+from memrecipe.training.checkpoint import save_final
 from memrecipe.errors import RecipeError
-from memrecipe.measure import held_bytes
-from memrecipe.modeling import EMBEDDED_MODEL, load_model, rewrites_base, save_initial_adapter
-from memrecipe.optimizers import make_optimizer
-from memrecipe.planner import estimate
-from memrecipe.registry import load_recipe
-from memrecipe.topology import Topology
+from memrecipe.training.measure import held_bytes
+from memrecipe.planning.registry import EMBEDDED_MODEL
+from memrecipe.training.modeling import load_model, rewrites_base, save_initial_adapter
+from memrecipe.training.optimizers import make_optimizer
+from memrecipe.planning.planner import estimate
+from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.topology import Topology
 
 OPTIONS = {  # (overrides, how many tensors train beside the adapters' A and B)
     "modules_to_save+bias-lora-only": (["lora.modules_to_save=[embed_tokens,lm_head]", "lora.bias=lora_only",

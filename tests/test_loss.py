@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from helpers import REPO, child_env, tiny_model, uneven_examples
-from memrecipe.architecture import structure
-from memrecipe.data import Collator
-from memrecipe.loss import count_targets, fuse_head, lm_loss, output_head, token_loss
-from memrecipe.measure import LossMemory
-from memrecipe.planner import activation_bytes, activation_mode, chunk_tokens
-from memrecipe.registry import load_recipe
+from memrecipe.planning.architecture import structure
+from memrecipe.training.data import Collator
+from memrecipe.training.loss import count_targets, fuse_head, lm_loss, output_head, token_loss
+from memrecipe.training.measure import LossMemory
+from memrecipe.planning.planner import activation_bytes, activation_mode
+from memrecipe.planning.recipe import chunk_tokens
+from memrecipe.planning.registry import load_recipe
 
 
 def batch():
@@ -111,7 +112,7 @@ def test_a_multimodal_configs_text_part_is_read_for_logit_transforms():
 
     from transformers import Gemma3Config
 
-    from memrecipe.loss import fused_blocker
+    from memrecipe.training.loss import fused_blocker
 
     config = Gemma3Config(text_config={"final_logit_softcapping": 30.0})
     assert "final_logit_softcapping" in fused_blocker(config)
@@ -166,7 +167,7 @@ def loss_step_bytes(model, recipe, b):
 @pytest.mark.parametrize("recipe, overrides", [("single-gpu-lora", []), ("adamw-8bit", []),
                                                ("adamw-8bit", ["mixed_precision=no"])])
 def test_fused_loss_holds_a_fraction_and_the_planner_counts_both(big_vocab_model, monkeypatch, recipe, overrides):
-    from memrecipe import loss as fused_loss
+    from memrecipe.training import loss as fused_loss
 
     chunks, chunk_loss = [], fused_loss._chunk_loss  # each chunk's head + cross-entropy, forward and recompute
     monkeypatch.setattr(fused_loss, "_chunk_loss", lambda *args: chunks.append(len(args[2])) or chunk_loss(*args))

@@ -4,12 +4,12 @@ do not change, and the planner moves those bytes from the device to the host."""
 import pytest
 import torch
 
-from memrecipe.architecture import read_config, structure
-from memrecipe.loss import token_loss
-from memrecipe.modeling import embedded_model, load_model
-from memrecipe.planner import estimate
-from memrecipe.registry import load_recipe
-from memrecipe.topology import Topology
+from memrecipe.planning.architecture import read_config, structure
+from memrecipe.training.loss import token_loss
+from memrecipe.training.modeling import embedded_model, load_model
+from memrecipe.planning.planner import estimate
+from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.topology import Topology
 
 B, S = 2, 40
 

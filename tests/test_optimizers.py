@@ -6,14 +6,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memrecipe.architecture import read_config, structure
+from memrecipe.planning.architecture import read_config, structure
 from memrecipe.errors import RecipeError
-from memrecipe.measure import held_bytes
-from memrecipe.modeling import embedded_model, load_model
-from memrecipe.optimizers import StepInBackward, make_optimizer
-from memrecipe.planner import estimate
-from memrecipe.registry import load_recipe
-from memrecipe.topology import Topology
+from memrecipe.training.measure import held_bytes
+from memrecipe.training.modeling import embedded_model, load_model
+from memrecipe.training.optimizers import StepInBackward, make_optimizer
+from memrecipe.planning.optimizers import OPTIMIZERS
+from memrecipe.planning.planner import estimate
+from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.topology import Topology
 
 CPU = SimpleNamespace(device=torch.device("cpu"))
 IN_BACKWARD = ["optimizer_in_backward=true", "max_grad_norm=null", "gradient_accumulation_steps=1"]
@@ -53,6 +54,17 @@ def test_held_model_states_equal_the_plan(overrides):
     plan = estimate(recipe, structure(read_config(None)), Topology(cpu=True))
     for category in ("parameters", "gradients", "optimizer_state"):
         assert held[category] == getattr(plan, category), category  # exact: a lost 4-byte step counter shows
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_optimizer_of_the_table_builds_and_holds_its_planned_state(name):
+    """One entry in planning/optimizers.py is the whole of an optimizer: the schema takes its name, the
+    factory builds it from the entry's builder, the planner counts its state from the entry (exactly)."""
+    recipe = full(f"optim={name}", *(["optim_args.rank=8"] if OPTIMIZERS[name].low_rank else []))
+    model, optimizer, held = trained(recipe)
+    assert optimizer.state and all(torch.isfinite(p).all() for p in model.parameters())
+    plan = estimate(recipe, structure(read_config(None)), Topology(cpu=True))
+    assert held["optimizer_state"] == plan.optimizer_state
 
 
 def test_the_step_in_backward_holds_one_tensors_gradient():
@@ -122,8 +134,8 @@ def test_fp16_is_refused_wherever_the_run_resolves_to_it(monkeypatch):
     fp16 (it wins over the recipe in the loop) are refused too, for the step in backward and bf16 weights alike."""
     from accelerate.state import AcceleratorState
 
-    from memrecipe.modeling import make_accelerator
-    from memrecipe.topology import check_supported, make_topology
+    from memrecipe.training.modeling import make_accelerator
+    from memrecipe.planning.topology import check_supported, make_topology
 
     volta = make_topology(1, bf16=False)
     for overrides, why in (([], "weight_dtype bf16 computes in bf16"),
@@ -233,7 +245,7 @@ def test_a_resumed_apollo_state_lands_on_its_parameters_device(tmp_path, in_back
     from accelerate.state import AcceleratorState
     from transformers import get_scheduler
 
-    from memrecipe.checkpoint import Checkpoints
+    from memrecipe.training.checkpoint import Checkpoints
 
     recipe = full("weight_dtype=fp32", "optim=apollo_adamw", "optim_args.rank=8", *(IN_BACKWARD if in_backward else []))
 

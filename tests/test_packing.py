@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from memrecipe.data import IGNORE, Collator, bins, pack
-from memrecipe.loss import count_targets, fuse_head, lm_loss, model_inputs
-from memrecipe.modeling import embedded_model, load_model
-from memrecipe.registry import load_recipe
+from memrecipe.training.data import IGNORE, Collator, bins, pack
+from memrecipe.training.loss import count_targets, fuse_head, lm_loss, model_inputs
+from memrecipe.training.modeling import embedded_model, load_model
+from memrecipe.planning.registry import load_recipe
 
 LENGTHS = [5, 9, 3, 12, 7, 4, 16, 2]
 
@@ -115,7 +115,7 @@ def test_only_varlen_attention_gets_a_packed_micro_batch_as_one_row(implementati
     eager build a block-diagonal mask per row, where one flattened row would make a (B x S)^2 mask."""
     from types import SimpleNamespace
 
-    from memrecipe.loss import varlen
+    from memrecipe.training.loss import varlen
 
     model = SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation)))
     assert varlen(model) is flattened  # (through an engine's .module)
@@ -132,7 +132,7 @@ def test_only_varlen_attention_gets_a_packed_micro_batch_as_one_row(implementati
 def test_a_flattened_packed_micro_batch_gives_the_same_loss_and_gradients(monkeypatch, fused):
     """The flattened call (what FA2/FA3 get) through sdpa on CPU, which reads one row's documents from position_ids
     too: loss, per-row eval losses and gradients equal the [B, S] call's."""
-    from memrecipe import loss
+    from memrecipe.training import loss
 
     recipe = load_recipe("single-gpu-lora", ["lora=null", "mixed_precision=no", "gradient_checkpointing=false"])
     model, _ = load_model(recipe, embedded_model(), "no")

@@ -8,14 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memrecipe.architecture import read_config, structure
+from memrecipe.planning.architecture import read_config, structure
 from memrecipe.errors import RecipeError
-from memrecipe.loss import fuse_head, lm_loss, token_loss
-from memrecipe.modeling import EMBEDDED_MODEL, load_model
-from memrecipe.optimizers import make_optimizer
-from memrecipe.planner import breakdown, estimate, judge
-from memrecipe.registry import load_recipe
-from memrecipe.topology import Topology, make_topology
+from memrecipe.training.loss import fuse_head, lm_loss, token_loss
+from memrecipe.planning.registry import EMBEDDED_MODEL
+from memrecipe.training.modeling import load_model
+from memrecipe.training.optimizers import make_optimizer
+from memrecipe.planning.planner import breakdown, estimate, judge
+from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.topology import Topology, make_topology
 from memrecipe.units import parse_size
 
 CPU1 = Topology(1, cpu=True)
@@ -34,7 +35,7 @@ def models(tmp_path_factory):
     """name -> folder of a saved random model: the embedded tiny one and a ~55M one."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from memrecipe.modeling import embedded_model
+    from memrecipe.training.modeling import embedded_model
 
     from transformers import AutoConfig
 
@@ -146,7 +147,7 @@ def activation_case(models, name, recipe, overrides, layers=None):
     model.train()
     measured = saved_peak(model, batch(model.config.vocab_size), autocast=precision == "bf16")
     s = structure(read_config(folder))
-    from memrecipe.planner import activation_bytes, activation_mode
+    from memrecipe.planning.planner import activation_bytes, activation_mode
 
     return measured, activation_bytes(r, s, activation_mode(r, 2 if precision == "bf16" else 4), 2, 48)
 
@@ -348,7 +349,7 @@ LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28
 
 
 def test_a_4bit_base_is_half_a_byte_per_layer_weight_and_fsdp_shards_it():
-    from memrecipe.planner import trainable_tensors
+    from memrecipe.planning.planner import trainable_tensors
 
     s = structure(LLAMA_70B)
     trained = sum(t.numel for t in trainable_tensors(load_recipe("qlora"), s))
@@ -434,7 +435,7 @@ def test_the_steps_peak_is_what_the_planner_calls_working_memory(models, recipe,
     gradients peak at the end of backward, not with the loss: the planner's sum is conservative there.)"""
     import gc
 
-    from memrecipe.measure import allocation_peak
+    from memrecipe.training.measure import allocation_peak
 
     B, S = 2, 256
     r = load_recipe(recipe, [*overrides, f"per_device_train_batch_size={B}", f"max_seq_length={S}"])
@@ -472,8 +473,8 @@ def test_plan_recommends_within_each_training_method(cli, tmp_path):
 
 
 def test_run_suggests_a_recipe_of_the_same_method_first_and_says_when_it_cannot():
-    from memrecipe.hardware import Machine
-    from memrecipe.checks import check_fits
+    from memrecipe.planning.hardware import Machine
+    from memrecipe.launching.checks import check_fits
 
     gpu = Machine(gpus=1, gpu_memory=16 * 2**30, bf16=True, cores=16, host_memory=64 * 2**30)
     words = ["per_device_train_batch_size=2", "max_seq_length=2048"]
@@ -551,12 +552,12 @@ SMALL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hid
          "eos_token_id": None}
 
 
-@pytest.mark.parametrize("kind", sorted(__import__("memrecipe.architecture", fromlist=["LLAMA_LIKE"]).LLAMA_LIKE))
+@pytest.mark.parametrize("kind", sorted(__import__("memrecipe.planning.architecture", fromlist=["LLAMA_LIKE"]).LLAMA_LIKE))
 def test_families_counted_by_hand_equal_the_modules_transformers_builds(kind):
     """The hand-counted families (no torch in `plan`) against the real modules on the meta device."""
     from transformers import AutoConfig
 
-    from memrecipe.architecture import _from_meta_device
+    from memrecipe.training.meta import structure_from_meta as _from_meta_device
 
     config = AutoConfig.for_model(kind, **SMALL).to_dict()
     hand, meta = structure(config), _from_meta_device(config)

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from memrecipe.errors import RecipeError
-from memrecipe.recipe import Recipe, make_recipe, parse_overrides
-from memrecipe.registry import load_recipe, recipe_names, recipe_path
+from memrecipe.planning.recipe import Recipe, make_recipe, parse_overrides
+from memrecipe.planning.registry import load_recipe, recipe_names, recipe_path
 
 SHIPPED = ["adamw-8bit", "fsdp", "single-gpu-lora", "zero3-offload"]
 ALL = SHIPPED + ["qlora", "fsdp-lora", "fsdp-qlora", "zero2", "ddp", "tp", "single-gpu-full"]
@@ -190,7 +190,7 @@ def test_show_and_validate_resolve_a_base(tmp_path, cli):
 def test_docs_configs_names_every_recipe_key():
     """docs/configs.md is the key reference: every key of the recipe and of each section is in it."""
     from helpers import REPO
-    from memrecipe import recipe as schema
+    from memrecipe.planning import recipe as schema
 
     text = (REPO / "docs" / "configs.md").read_text()
     sections = (schema.Recipe, schema.Supports, schema.DataSource, schema.Columns, schema.Lora, schema.OptimArgs,

@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
         if name == "single-gpu-lora":  # the copy path: memrecipe cp, then plain accelerate launch from DEST
             dest = base / "copied"
             assert launch(["memrecipe", "cp", name, str(dest)]).returncode == 0
-            from memrecipe.data import EMBEDDED_DATASET
+            from memrecipe.planning.registry import EMBEDDED_DATASET
 
             done = launch(["--config_file", "single_gpu_lora_cpu1.yaml", "sft.py", "--recipe", "single-gpu-lora.yaml",
                            "--dataset", str(EMBEDDED_DATASET), "--output-dir", str(folder), *SHORT,
@@ -64,10 +64,10 @@ def report(folder):
 
 def reload_eval_loss(folder, model):
     """The eval loss of a reloaded model on the run's own eval split, computed as the loop does."""
-    from memrecipe.data import Collator, prepare_datasets
-    from memrecipe.loss import count_targets, model_inputs, token_loss
-    from memrecipe.modeling import load_tokenizer
-    from memrecipe.registry import load_recipe
+    from memrecipe.training.data import Collator, prepare_datasets
+    from memrecipe.training.loss import count_targets, model_inputs, token_loss
+    from memrecipe.training.modeling import load_tokenizer
+    from memrecipe.planning.registry import load_recipe
 
     recipe = load_recipe(str(Path(folder) / "recipe.yaml")) if (Path(folder) / "recipe.yaml").exists() \
         else load_recipe(report(folder)["recipe"]["name"], SHORT)
@@ -114,7 +114,7 @@ def test_single_gpu_lora_trains_from_a_copied_folder(runs):
     s = r["setup"]
     assert s["trainable_names_all_lora"] and 0 < s["trainable_params"] < s["params"] / 4
     assert s["gradient_checkpointing"] and s["mixed_precision"] == "bf16"
-    from memrecipe.data import EMBEDDED_DATASET
+    from memrecipe.planning.registry import EMBEDDED_DATASET
 
     assert r["recipe"]["dataset"] == str(EMBEDDED_DATASET)  # sft.py --dataset reached the recipe
     log = (folder.parent / "copied.log").read_text()
@@ -258,8 +258,8 @@ def test_qlora_adapter_reloads_onto_the_quantized_base(runs):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from memrecipe.modeling import load_model
-    from memrecipe.registry import load_recipe
+    from memrecipe.training.modeling import load_model
+    from memrecipe.planning.registry import load_recipe
 
     folder = runs("qlora")
     final = folder / "final"
@@ -339,7 +339,7 @@ def test_tensorboard_event_file_holds_the_loss(runs):
 
 def test_every_recipe_that_runs_on_cpu_is_run_here():
     """`memrecipe ls` says which recipes run end to end on CPU: each of those has a run test above."""
-    from memrecipe.registry import load_recipe, recipe_names
+    from memrecipe.planning.registry import load_recipe, recipe_names
 
     source = Path(__file__).read_text()
     for name in recipe_names():

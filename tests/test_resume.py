@@ -71,7 +71,7 @@ def stop_at_a_checkpoint(proc, folder) -> int:
     """SIGSTOP the run's process group as soon as a checkpoint is complete, then SIGKILL it: no chance to clean up
     (the lock and maybe a .tmp checkpoint stay). Returns the newest complete checkpoint's step, the one a resume
     must start from: pinned, not guessed, however far the run got before the stop."""
-    from memrecipe.checkpoint import NAME, complete_checkpoints
+    from memrecipe.launching.run_folder import NAME, complete_checkpoints
 
     wait_for(lambda: complete_checkpoints(folder), proc)
     os.killpg(proc.pid, signal.SIGSTOP)
@@ -245,7 +245,7 @@ def test_a_running_folder_is_locked(tmp_path, cli):
 def test_a_non_finite_loss_stops_in_one_line_naming_the_step(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from memrecipe.modeling import embedded_model
+    from memrecipe.training.modeling import embedded_model
 
     poisoned = tmp_path / "poisoned-model"  # one NaN weight: the very first loss is NaN
     model = AutoModelForCausalLM.from_pretrained(embedded_model())

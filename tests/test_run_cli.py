@@ -116,7 +116,7 @@ def test_a_gated_model_names_hf_token(monkeypatch):
     import transformers
 
     from memrecipe.errors import RecipeError
-    from memrecipe.modeling import check_model
+    from memrecipe.training.modeling import check_model
 
     def gated(*args, **kwargs):
         raise OSError("You are trying to access a gated repo. Make sure to have access to it at "
@@ -144,8 +144,8 @@ def test_a_gpu_only_recipe_is_refused_on_cpu_with_the_reason(cli, recipe, overri
 
 
 def test_supports_cpu_agrees_with_what_is_known_to_fail_on_cpu():
-    from memrecipe.recipe import cpu_blocker
-    from memrecipe.registry import load_recipe, recipe_names
+    from memrecipe.planning.recipe import cpu_blocker
+    from memrecipe.planning.registry import load_recipe, recipe_names
 
     for name in recipe_names():
         r = load_recipe(name)
@@ -157,7 +157,7 @@ def test_supports_cpu_agrees_with_what_is_known_to_fail_on_cpu():
 def test_other_machines_keep_their_own_launch_files_in_a_shared_folder(cli, tmp_path):
     """Machine rank 1 of a run writes *.machine1.* files and its own lock, so a folder shared by the
     machines holds both; machine rank 0 owns the plain names and ignores the others' files."""
-    from memrecipe.run_folder import RunFolder
+    from memrecipe.launching.run_folder import RunFolder
 
     words = ["run", "sft", "--recipe", "zero2", "--cpu", "--num-processes", "2", "--num-machines", "2",
              "--main-process-ip", "127.0.0.1", "--output-dir", str(tmp_path), "--dry-run"]
@@ -184,7 +184,7 @@ def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_expo
     import yaml
     from transformers import AutoModelForCausalLM
 
-    from memrecipe.modeling import embedded_model
+    from memrecipe.training.modeling import embedded_model
     from test_data import mixture_files
 
     mixture_files(tmp_path)
@@ -226,7 +226,7 @@ def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_expo
 def test_a_failure_after_launch_is_one_line_and_the_fixed_command_reuses_the_folder(tmp_path):
     """A dataset too small for one window fails inside the loop: its one line, exit 2, no launcher traceback;
     the folder (no checkpoint, no final save) takes the same command again once the problem is fixed."""
-    from memrecipe.data import EMBEDDED_DATASET
+    from memrecipe.planning.registry import EMBEDDED_DATASET
 
     two = tmp_path / "two.jsonl"
     two.write_text("".join(EMBEDDED_DATASET.read_text().splitlines(keepends=True)[:2]))
@@ -253,7 +253,7 @@ def test_a_failure_after_launch_is_one_line_and_the_fixed_command_reuses_the_fol
 def test_launch_output_keeps_the_loops_lines_and_drops_the_launchers_tracebacks():
     """After the loop's error line nothing more; after a stop signal no KeyboardInterrupt traceback, but
     any other traceback (a real crash while stopping) still shows; before either, output passes as it comes."""
-    from memrecipe.launch import LaunchOutput
+    from memrecipe.launching.launch import LaunchOutput
 
     out = LaunchOutput()
     shown, logged = out.feed(b"train: 10%\rtrain: 20%")  # a progress bar redraws in place
@@ -284,7 +284,7 @@ def test_a_signal_after_the_last_step_says_the_run_finished(tmp_path, monkeypatc
 
     from memrecipe.commands import run as command
     from memrecipe.main import cli
-    from memrecipe.runner import Outcome
+    from memrecipe.launching.runner import Outcome
 
     def fake_start(plan, overwrite, say):
         plan.folder.mkdir(parents=True)

@@ -1,10 +1,10 @@
 import click
 
 from ..files import write_files
-from ..generator import generate
 from ..options import overrides_argument, topology_options
-from ..registry import load_recipe
-from ..topology import check_supported, make_topology
+from ..planning.configs import generate
+from ..planning.registry import load_recipe
+from ..planning.topology import check_supported, make_topology
 
 
 @click.command("config")

@@ -3,8 +3,8 @@ from pathlib import Path
 import click
 
 from ..files import write_files
-from ..generator import script_files, shipped_files
-from ..registry import load_recipe
+from ..planning.configs import script_files, shipped_files
+from ..planning.registry import load_recipe
 
 
 @click.command("cp")

@@ -2,8 +2,8 @@ import textwrap
 
 import click
 
-from ..recipe import cpu_blocker, processes_range, techniques
-from ..registry import load_recipe, recipe_names
+from ..planning.recipe import cpu_blocker, processes_range, techniques
+from ..planning.registry import load_recipe, recipe_names
 from ..table import table, terminal_width
 
 

@@ -2,15 +2,16 @@ import json
 
 import click
 
-from ..architecture import read_config, structure
 from ..errors import RecipeError
-from ..hardware import Machine
 from ..options import overrides_argument
-from ..planner import (CATEGORIES, METHODS, batch_for, estimate, judge, largest_micro_batch, method,
-                       recommend, recommend_by_method, with_batch)
-from ..registry import load_recipe, recipe_names
+from ..planning.architecture import read_config, structure
+from ..planning.hardware import Machine
+from ..planning.planner import (CATEGORIES, batch_for, estimate, judge, largest_micro_batch, recommend,
+                                recommend_by_method, with_batch)
+from ..planning.recipe import METHODS, method
+from ..planning.registry import load_recipe, recipe_names
+from ..planning.topology import check_supported, make_topology
 from ..table import table
-from ..topology import check_supported, make_topology
 from ..units import GiB, parse_size
 
 
@@ -38,7 +39,7 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
     memrecipe plan --model ./my-model --num-processes 8 --gpu-memory 80GB --global-batch 256 max_seq_length=4096
     memrecipe plan --recipe zero3-offload --gpu-memory 24GiB --host-memory 256GiB --plot plan.png
     """
-    machine = Machine.probe()
+    machine = Machine.from_nvidia_smi()
     gpu = parse_size(gpu_memory, "--gpu-memory") if gpu_memory else machine.gpu_memory
     # this machine's RAM is the host's only when the GPUs planned for are this machine's (or in CPU mode);
     # for other machines' GPUs an unknown host is not judged, and the output says so

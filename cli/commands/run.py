@@ -5,10 +5,10 @@ from pathlib import Path
 
 import click
 
-from ..launch import shell_form
+from ..launching.launch import shell_form
+from ..launching.run_folder import RunFolder
+from ..launching.runner import discard_failed_start, plan_run, start
 from ..options import dataset_option, model_option, overrides_argument, topology_options
-from ..run_folder import RunFolder
-from ..runner import discard_failed_start, plan_run, start
 
 
 @click.command("run")

@@ -2,8 +2,8 @@ import textwrap
 
 import click
 
-from ..recipe import read_yaml
-from ..registry import load_recipe, recipe_path
+from ..planning.recipe import read_yaml
+from ..planning.registry import load_recipe, recipe_path
 from ..table import terminal_width
 
 

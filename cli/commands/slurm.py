@@ -5,12 +5,12 @@ import click
 
 from ..errors import RecipeError
 from ..files import write_files
-from ..generator import generate, script_files
-from ..paths import absolute_word
+from ..launching.slurm import HEAD, sbatch_script
 from ..options import dataset_option, model_option, overrides_argument
-from ..registry import load_recipe
-from ..slurm import HEAD, sbatch_script
-from ..topology import check_supported, make_topology
+from ..planning.configs import generate, script_files
+from ..planning.paths import absolute_word
+from ..planning.registry import load_recipe
+from ..planning.topology import check_supported, make_topology
 
 
 @click.command("slurm")

@@ -3,9 +3,9 @@ from pathlib import Path
 import click
 
 from ..errors import RecipeError
-from ..paths import check_paths
-from ..recipe import make_recipe, read_yaml
-from ..registry import resolve
+from ..planning.paths import check_paths
+from ..planning.recipe import make_recipe, read_yaml
+from ..planning.registry import resolve
 
 
 @click.command("validate")
@@ -15,13 +15,13 @@ def command(file):
     if not file.is_file():
         raise RecipeError(f"{file} does not exist")
     if file.suffix == ".json":
-        from ..validation import check_deepspeed_json
+        from ..launching.checks import check_deepspeed_json
 
         click.echo(f"ok: {file} ({check_deepspeed_json(file)})")
         return
     data = read_yaml(file)
     if "compute_environment" in data or "num_processes" in data:
-        from ..validation import check_accelerate_config
+        from ..launching.checks import check_accelerate_config
 
         click.echo(f"ok: {file} is an accelerate config ({check_accelerate_config(file)})")
         return

@@ -19,10 +19,10 @@ from helpers import REPO
 sys.path.insert(0, str(REPO / "recipes"))
 from sft import accumulate_window, setup_data, windows  # noqa: E402  (the loop's own functions)
 
-from memrecipe.loss import fuse_head  # noqa: E402
-from memrecipe.optimizers import make_optimizer  # noqa: E402
-from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare, wrap_first  # noqa: E402
-from memrecipe.registry import load_recipe  # noqa: E402
+from memrecipe.training.loss import fuse_head  # noqa: E402
+from memrecipe.training.optimizers import make_optimizer  # noqa: E402
+from memrecipe.training.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare, wrap_first  # noqa: E402
+from memrecipe.planning.registry import load_recipe  # noqa: E402
 
 result_path, name, *overrides = sys.argv[1:]
 recipe = load_recipe(name, overrides)

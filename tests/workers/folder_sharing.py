@@ -9,7 +9,7 @@ import sys
 
 from accelerate import Accelerator
 
-from memrecipe.checkpoint import folder_sharing
+from memrecipe.training.checkpoint import folder_sharing
 from memrecipe.errors import RecipeError
 
 folder, result = sys.argv[1:]

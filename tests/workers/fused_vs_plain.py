@@ -17,12 +17,12 @@ import memrecipe  # noqa: F401
 import torch
 from torch.utils.data import DataLoader
 
-import memrecipe.loss as fused_loss
-from memrecipe.data import Collator, prepare_datasets
-from memrecipe.loss import count_targets, fuse_head, lm_loss, model_inputs, output_head, token_loss
-from memrecipe.optimizers import make_optimizer
-from memrecipe.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare, wrap_first
-from memrecipe.registry import load_recipe
+import memrecipe.training.loss as fused_loss
+from memrecipe.training.data import Collator, prepare_datasets
+from memrecipe.training.loss import count_targets, fuse_head, lm_loss, model_inputs, output_head, token_loss
+from memrecipe.training.optimizers import make_optimizer
+from memrecipe.training.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare, wrap_first
+from memrecipe.planning.registry import load_recipe
 
 CHUNK = 7
 VARIANTS = {"base": [], "tied": [], "lora-head": ["lora.r=8", "lora.target_modules=[q_proj,v_proj,lm_head]",

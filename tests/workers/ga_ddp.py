@@ -10,9 +10,9 @@ from helpers import RECIPES, tiny_model, uneven_examples
 sys.path.insert(0, str(RECIPES))
 from sft import accumulate_window  # noqa: E402
 
-from memrecipe.data import Collator, pack  # noqa: E402
-from memrecipe.modeling import make_accelerator  # noqa: E402
-from memrecipe.registry import load_recipe  # noqa: E402
+from memrecipe.training.data import Collator, pack  # noqa: E402
+from memrecipe.training.modeling import make_accelerator  # noqa: E402
+from memrecipe.planning.registry import load_recipe  # noqa: E402
 
 recipe = load_recipe("adamw-8bit", ["gradient_accumulation_steps=2", "mixed_precision=no"])
 accelerator = make_accelerator(recipe)

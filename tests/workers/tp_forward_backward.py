@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from memrecipe.loss import token_loss
-from memrecipe.modeling import embedded_model, load_model
-from memrecipe.registry import load_recipe
+from memrecipe.training.loss import token_loss
+from memrecipe.training.modeling import embedded_model, load_model
+from memrecipe.planning.registry import load_recipe
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
@@ -42,8 +42,8 @@ from accelerate import PartialState  # noqa: E402
 from accelerate.data_loader import prepare_data_loader  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from memrecipe.data import Collator  # noqa: E402
-from memrecipe.measure import window_counts  # noqa: E402
+from memrecipe.training.data import Collator  # noqa: E402
+from memrecipe.training.measure import window_counts  # noqa: E402
 
 PartialState(cpu=True)
 rows = [{"input_ids": list(range(1, 3 + i)), "labels": list(range(1, 3 + i))} for i in range(8)]  # 2..9 tokens

@@ -13,14 +13,18 @@ from typing import Literal
 
 import yaml
 
-from .errors import RecipeError
+from ..errors import RecipeError
+from .optimizers import OPTIMIZERS
 from .schema import build, spec, to_dict
 
-OPTIMIZERS = ("adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_torch_8bit", "apollo_adamw")
-BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit")
-EIGHT_BIT_OPTIMIZERS = (*BNB_OPTIMIZERS, "adamw_torch_8bit")  # bitsandbytes', and torchao's with bf16 rounding
-LOW_RANK_OPTIMIZERS = ("apollo_adamw",)  # optimizer state of low-rank projections (optim_target_modules)
+OptimizerName = Literal[tuple(OPTIMIZERS)]  # the table's names: the schema's choices
 
+CHUNK_ELEMENTS = 2**23  # the fused loss's chunk: [tokens x vocab] logits of at most this many elements
+
+
+def chunk_tokens(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Target tokens per chunk of the fused loss (recipes/sft.py's `fused_loss`)."""
+    return max(1, chunk_elements // vocab)
 
 @dataclass(frozen=True)
 class Supports:
@@ -185,7 +189,7 @@ class Recipe:
     max_grad_norm: float | None = spec(1.0, low=0, low_open=True)  # null: no clipping
     seed: int = spec(42, low=0)
     # memory techniques
-    optim: Literal["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_torch_8bit", "apollo_adamw"] = "adamw_torch"
+    optim: OptimizerName = "adamw_torch"  # the table in planning/optimizers.py
     optim_args: OptimArgs = field(default_factory=OptimArgs)
     # the weight matrices apollo_adamw projects: module names, or all-linear (every nn.Linear, lm_head included)
     optim_target_modules: tuple[str, ...] | Literal["all-linear"] = "all-linear"
@@ -216,11 +220,11 @@ class Recipe:
 
     @property
     def uses_bnb(self) -> bool:
-        return self.optim in BNB_OPTIMIZERS
+        return OPTIMIZERS[self.optim].bitsandbytes
 
     @property
     def low_rank(self) -> bool:
-        return self.optim in LOW_RANK_OPTIMIZERS
+        return OPTIMIZERS[self.optim].low_rank
 
     def to_dict(self) -> dict:
         return to_dict(self)
@@ -382,10 +386,10 @@ def fp16_blocker(r: Recipe) -> str | None:
 def check_optimizer(r: Recipe) -> None:
     """The optimizer's own keys: what each needs, and which engines leave it room."""
     engine = "FSDP" if r.fsdp else "DeepSpeed" if r.deepspeed else None
-    if r.optim in ("adamw_torch_8bit", *LOW_RANK_OPTIMIZERS) and engine:
-        why = ("projects each weight matrix whole, and the engine hands the optimizer flat or row shards"
-               if r.low_rank else "is not tested under an engine that shards the optimizer state in memrecipe")
-        raise RecipeError(f"optim {r.optim} {why}: use it with distributed_type no or ddp (or optim=adamw_torch)")
+    optimizer = OPTIMIZERS[r.optim]
+    if r.distributed_type not in optimizer.engines:
+        raise RecipeError(f"optim {r.optim} {optimizer.why_not}: use it with distributed_type "
+                          f"{' or '.join(optimizer.engines)} (or optim=adamw_torch)")
     if r.low_rank and r.lora is not None:
         raise RecipeError(f"optim {r.optim} keeps low-rank state for full fine-tuning; LoRA's adapters are low-rank "
                           "already: set lora=null, or optim=adamw_torch")
@@ -512,11 +516,8 @@ def techniques(r: Recipe) -> list[str]:
     if r.weight_dtype == "bf16":
         out.append("bf16 weights" + (", stochastic rounding" if r.optim == "adamw_torch_8bit"
                                      and r.optim_args.bf16_stochastic_round else ""))
-    if r.optim in EIGHT_BIT_OPTIMIZERS:
-        out.append("8-bit AdamW" + (" (paged on CUDA)" if r.optim.startswith("paged") else "")
-                   + (" (torchao)" if r.optim == "adamw_torch_8bit" else ""))
-    if r.low_rank:
-        out.append(f"APOLLO rank {r.optim_args.rank}")
+    if r.optim != "adamw_torch":
+        out.append(OPTIMIZERS[r.optim].label + (f" rank {r.optim_args.rank}" if r.low_rank else ""))
     if r.optimizer_in_backward:
         out.append("optimizer step in backward")
     if r.torch_compile:

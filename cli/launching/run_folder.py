@@ -17,19 +17,20 @@ The other machines of a multi-machine run keep their own launch files, lock and 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import RecipeError
-from .files import make_folder
-from .generator import Invocation, accelerate_config, deepspeed_config, render_json, render_yaml
+from ..errors import RecipeError
+from ..files import make_folder
+from ..planning.configs import Invocation, accelerate_config, deepspeed_config, render_json, render_yaml
 
 if TYPE_CHECKING:
-    from .recipe import Recipe
-    from .topology import Topology
+    from ..planning.recipe import Recipe
+    from ..planning.topology import Topology
 
 RECIPE, LAUNCH_CONFIG, DEEPSPEED_CONFIG, TRAIN_LOG = "recipe.yaml", "accelerate_config.yaml", "deepspeed_config.json", "train.log"
 CHECKPOINTS, INITIAL_ADAPTER, FINAL, REPORT, LOSS_PLOT = "checkpoints", "initial_adapter", "final", "report.json", "loss.png"
@@ -39,6 +40,15 @@ CHECKPOINTS, INITIAL_ADAPTER, FINAL, REPORT, LOSS_PLOT = "checkpoints", "initial
 STARTED = {RECIPE, LAUNCH_CONFIG, DEEPSPEED_CONFIG, TRAIN_LOG, INITIAL_ADAPTER}
 MEMORY_RECORDS = "memory_"  # --memory-snapshot's files, per rank (measure.MemorySnapshot)
 PROBE = ".probe-"  # the loop's look at whether the machines share the folder (checkpoint.folder_sharing)
+STATE = "trainer_state.json"  # in a checkpoint: written last, so a checkpoint holding it is complete
+NAME = re.compile(r"step-(\d+)$")  # checkpoints/step-N
+
+
+def complete_checkpoints(out) -> list[Path]:
+    """Complete checkpoints of a run folder, oldest first."""
+    folder = Path(out) / CHECKPOINTS
+    found = [p for p in folder.glob("step-*") if NAME.match(p.name) and (p / STATE).is_file()] if folder.is_dir() else []
+    return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)))
 
 
 def machine_file(name: str, machine_rank: int = 0) -> str:
@@ -56,7 +66,7 @@ def run_files(recipe: Recipe, topo: Topology) -> dict[str, str]:
     name = lambda n: machine_file(n, topo.machine_rank)  # noqa: E731
     files = {name(RECIPE): f"# Resolved recipe of this run: the single source of truth for it.\n{recipe.to_yaml()}"}
     ds = deepspeed_config(recipe, topo)
-    from .registry import data_dir
+    from ..planning.registry import data_dir
 
     script = str(data_dir("recipes") / "sft.py")  # this installation's loop (`memrecipe cp` gives a copy to edit)
     run = Invocation(name(LAUNCH_CONFIG), script, name(RECIPE), cpu_multiprocess=topo.cpu and topo.num_processes > 1

@@ -20,7 +20,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .planner import CHUNK_ELEMENTS, chunk_tokens
+from ..planning.recipe import CHUNK_ELEMENTS, chunk_tokens
 
 IGNORE = -100
 # Configs whose CausalLM forward transforms the head's output before the loss: the fused head would

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ..errors import RecipeError
+from ..units import GiB
 from .architecture import Structure, Tensor, lora_tensors_on_meta
-from .errors import RecipeError
-from .recipe import METHODS, Recipe, method  # noqa: F401 (METHODS, method: read here by plan and checks)
+from .optimizers import OPTIMIZERS
+from .recipe import METHODS, Recipe, chunk_tokens, method
 from .topology import Topology, resolve_precision
-from .units import GiB
 
 GPU_OVERHEAD = 1 * GiB  # CUDA context, kernels, cuBLAS/NCCL workspaces, allocator slack
 CPU_OVERHEAD = GiB // 2  # per process on CPU: torch, transformers, accelerate, DeepSpeed (measured RSS ~0.45 GiB)
@@ -23,7 +24,6 @@ BNB_BLOCK = 256  # ... and one float32 absmax per block of 256 per state, plus a
 # The fused loss's chunk: logits of at most 2^23 elements (tokens x vocab) at a time, 32 MiB in fp32,
 # ~65 tokens of a 128k vocabulary: large enough for an efficient GPU matmul, small enough that the
 # loss is never the step's peak.
-CHUNK_ELEMENTS = 2**23
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits", "overhead")
 
 
@@ -73,11 +73,6 @@ class Estimate:
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
 
 
-def chunk_tokens(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
-    """Target tokens per chunk of the fused loss (recipes/sft.py's `fused_loss`)."""
-    return max(1, chunk_elements // vocab)
-
-
 def adam_state_bytes(tensors: list[int], eight_bit: bool) -> int:
     """AdamW state: two fp32 moments (+ a step scalar) per tensor; bitsandbytes 8-bit: two uint8
     moments with a float32 absmax per 256-element block, for tensors of >= 4096 elements (smaller
@@ -105,11 +100,12 @@ def optimizer_state_bytes(recipe: Recipe, tensors: list[Tensor], weight_bytes: i
     (optimizers.EMBEDDING_BITS); other tensors, moments in their dtype. APOLLO: a projected m x n matrix
     keeps its moments in rank x max(m, n) and the projection rank x min(m, n) (in its dtype), and a
     0-dim norm; the rest are AdamW's moments, with int steps."""
-    if recipe.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):  # embeddings: fp32 moments and an int step
+    state = OPTIMIZERS[recipe.optim].state
+    if state == "bnb_8bit":  # embeddings: fp32 moments and an int step
         embeddings = sum(8 * t.numel for t in tensors if t.kind == "embedding")
         return embeddings + adam_state_bytes([t.numel for t in tensors if t.kind != "embedding"], eight_bit=True)
     total = 0
-    if recipe.optim == "adamw_torch_8bit":
+    if state == "torchao_8bit":
         for t in tensors:
             n = t.numel
             if t.kind == "embedding":
@@ -120,7 +116,7 @@ def optimizer_state_bytes(recipe: Recipe, tensors: list[Tensor], weight_bytes: i
                 total += 2 * weight_bytes * n
             total += 4
         return total
-    if recipe.low_rank:
+    if state == "low_rank":
         r, projected = recipe.optim_args.rank, set(projected_tensors(recipe, tensors))
         for i, t in enumerate(tensors):
             if i in projected:
@@ -342,8 +338,7 @@ def speed_cost(recipe: Recipe, precision: str) -> float:
         cost *= (2.0 if recipe.deepspeed.offload_param != "none" else 1.0)
     if recipe.parallelism:
         cost *= 1.15  # all-reduces of activations in every layer's forward and backward
-    if recipe.optim != "adamw_torch":
-        cost *= 1.05  # 8-bit (de)quantisation of the state, or APOLLO's projections
+    cost *= OPTIMIZERS[recipe.optim].step_cost  # 8-bit (de)quantisation of the state, or APOLLO's projections
     if recipe.quantization:
         cost *= 1.2  # each weight dequantised per matmul, forward and backward
     if precision == "no":

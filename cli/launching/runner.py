@@ -8,18 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import RecipeError, did_you_mean
+from ..files import write_files
+from ..planning.hardware import Machine
+from ..planning.paths import absolute_paths, check_paths
+from ..planning.planner import Verdict
+from ..planning.recipe import Recipe
+from ..planning.registry import load_recipe
+from ..planning.topology import Topology, plan_topology
+from ..units import GiB
 from .checks import check_fits, preflight, resumable
-from .errors import RecipeError, did_you_mean
-from .files import write_files
-from .hardware import Machine
 from .launch import SCRIPTS, launch_command, launch_env, stream
-from .paths import absolute_paths, check_paths
-from .planner import Verdict
-from .recipe import Recipe
-from .registry import load_recipe
 from .run_folder import RunFolder, default_run_folder, run_files
-from .topology import Topology, plan_topology
-from .units import GiB
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,10 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
     the fit would refuse becomes the plan's `refused` lines (a GPU launch line can be previewed on a laptop)."""
     if script not in SCRIPTS:
         raise RecipeError(f"unknown script {script!r}{did_you_mean(script, SCRIPTS)}; scripts: {', '.join(SCRIPTS)}")
-    machine = machine or Machine.detect()
+    if machine is None:
+        from ..training.device import detect_machine  # torch: what the launch will see
+
+        machine = detect_machine()
     refused: list[str] = []
     if resume:
         r, topo = resumable(output_dir, recipe_ref, words, topology.get("num_processes"), machine,

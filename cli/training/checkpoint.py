@@ -16,25 +16,14 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import RecipeError
-from .files import readable_files
-from .run_folder import CHECKPOINTS, PROBE
-
-STATE = "trainer_state.json"
-NAME = re.compile(r"step-(\d+)$")
-
-
-def complete_checkpoints(out) -> list[Path]:
-    """Complete checkpoints of a run folder, oldest first."""
-    folder = Path(out) / CHECKPOINTS
-    found = [p for p in folder.glob("step-*") if NAME.match(p.name) and (p / STATE).is_file()] if folder.is_dir() else []
-    return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)))
+from ..errors import RecipeError
+from ..files import readable_files
+from ..launching.run_folder import CHECKPOINTS, NAME, PROBE, STATE, complete_checkpoints
 
 
 @contextmanager

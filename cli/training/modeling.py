@@ -10,10 +10,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import RecipeError
-from .recipe import fp16_blocker
-
-EMBEDDED_MODEL = Path(__file__).resolve().parent / "data" / "tiny-llama"
+from ..errors import RecipeError
+from ..planning.recipe import fp16_blocker
+from ..planning.registry import EMBEDDED_MODEL
 
 
 def make_accelerator(recipe, **kwargs):

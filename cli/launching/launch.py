@@ -11,10 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .recipe import Recipe
-from .registry import data_dir
+from ..planning.recipe import Recipe
+from ..planning.registry import data_dir
+from ..planning.topology import Topology
 from .run_folder import LAUNCH_CONFIG, RECIPE, machine_file
-from .topology import Topology
 
 SCRIPTS = ("sft",)
 LAUNCHED_BY = "MEMRECIPE_RUN"  # in a launch's environment: started by `memrecipe run` (the loop's resume hint says so)

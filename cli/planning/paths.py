@@ -62,7 +62,7 @@ def from_recipe_file(data: dict, folder: Path) -> dict:
 
 def check_paths(recipe: Recipe) -> None:
     """A local path that does not exist, refused in one line (before launch, in validate and in a dry run)."""
-    from .errors import RecipeError
+    from ..errors import RecipeError
 
     for key in PATH_KEYS:
         value = getattr(recipe, key)

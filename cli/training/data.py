@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import RecipeError, did_you_mean
-from .paths import FILE_BUILDERS
-from .recipe import template_fields
+from ..errors import RecipeError, did_you_mean
+from ..planning.paths import FILE_BUILDERS
+from ..planning.recipe import template_fields
+from ..planning.registry import EMBEDDED_DATASET
 
 IGNORE = -100  # label of tokens that are not targets (prompt, user turns, padding)
-EMBEDDED_DATASET = Path(__file__).resolve().parent / "data" / "chat.jsonl"
 FORMAT_COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 NO_TEMPLATE = ("the dataset has 'messages' but the tokenizer has no chat template: set chat_template to a Jinja "
                "file (chat_template: template.jinja), or use prompt/completion data")
@@ -94,7 +94,7 @@ def sources(spec, dataset_format: str = "auto") -> list:
     dataset) is one source of the recipe's dataset_format; an entry's format `auto` defers to it too."""
     from dataclasses import replace
 
-    from .recipe import DataSource
+    from ..planning.recipe import DataSource
 
     if spec is None or isinstance(spec, str):
         return [DataSource(path=spec, format=dataset_format)]

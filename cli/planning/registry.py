@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import RecipeError, did_you_mean
+from ..errors import RecipeError, did_you_mean
 from .paths import from_recipe_file
 from .recipe import Recipe, make_recipe, merge, parse_overrides, read_yaml
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]  # memrecipe/ (cli/ in a checkout)
+# the embedded default: a tiny Llama (config and tokenizer; weights built from a seed) and a chat set
+EMBEDDED_MODEL = PACKAGE / "data" / "tiny-llama"
+EMBEDDED_DATASET = PACKAGE / "data" / "chat.jsonl"
 
 
 def data_dir(name: str) -> Path:

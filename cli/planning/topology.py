@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import RecipeError
+from ..errors import RecipeError
 from .recipe import METHODS, Recipe, cpu_blocker, fp16_blocker, method
 
 

@@ -1,4 +1,4 @@
-"""What this machine has: GPUs (count, memory, bf16), cores, host RAM."""
+"""What this machine has: GPUs (count, memory, bf16), cores, host RAM, read without torch."""
 
 from __future__ import annotations
 
@@ -17,20 +17,9 @@ class Machine:
     host_memory: int  # bytes
 
     @classmethod
-    def detect(cls) -> Machine:
-        """Through torch: what a run uses."""
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        memory = torch.cuda.get_device_properties(0).total_memory if gpus else None
-        # natively: torch counts emulated bf16 too (torch/cuda/__init__.py, is_bf16_supported), which is
-        # slow on compute capability 7.x (V100, T4), where `auto` must mean fp16 with loss scaling
-        bf16 = torch.cuda.is_bf16_supported(including_emulation=False) if gpus else None
-        return cls(gpus, memory, bf16, os.cpu_count() or 1, host_memory())
-
-    @classmethod
-    def probe(cls) -> Machine:
-        """Without torch (for `plan`): nvidia-smi, if there is one."""
+    def from_nvidia_smi(cls) -> Machine:
+        """Without torch (for `plan`): nvidia-smi, if there is one. What a launch uses is
+        torch's count (memrecipe.training.device.detect_machine)."""
         memory, count, bf16 = None, 0, None
         if shutil.which("nvidia-smi"):
             out = _smi("memory.total")
@@ -57,10 +46,3 @@ def host_memory() -> int:
     except (ValueError, OSError, AttributeError):  # not POSIX
         return 0
 
-
-def quiet_deepspeed() -> None:
-    """Before importing DeepSpeed without a GPU: name its CPU accelerator (it warns when it guesses)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from .recipe import EIGHT_BIT_OPTIMIZERS
+from ..planning.optimizers import OPTIMIZERS
 
 EMBEDDING_BITS = 32  # 8-bit optimizers keep embeddings' state in 32 bits (as transformers' Trainer does):
 # a row's moments see a gradient only when its token occurs, and blockwise 8-bit scales lose the rare rows
@@ -40,7 +40,7 @@ def param_groups(recipe, model) -> list[dict]:
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     projected = projected_names(model, recipe.optim_target_modules) if recipe.low_rank else set()
     if recipe.low_rank and not projected:
-        from .errors import RecipeError
+        from ..errors import RecipeError
 
         raise RecipeError(f"optim_target_modules {recipe.optim_target_modules!r} names no linear layer of this "
                           "model (module names such as q_proj, or all-linear)")
@@ -54,7 +54,7 @@ def param_groups(recipe, model) -> list[dict]:
             continue
         if name in projected:
             kind = "projected"
-        elif id(p) in embeddings and recipe.optim in EIGHT_BIT_OPTIMIZERS:
+        elif id(p) in embeddings and OPTIMIZERS[recipe.optim].eight_bit:
             kind = "embedding"
         else:
             kind = "decay" if is_matrix(p) else "no_decay"
@@ -78,18 +78,29 @@ def make_optimizer(recipe, model, accelerator):
 
 
 def optimizer_factory(recipe, device):
-    """groups -> the recipe's optimizer (a function: optimizer_in_backward builds one per parameter)."""
-    lr = recipe.learning_rate
-    if recipe.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
-        cls = bnb_adamw8bit(paged=recipe.optim == "paged_adamw_8bit" and device.type == "cuda")  # paging needs CUDA
-        return lambda groups: cls(groups, lr=lr)
-    if recipe.optim == "adamw_torch_8bit":
-        cls, rounding = torchao_adamw8bit(), recipe.optim_args.bf16_stochastic_round
-        return lambda groups: cls(groups, lr=lr, bf16_stochastic_round=rounding, compiled=device.type == "cuda")
-    if recipe.optim == "apollo_adamw":
-        cls = apollo_adamw()
-        return lambda groups: cls(groups, lr=lr)
-    return lambda groups: torch.optim.AdamW(groups, lr=lr)
+    """groups -> the recipe's optimizer (a function: optimizer_in_backward builds one per parameter), from the
+    builder its entry in the table names (memrecipe.planning.optimizers)."""
+    return globals()[OPTIMIZERS[recipe.optim].builder](recipe, device)
+
+
+def torch_adamw(recipe, device):
+    return lambda groups: torch.optim.AdamW(groups, lr=recipe.learning_rate)
+
+
+def bnb_8bit(recipe, device):
+    cls = bnb_adamw8bit(paged=recipe.optim == "paged_adamw_8bit" and device.type == "cuda")  # paging needs CUDA
+    return lambda groups: cls(groups, lr=recipe.learning_rate)
+
+
+def torchao_8bit(recipe, device):
+    cls, rounding = torchao_adamw8bit(), recipe.optim_args.bf16_stochastic_round
+    return lambda groups: cls(groups, lr=recipe.learning_rate, bf16_stochastic_round=rounding,
+                              compiled=device.type == "cuda")
+
+
+def apollo(recipe, device):
+    cls = apollo_adamw()
+    return lambda groups: cls(groups, lr=recipe.learning_rate)
 
 
 @functools.cache

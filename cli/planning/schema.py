@@ -12,7 +12,7 @@ import typing
 from dataclasses import field
 from typing import Any, Literal, Union
 
-from .errors import RecipeError, did_you_mean
+from ..errors import RecipeError, did_you_mean
 
 
 def spec(default=dataclasses.MISSING, *, low=None, high=None, low_open=False, help=""):

@@ -1,0 +1,45 @@
+"""The optimizers a recipe can name (`optim`), each described once: read by the recipe's schema and checks,
+`memrecipe ls`, the planner (state bytes, step cost) and the loop's factory (memrecipe.training.optimizers).
+Adding an optimizer is one entry here and one builder there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINES = ("no", "ddp", "fsdp", "deepspeed")  # a recipe's distributed_type
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    label: str  # in `memrecipe ls` and the card
+    builder: str  # its function in memrecipe.training.optimizers: (recipe, device) -> (groups -> optimizer)
+    state: str  # how the planner counts its state (planner.optimizer_state_bytes): adamw, bnb_8bit, torchao_8bit, low_rank
+    engines: tuple[str, ...] = ENGINES  # the distributed types it runs under
+    why_not: str = ""  # why not under the others
+    bitsandbytes: bool = False  # its state is bitsandbytes' (no DTensor: not FSDP2; not beside DeepSpeed's CPU Adam)
+    step_cost: float = 1.0  # step time against AdamW's (a rule of thumb, planner.speed_cost)
+
+    @property
+    def eight_bit(self) -> bool:
+        """8-bit moments; embeddings keep 32-bit state (training.optimizers.EMBEDDING_BITS)."""
+        return self.state in ("bnb_8bit", "torchao_8bit")
+
+    @property
+    def low_rank(self) -> bool:
+        """Moments in low-rank projections of the weight matrices optim_target_modules names."""
+        return self.state == "low_rank"
+
+
+SHARDED = "is not tested under an engine that shards the optimizer state in memrecipe"
+OPTIMIZERS = {
+    "adamw_torch": Optimizer("AdamW", "torch_adamw", "adamw"),
+    "adamw_bnb_8bit": Optimizer("8-bit AdamW", "bnb_8bit", "bnb_8bit", bitsandbytes=True, step_cost=1.05),
+    "paged_adamw_8bit": Optimizer("8-bit AdamW (paged on CUDA)", "bnb_8bit", "bnb_8bit", bitsandbytes=True,
+                                  step_cost=1.05),
+    # 8-bit moments and, with bf16 weights, stochastic rounding of each update (optim_args.bf16_stochastic_round)
+    "adamw_torch_8bit": Optimizer("8-bit AdamW (torchao)", "torchao_8bit", "torchao_8bit", ("no", "ddp"), SHARDED,
+                                  step_cost=1.05),
+    "apollo_adamw": Optimizer("APOLLO", "apollo", "low_rank", ("no", "ddp"),
+                              "projects each weight matrix whole, and the engine hands the optimizer flat or row shards",
+                              step_cost=1.05),
+}
