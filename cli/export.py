@@ -15,7 +15,7 @@ from .errors import RecipeError
 from .files import readable_files
 from .launching.run_folder import RunFolder, complete_checkpoints
 
-DTYPES = ("bf16", "fp32")
+EXPORT_DTYPES = ("bf16", "fp32")
 
 
 def source_of(run: Path, checkpoint: str | None) -> Path:

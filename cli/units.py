@@ -19,6 +19,3 @@ def parse_size(text: str, what: str = "memory size") -> int:
         raise RecipeError(f"{what} {text!r} is not a size: write a number and a unit, like 24GiB, 80GB or 512GiB")
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
-
-def gib(n_bytes: float, digits: int = 1) -> str:
-    return f"{n_bytes / GiB:.{digits}f}"

@@ -54,8 +54,7 @@ def parse_args(argv=None):
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. max_steps=10")
     args = parser.parse_intermixed_args(argv)  # key=value words before, between or after the options
     # the same words as `memrecipe run`: --model and --dataset are overrides of the recipe's keys
-    args.overrides += [f"{key}={value}" for key, value in (("model_name_or_path", args.model),
-                                                            ("dataset", args.dataset)) if value is not None]
+    args.overrides += flag_overrides(model=args.model, dataset=args.dataset)
     return args
 
 

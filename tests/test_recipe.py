@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from memrecipe.errors import RecipeError
-from memrecipe.planning.recipe import Recipe, make_recipe, parse_overrides
+from memrecipe.planning.recipe import Recipe, make_recipe
+from memrecipe.planning.registry import parse_overrides
 from memrecipe.planning.registry import load_recipe, recipe_names, recipe_path
 
 SHIPPED = ["adamw-8bit", "fsdp", "single-gpu-lora", "zero3-offload"]

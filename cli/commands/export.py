@@ -2,7 +2,7 @@ from pathlib import Path
 
 import click
 
-from ..export import DTYPES, export
+from ..export import EXPORT_DTYPES, export
 
 
 @click.command("export")
@@ -10,7 +10,7 @@ from ..export import DTYPES, export
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option("--checkpoint", default=None, help="A checkpoint of the run (step-N) instead of its final save.")
 @click.option("--merge", is_flag=True, help="Fold the LoRA adapter into the base weights: one standalone model.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(EXPORT_DTYPES), default="fp32", show_default=True)
 def command(run_dir, output, checkpoint, merge, dtype):
     """Turn a run's final save or a checkpoint into a Hugging Face model folder.
 

@@ -6,11 +6,10 @@ from ..errors import RecipeError
 from ..options import overrides_argument
 from ..planning.architecture import read_config, structure
 from ..planning.hardware import Machine
-from ..planning.planner import (CATEGORIES, batch_for, estimate, judge, largest_micro_batch, recommend,
-                                recommend_by_method, with_batch)
+from ..planning.planner import CATEGORIES, judge_each, recommend, recommend_by_method
 from ..planning.recipe import METHODS, method
-from ..planning.registry import load_recipe, recipe_names
-from ..planning.topology import check_supported, make_topology
+from ..planning.registry import flag_overrides, load_recipe, recipe_names
+from ..planning.topology import make_topology
 from ..table import table
 from ..units import GiB, parse_size
 
@@ -55,34 +54,18 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
     n = num_processes if num_processes is not None else (machine.gpus * num_machines if machine.gpus and not cpu
                                                          else num_machines)  # 0 is refused, not "detect"
     topo = make_topology(n, num_machines, 0, "planned" if num_machines > 1 else None, None, cpu)
-    extra = [f"model_name_or_path={model}"] if model else []
+    extra = flag_overrides(model=model)
     names = [recipe] if recipe else recipe_names()
     recipes = [load_recipe(name, [*overrides, *extra]) for name in names]
     recipes = [r for r in recipes if only is None or method(r) == only]
     models = {r.model_name_or_path for r in recipes}
     shapes = {m: structure(read_config(m)) for m in models}
 
-    rows, verdicts, skipped = [], [], []
-    for r in recipes:
-        s, batch_note = shapes[r.model_name_or_path], ""
-        try:
-            check_supported(r, topo)
-            if global_batch:
-                fit = largest_micro_batch(r, s, topo, gpu, host, max(1, global_batch // n))
-                pair = batch_for(global_batch, fit, n) if fit else None
-                if pair:
-                    r = with_batch(r, *pair)
-                    batch_note = f"{pair[0]} x {pair[1]}"
-                else:
-                    batch_note = "none fits" if not fit else f"{global_batch} not divisible"
-            v = judge(estimate(r, s, topo), gpu, host)
-        except RecipeError as e:  # a topology it does not support, or a model it cannot train (with the reason)
-            skipped.append((r.name, str(e) if recipe else str(e).split(":")[0]))
-            continue
-        verdicts.append(v)
-        rows.append((r, v, batch_note))
+    rows, skipped = judge_each(recipes, shapes, topo, gpu, host, global_batch)
+    verdicts = [v for _, v, _ in rows]
     if recipe and skipped:  # the one recipe asked for cannot be planned: its reason is the answer
         raise RecipeError(skipped[0][1])
+    skipped = [(name, why if recipe else why.split(":")[0]) for name, why in skipped]
 
     # full fine-tuning, LoRA and QLoRA are a choice of quality, not interchangeable speeds: one pick for each
     picks = recommend_by_method([r for r, _, _ in rows], verdicts)

@@ -9,6 +9,7 @@ from ..launching.launch import shell_form
 from ..launching.run_folder import RunFolder
 from ..launching.runner import discard_failed_start, plan_run, start
 from ..options import dataset_option, model_option, overrides_argument, topology_options
+from ..planning.registry import flag_overrides
 
 
 @click.command("run")
@@ -38,9 +39,7 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
     memrecipe run sft --recipe zero3-offload max_steps=100 --dry-run
     memrecipe run sft --resume --output-dir runs/fsdp-20261122-010000 max_steps=2000
     """
-    words = [*overrides, *(f"{key}={value}" for key, value in
-                           (("model_name_or_path", model), ("dataset", dataset), ("report_to", report_to))
-                           if value is not None)]
+    words = [*overrides, *flag_overrides(model=model, dataset=dataset, report_to=report_to)]
     topology = {"num_processes": num_processes, "num_machines": num_machines, "machine_rank": machine_rank,
                 "main_process_ip": main_process_ip, "main_process_port": main_process_port, "cpu": cpu}
     plan = plan_run(script, recipe, words, output_dir, topology, resume, force, memory_snapshot, dry_run)

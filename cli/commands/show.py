@@ -2,8 +2,7 @@ import textwrap
 
 import click
 
-from ..planning.recipe import read_yaml
-from ..planning.registry import load_recipe, recipe_path
+from ..planning.registry import load_recipe, read_yaml, recipe_path
 from ..table import terminal_width
 
 

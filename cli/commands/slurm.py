@@ -7,9 +7,9 @@ from ..errors import RecipeError
 from ..files import write_files
 from ..launching.slurm import HEAD, sbatch_script
 from ..options import dataset_option, model_option, overrides_argument
-from ..planning.configs import generate, script_files
+from ..planning.configs import generate, launch_env, script_files
 from ..planning.paths import absolute_word
-from ..planning.registry import load_recipe
+from ..planning.registry import flag_overrides, load_recipe
 from ..planning.topology import check_supported, make_topology
 
 
@@ -37,8 +37,7 @@ def command(recipe, model, dataset, nodes, gpus_per_node, partition, time, port,
     memrecipe slurm fsdp --nodes 2 --gpus-per-node 8 --partition gpu --time 1-00:00:00 --model meta-llama/Llama-3.1-8B
     sbatch slurm/fsdp-2x8gpu/fsdp.sbatch
     """
-    words = [absolute_word(w) for w in (*overrides, *(f"{key}={value}" for key, value in
-                                                 (("model_name_or_path", model), ("dataset", dataset)) if value))]
+    words = [absolute_word(w) for w in (*overrides, *flag_overrides(model=model, dataset=dataset))]
     r = load_recipe(recipe, words)
     if nodes < 1 or gpus_per_node < 1 or cpus_per_gpu < 1:
         raise RecipeError(f"--nodes, --gpus-per-node and --cpus-per-gpu must be >= 1, got {nodes}, {gpus_per_node} "
@@ -56,7 +55,7 @@ def command(recipe, model, dataset, nodes, gpus_per_node, partition, time, port,
                              "--output-dir", str(folder), *words])
     files[f"{r.name}.sbatch"] = sbatch_script(r.name, str(folder), config_file, recipe_file, nodes, gpus_per_node,
                                               port, partition, time, words, regenerate, cpu,
-                                              cpu_env=cpu and r.deepspeed is None, cpus_per_gpu=cpus_per_gpu)
+                                              env=launch_env(r, topo), cpus_per_gpu=cpus_per_gpu)
     for path in write_files(folder, files, force):
         click.echo(f"wrote {path}")
     click.echo(f"submit with: sbatch {folder / (r.name + '.sbatch')}   (sft.py needs memrecipe installed on the nodes)")

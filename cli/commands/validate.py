@@ -4,8 +4,8 @@ import click
 
 from ..errors import RecipeError
 from ..planning.paths import check_paths
-from ..planning.recipe import make_recipe, read_yaml
-from ..planning.registry import resolve
+from ..planning.recipe import make_recipe
+from ..planning.registry import read_yaml, resolve
 
 
 @click.command("validate")

@@ -13,10 +13,10 @@ import yaml
 from ..errors import RecipeError, did_you_mean
 from ..planning.architecture import read_config, structure
 from ..planning.hardware import Machine
-from ..planning.planner import breakdown, estimate, judge, recommend
+from ..planning.planner import breakdown, estimate, judge, judge_each, recommend
 from ..planning.recipe import METHODS, method
 from ..planning.registry import load_recipe, recipe_names
-from ..planning.topology import Topology, check_supported, make_topology
+from ..planning.topology import Topology, make_topology
 from ..units import GiB
 from .run_folder import RunFolder, complete_checkpoints
 
@@ -53,23 +53,23 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
     verdict = judge(estimate(recipe, shape, topo), machine.gpu_memory, machine.host_memory or None)
     if verdict.fits or force:
         return verdict
-    others = {}  # recipe name -> (its training method, its verdict)
+    others = []
     for name in recipe_names():
         try:
-            other = load_recipe(name, words)
-            check_supported(other, topo)
-            others[name] = method(other), judge(estimate(other, shape, topo), machine.gpu_memory,
-                                                machine.host_memory or None)
-        except RecipeError:
+            others.append(load_recipe(name, words))
+        except RecipeError:  # the run's words do not apply to it
             continue
-    same, why = recommend([v for m, v in others.values() if m == method(recipe)])
-    best, why = (same, why) if same else recommend([v for _, v in others.values()])
+    judged = {r.name: (method(r), v) for r, v, _ in
+              judge_each(others, {r.model_name_or_path: shape for r in others}, topo, machine.gpu_memory,
+                         machine.host_memory or None)[0]}
+    same, why = recommend([v for m, v in judged.values() if m == method(recipe)])
+    best, why = (same, why) if same else recommend([v for _, v in judged.values()])
     est = verdict.estimate
     loading = " (loading: every process's copy of the model)" if est.host_load >= est.host_total() else ""
     where = (f"host RAM {est.host_total() / GiB:.1f} GiB{loading} > {machine.host_memory / GiB:.1f} GiB"
              if not verdict.host_fits else f"{est.total / GiB:.1f} GiB per GPU > {machine.gpu_memory / GiB:.1f} GiB")
     if best:
-        kind = others[best.estimate.recipe][0]
+        kind = judged[best.estimate.recipe][0]
         instead = f"{best.estimate.recipe} would fit ({best.estimate.total / GiB:.1f} GiB per process)" + (
             f", a {METHODS[kind]} recipe: no {METHODS[method(recipe)]} recipe fits" if not same else "")
     else:

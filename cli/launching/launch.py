@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..planning.configs import launch_env as accelerate_env
+from ..planning.configs import launch_words
 from ..planning.recipe import Recipe
 from ..planning.registry import data_dir
 from ..planning.topology import Topology
@@ -24,7 +26,7 @@ TRACEBACK = b"Traceback (most recent call last)"
 
 def launch_env(recipe: Recipe, topo: Topology, cores: int) -> dict[str, str]:
     """Environment the launch needs on top of the user's."""
-    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", LAUNCHED_BY: "1"}
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", LAUNCHED_BY: "1", **accelerate_env(recipe, topo)}
     if not topo.cpu and recipe.deepspeed is not None:
         # accelerate launches DeepSpeed through torchrun, which sets 1 thread per process when a node runs
         # several (torch/distributed/run.py, "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1),
@@ -33,9 +35,6 @@ def launch_env(recipe: Recipe, topo: Topology, cores: int) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // topo.processes_per_machine))
     if topo.cpu:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would guess the CPU anyway, with a warning
-        if recipe.deepspeed is None and topo.num_processes > 1:
-            # accelerate starts one process for MULTI_CPU; GPU types with this flag start N on gloo
-            env["ACCELERATE_USE_CPU"] = "true"
     return env
 
 
@@ -43,14 +42,12 @@ def launch_command(script: str, topo: Topology, cores: int, extra=()) -> list[st
     """`accelerate launch` run from inside the run folder."""
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
     words = [accelerate, "launch"] if accelerate else [sys.executable, "-m", "accelerate.commands.launch"]
-    words += ["--config_file", machine_file(LAUNCH_CONFIG, topo.machine_rank)]
-    if topo.cpu:  # share the cores out (accelerate warns and guesses otherwise)
-        words += ["--num_cpu_threads_per_process", str(max(1, cores // topo.processes_per_machine))]
-    if topo.num_machines > 1:  # c10d (the config's key is not read by launch); machine 0 hosts its store,
-        # said outright rather than guessed from host names (which all match on one box)
-        words += ["--rdzv_backend", "c10d", "--rdzv_conf", f"is_host={str(topo.machine_rank == 0).lower()}"]
+    # on CPU the cores shared out (accelerate warns and guesses otherwise)
+    threads = ["--num_cpu_threads_per_process", str(max(1, cores // topo.processes_per_machine))] if topo.cpu else []
     sft = data_dir("recipes") / f"{script}.py"
-    return [*words, str(sft), "--recipe", machine_file(RECIPE, topo.machine_rank), "--output-dir", ".", *extra]
+    return [*words, *launch_words(machine_file(LAUNCH_CONFIG, topo.machine_rank), str(sft),
+                                  machine_file(RECIPE, topo.machine_rank), topo.num_machines, topo.machine_rank,
+                                  threads, ["--output-dir", ".", *extra])]
 
 
 class LaunchOutput:

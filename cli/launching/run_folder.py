@@ -69,8 +69,7 @@ def run_files(recipe: Recipe, topo: Topology) -> dict[str, str]:
     from ..planning.registry import data_dir
 
     script = str(data_dir("recipes") / "sft.py")  # this installation's loop (`memrecipe cp` gives a copy to edit)
-    run = Invocation(name(LAUNCH_CONFIG), script, name(RECIPE), cpu_multiprocess=topo.cpu and topo.num_processes > 1
-                     and ds is None, multi_machine=topo.num_machines > 1)
+    run = Invocation.of(recipe, topo, name(LAUNCH_CONFIG), script, name(RECIPE))
     header = [f"memrecipe run of recipe {recipe.name} on {topo.describe()}.",
               "Continue it: memrecipe run sft --resume --output-dir THIS_FOLDER",
               f"Run:        (in this folder) {run.shell()} --resume --output-dir ."]
@@ -81,9 +80,15 @@ def run_files(recipe: Recipe, topo: Topology) -> dict[str, str]:
     return files
 
 
+def run_folder_name(recipe_name: str, stamp: str | None = None) -> str:
+    """runs/<recipe>-<stamp>: the time the run starts (YYYYmmdd-HHMMSS), or a stamp of the caller's (the sbatch
+    script's job id)."""
+    return f"runs/{recipe_name}-{stamp or datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
 def default_run_folder(recipe_name: str) -> Path:
     """runs/<recipe>-<YYYYmmdd-HHMMSS>, with -2, -3... if runs start within the same second."""
-    base = Path("runs") / f"{recipe_name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    base = Path(run_folder_name(recipe_name))
     folder, n = base, 1
     while folder.exists():
         n += 1

@@ -7,17 +7,21 @@ config's placeholders on the command line. torch's c10d rendezvous runs on the h
 
 from __future__ import annotations
 
+import re
 import shlex
+
+from ..planning.configs import launch_words
+from .run_folder import run_folder_name
 
 HEAD = "HEAD_NODE"  # placeholder for main_process_ip in the config: the script passes the real address
 
 
 def sbatch_script(recipe_name: str, folder: str, config_file: str, recipe_file: str, nodes: int, per_node: int,
                   port: int, partition: str | None = None, time: str | None = None, overrides=(),
-                  regenerate: str = "", cpu: bool = False, cpu_env: bool = False, cpus_per_gpu: int = 8) -> str:
+                  regenerate: str = "", cpu: bool = False, env: dict | None = None, cpus_per_gpu: int = 8) -> str:
     """The sbatch script: submitted as is with `sbatch FILE`, from anywhere (it changes to `folder`).
-    `cpu`: the CPU smoke-test form (per_node gloo processes, no GPUs asked for); `cpu_env`: its
-    launches need ACCELERATE_USE_CPU (all but DeepSpeed, see generator.Invocation). On GPUs the one
+    `cpu`: the CPU smoke-test form (per_node gloo processes, no GPUs asked for); `env`: what the
+    launches need in their environment (configs.launch_env). On GPUs the one
     task per node asks for `cpus_per_gpu` cores per GPU: without it Slurm gives the task one core, and
     all ranks, their data loading and DeepSpeed's CPU Adam would share it."""
     sbatch = [f"--job-name=memrecipe-{recipe_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
@@ -27,6 +31,11 @@ def sbatch_script(recipe_name: str, folder: str, config_file: str, recipe_file: 
     sbatch += [f"--time={time}"] if time else []
     sbatch.append(f"--output={folder}/%x-%j.out")
     unit = "CPU process(es)" if cpu else "GPU(s)"
+    ranks = ["--num_machines", "$SLURM_NNODES", "--num_processes", "$((SLURM_NNODES * PROCESSES_PER_NODE))",
+             "--machine_rank", "$SLURM_NODEID", "--main_process_ip", "$MAIN_PROCESS_IP",
+             "--main_process_port", "$MAIN_PROCESS_PORT"]
+    words = launch_words(config_file, "sft.py", recipe_file, nodes, '$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)',
+                         ranks, ["--output-dir", "$RUN_DIR", "$@"])
     lines = [
         "#!/bin/bash",
         f"# memrecipe recipe {recipe_name} on {nodes} node(s) x {per_node} {unit}: submit with "
@@ -40,8 +49,8 @@ def sbatch_script(recipe_name: str, folder: str, config_file: str, recipe_file: 
         'export MAIN_PROCESS_IP="${MAIN_PROCESS_IP:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}"',
         f'export MAIN_PROCESS_PORT="${{MAIN_PROCESS_PORT:-{port}}}"',
         f"export PROCESSES_PER_NODE={per_node}  # one per GPU",
-        'export RUN_DIR="runs/' + recipe_name + '-${SLURM_JOB_ID}"',
-        *(["export ACCELERATE_USE_CPU=true  # CPU smoke-test form: gloo processes stand in for GPUs"] if cpu_env else []),
+        f'export RUN_DIR="{run_folder_name(recipe_name, "${SLURM_JOB_ID}")}"',
+        *(f"export {key}={value}  # CPU smoke-test form: gloo processes stand in for GPUs" for key, value in (env or {}).items()),
         "# srun no longer inherits sbatch's --cpus-per-task (Slurm >= 22.05): pass it on. Each process gets its",
         "# share of the cores (torchrun would set 1 thread per process, starving DeepSpeed's CPU Adam).",
         'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-$(nproc)}"  # outside an allocation: this machine\'s',
@@ -51,11 +60,26 @@ def sbatch_script(recipe_name: str, folder: str, config_file: str, recipe_file: 
         "# machine rank; the command line replaces the config's placeholder rank and address. Node 0",
         "# hosts the rendezvous store (said outright: torch otherwise guesses it from host names).",
         "srun --ntasks-per-node=1 bash -c '",
-        f"  accelerate launch --config_file {shlex.quote(config_file)} \\",
-        '    --num_machines "$SLURM_NNODES" --num_processes "$((SLURM_NNODES * PROCESSES_PER_NODE))" \\',
-        '    --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \\',
-        '    --rdzv_backend c10d --rdzv_conf "is_host=$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)" \\',
-        f'    sft.py --recipe {shlex.quote(recipe_file)} --output-dir "$RUN_DIR" "$@"',
+        "  accelerate launch " + " \\\n    ".join(" ".join(_quoted(w) for w in group) for group in _grouped(words)),
         "' memrecipe-node" + "".join(f" {shlex.quote(word)}" for word in overrides),  # the overrides, as "$@"
     ]
     return "\n".join(lines) + "\n"
+
+
+def _quoted(word: str) -> str:
+    """A word inside the script's `bash -c '...'`: shell expansions (and anything else not plain) in double
+    quotes, never single ones."""
+    return word if re.fullmatch(r"[\w./:=+-]+", word) else f'"{word}"'
+
+
+def _grouped(words: list[str]) -> list[list[str]]:
+    """Launch words two lines at a time for the reader: the config, each option with its value, the loop."""
+    groups, i = [], 0
+    while i < len(words):
+        if words[i].startswith("--") and i + 1 < len(words) and not words[i + 1].startswith("--"):
+            groups.append(words[i:i + 2])
+            i += 2
+        else:
+            groups.append([words[i]])
+            i += 1
+    return groups

@@ -159,6 +159,26 @@ def _fsdp_section(recipe: Recipe, topo: Topology) -> dict:
     return section
 
 
+def launch_env(recipe: Recipe, topo: Topology) -> dict[str, str]:
+    """What `accelerate launch` of these configs needs in its environment: on CPU, several gloo processes of a
+    config that is not DeepSpeed's need ACCELERATE_USE_CPU (accelerate starts one process for MULTI_CPU; the
+    GPU types with the flag start N on gloo; DeepSpeed picks its CPU accelerator itself)."""
+    return {"ACCELERATE_USE_CPU": "true"} if topo.cpu and topo.num_processes > 1 and recipe.deepspeed is None else {}
+
+
+def launch_words(config_file: str, script: str, recipe_file: str, machines: int = 1, machine_rank: int | str = 0,
+                 options=(), script_args=()) -> list[str]:
+    """The words after `accelerate launch`: the config, launch options, the loop and its recipe. On several
+    machines, torch's c10d rendezvous (launch reads rdzv_backend from its command line only, not from the
+    YAML) with machine 0 said to host its store rather than guessed from host names (which all match on
+    one box); `machine_rank` may be a shell expression that says true or false (the sbatch script's)."""
+    words = ["--config_file", config_file, *options]
+    if machines > 1:
+        host = str(machine_rank == 0).lower() if isinstance(machine_rank, int) else machine_rank
+        words += ["--rdzv_backend", "c10d", "--rdzv_conf", f"is_host={host}"]
+    return [*words, script, "--recipe", recipe_file, *script_args]
+
+
 @dataclass(frozen=True)
 class Invocation:
     """How the generated files are run: what `accelerate launch` needs, from the folder it runs in."""
@@ -166,18 +186,21 @@ class Invocation:
     config_file: str
     script: str = "recipes/sft.py"
     recipe_file: str = "recipes/RECIPE.yaml"
-    cpu_multiprocess: bool = False
-    multi_machine: bool = False
+    env: tuple[tuple[str, str], ...] = ()
+    machines: int = 1
+    machine_rank: int = 0
+
+    @classmethod
+    def of(cls, recipe: Recipe, topo: Topology, config_file: str, script: str, recipe_file: str) -> Invocation:
+        return cls(config_file, script, recipe_file, tuple(launch_env(recipe, topo).items()), topo.num_machines,
+                   topo.machine_rank)
 
     def argv(self) -> list[str]:
-        # accelerate launch takes rdzv_backend from its command line only (the YAML key is not read)
-        rdzv = ["--rdzv_backend", "c10d"] if self.multi_machine else []
-        return ["accelerate", "launch", "--config_file", self.config_file, *rdzv, self.script, "--recipe",
-                self.recipe_file]
+        return ["accelerate", "launch", *launch_words(self.config_file, self.script, self.recipe_file, self.machines,
+                                                      self.machine_rank)]
 
     def shell(self) -> str:
-        env = "ACCELERATE_USE_CPU=true " if self.cpu_multiprocess else ""
-        return env + shlex.join(self.argv())
+        return "".join(f"{k}={v} " for k, v in self.env) + shlex.join(self.argv())
 
 
 def render_yaml(cfg: dict, header: list[str]) -> str:
@@ -212,9 +235,7 @@ def generate(recipe: Recipe, topo: Topology, folder: str = "", recipe_ref: str |
     prefix = f"{folder.rstrip('/')}/" if folder not in ("", ".") else ""
     ds = deepspeed_config(recipe, topo)
     ds_name = f"{stem}.json"
-    run = Invocation(f"{prefix}{stem}.yaml", script, recipe_file,
-                     cpu_multiprocess=topo.cpu and topo.num_processes > 1 and ds is None,
-                     multi_machine=topo.num_machines > 1)
+    run = Invocation.of(recipe, topo, f"{prefix}{stem}.yaml", script, recipe_file)
     header = [
         f"memrecipe recipe {recipe.name} on {topo.describe()}.",
         f"Regenerate: {regenerate}",
@@ -269,8 +290,7 @@ def script_files(recipe_ref: str, recipe: Recipe, recipe_file: str) -> dict[str,
     """The loop and the recipe, to sit side by side in a folder of their own (`cp`, `slurm`): the recipe
     file as written, with its header's repo paths made local; a recipe with a `base:` resolved, since its
     base would not be found from there."""
-    from .recipe import read_yaml
-    from .registry import data_dir, recipe_path
+    from .registry import data_dir, read_yaml, recipe_path
 
     path = recipe_path(recipe_ref)
     if "base" in read_yaml(path):

@@ -15,7 +15,7 @@ from ..units import GiB
 from .architecture import Structure, Tensor, lora_tensors_on_meta
 from .optimizers import OPTIMIZERS
 from .recipe import METHODS, Recipe, chunk_tokens, method
-from .topology import Topology, resolve_precision
+from .topology import Topology, check_supported, resolve_precision
 
 GPU_OVERHEAD = 1 * GiB  # CUDA context, kernels, cuBLAS/NCCL workspaces, allocator slack
 CPU_OVERHEAD = GiB // 2  # per process on CPU: torch, transformers, accelerate, DeepSpeed (measured RSS ~0.45 GiB)
@@ -201,7 +201,7 @@ def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
     if recipe.quantization is not None and recipe.quantization.upcast_unquantized:
         return "qlora"  # 4-bit linears; PEFT's k-bit preparation puts embeddings, norms and head in fp32
     if recipe.lora is not None:
-        return "lora"  # frozen base stored in half precision (see modeling.load_model)
+        return "lora"  # frozen base stored in half precision (see modeling.load_base)
     if recipe.fsdp is not None or recipe.deepspeed is not None or recipe.weight_dtype == "bf16":
         return "half"  # FSDP casts gathered params, DeepSpeed keeps the module in half precision
     return "mixed"
@@ -535,3 +535,28 @@ def breakdown(est: Estimate) -> str:
     short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optimizer", "activations": "activations",
              "logits": "logits", "overhead": "overhead"}
     return " + ".join(f"{short[c]} {getattr(est, c) / GiB:.1f}" for c in CATEGORIES) + " GiB"
+
+
+def judge_each(recipes: list[Recipe], shapes: dict, topo: Topology, gpu_memory: int | None, host_memory: int | None,
+               global_batch: int | None = None) -> tuple[list[tuple[Recipe, Verdict, str]], list[tuple[str, str]]]:
+    """Every recipe planned on this topology and judged against these memories (`plan`, and a refused run's
+    pick of what would fit instead): ([(recipe, verdict, batch note)], [(recipe name, why it cannot be
+    planned)]). `shapes`: model_name_or_path -> Structure. With `global_batch`, each recipe at the largest
+    micro batch that fits, with the accumulation that makes up the global batch."""
+    rows, skipped = [], []
+    n = topo.num_processes
+    for r in recipes:
+        s, note = shapes[r.model_name_or_path], ""
+        try:
+            check_supported(r, topo)
+            if global_batch:
+                fit = largest_micro_batch(r, s, topo, gpu_memory, host_memory, max(1, global_batch // n))
+                pair = batch_for(global_batch, fit, n) if fit else None
+                if pair:
+                    r, note = with_batch(r, *pair), f"{pair[0]} x {pair[1]}"
+                else:
+                    note = "none fits" if not fit else f"{global_batch} not divisible"
+            rows.append((r, judge(estimate(r, s, topo), gpu_memory, host_memory), note))
+        except RecipeError as e:  # a topology it does not support, or a model it cannot train (with the reason)
+            skipped.append((r.name, str(e)))
+    return rows, skipped

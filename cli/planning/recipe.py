@@ -8,7 +8,6 @@ machines) is the Topology's business, and the generator joins the two.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import yaml
@@ -36,7 +35,9 @@ class Supports:
     cpu: bool = True  # runs end to end on CPU (smoke-test mode, and in the test suite); false: GPU-only
 
 
-FORMATS = ("auto", "text", "prompt_completion", "messages")
+# a dataset format -> the columns that hold it (detected in this order, or named by dataset_format / columns.format)
+FORMAT_COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+DatasetFormat = Literal[("auto", *FORMAT_COLUMNS)]  # auto: detected from the columns
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class DataSource:
     path: str  # hub id, .jsonl/.json/.parquet/.csv file, or folder
     split: str = "train"  # the split of a hub dataset or folder
     fraction: float = spec(1.0, low=0, low_open=True, high=1)  # share of its rows taken, drawn with the seed
-    format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"  # auto: the recipe's dataset_format
+    format: DatasetFormat = "auto"  # auto: the recipe's dataset_format
     columns: Columns = field(default_factory=Columns)
 
 
@@ -165,7 +166,7 @@ class Recipe:
     # one source (hub id, file or folder; null: the embedded default dataset), or a list of
     # {path, split, fraction, format, columns} mixed together
     dataset: str | tuple[DataSource, ...] | None = None
-    dataset_format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"
+    dataset_format: DatasetFormat = "auto"
     eval_dataset: str | tuple[DataSource, ...] | None = None
     # false: only completions / assistant turns are targets; true: every token of a document after its first
     train_on_inputs: bool = False
@@ -233,60 +234,10 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-def parse_overrides(words) -> dict:
-    """['lora.r=8', 'max_steps=null'] -> {'lora': {'r': 8}, 'max_steps': None}; values are YAML."""
-    out: dict = {}
-    for word in words:
-        key, sep, text = word.partition("=")
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise RecipeError(f"override {word!r} is not key=value (e.g. learning_rate=1e-4 or lora.r=8)")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            raise RecipeError(f"override {word!r}: the value is not valid YAML (quote strings with spaces)") from None
-        node = out
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise RecipeError(f"override {word!r} conflicts with an earlier override of {part!r}")
-        node[leaf] = value
-    return out
-
-
-def merge(base: dict, changes: dict, path: str = "") -> dict:
-    """Deep-merge overrides into a recipe dict; a dotted key into a null section creates it."""
-    out = dict(base)
-    for key, value in changes.items():
-        here = f"{path}.{key}" if path else key
-        if isinstance(value, dict) and key in out and out[key] is not None:
-            if not isinstance(out[key], dict):
-                raise RecipeError(f"{here} is a single value, not a section: use {here}=VALUE")
-            out[key] = merge(out[key], value, here)
-        else:
-            out[key] = value
-    return out
-
-
-def read_yaml(path: Path) -> dict:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise RecipeError(f"cannot read {path}: {e.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise RecipeError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{path} must hold a mapping of recipe keys, got {type(data).__name__}")
-    return data
-
-
-def make_recipe(data: dict, overrides: dict | None = None) -> Recipe:
-    """Validate a recipe dict (plus overrides) into a Recipe, refusing bad keys and bad combinations."""
-    recipe = build(Recipe, merge(data, overrides or {}))
+def make_recipe(data: dict) -> Recipe:
+    """Validate a recipe dict (its base chain and overrides merged: registry.load_recipe) into a Recipe,
+    refusing bad keys and bad combinations."""
+    recipe = build(Recipe, data)
     check_combinations(recipe)
     return recipe
 

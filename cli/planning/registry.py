@@ -1,12 +1,15 @@
-"""Where the recipes and generated configs live, and name -> Recipe resolution."""
+"""Where the recipes, generated configs and the embedded default live, and a name or file -> Recipe: YAML
+read, `base:` chains merged, `key=value` overrides applied (recipe.make_recipe validates the result)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 from ..errors import RecipeError, did_you_mean
 from .paths import from_recipe_file
-from .recipe import Recipe, make_recipe, merge, parse_overrides, read_yaml
+from .recipe import Recipe, make_recipe
 
 PACKAGE = Path(__file__).resolve().parents[1]  # memrecipe/ (cli/ in a checkout)
 # the embedded default: a tiny Llama (config and tokenizer; weights built from a seed) and a chat set
@@ -70,6 +73,66 @@ def load_recipe(name_or_path: str, overrides=()) -> Recipe:
     """The validated Recipe for a name or file (its `base:` chain resolved), with `key=value` override words applied."""
     path = recipe_path(name_or_path)
     try:
-        return make_recipe(resolve(path), parse_overrides(overrides))
+        return make_recipe(merge(resolve(path), parse_overrides(overrides)))
     except RecipeError as e:
         raise RecipeError(f"recipe {name_or_path}: {e}") from None
+
+
+FLAG_KEYS = {"model": "model_name_or_path", "dataset": "dataset", "report_to": "report_to"}
+
+
+def flag_overrides(**flags) -> list[str]:
+    """Flags that stand for recipe keys (--model, --dataset; run's --report-to), as override words: the same
+    on every command and in the loop's own command line. Unset flags (None) give none."""
+    return [f"{FLAG_KEYS[flag]}={value}" for flag, value in flags.items() if value is not None]
+
+
+def parse_overrides(words) -> dict:
+    """['lora.r=8', 'max_steps=null'] -> {'lora': {'r': 8}, 'max_steps': None}; values are YAML."""
+    out: dict = {}
+    for word in words:
+        key, sep, text = word.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise RecipeError(f"override {word!r} is not key=value (e.g. learning_rate=1e-4 or lora.r=8)")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise RecipeError(f"override {word!r}: the value is not valid YAML (quote strings with spaces)") from None
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {word!r} conflicts with an earlier override of {part!r}")
+        node[leaf] = value
+    return out
+
+
+def merge(base: dict, changes: dict, path: str = "") -> dict:
+    """Deep-merge overrides into a recipe dict; a dotted key into a null section creates it."""
+    out = dict(base)
+    for key, value in changes.items():
+        here = f"{path}.{key}" if path else key
+        if isinstance(value, dict) and key in out and out[key] is not None:
+            if not isinstance(out[key], dict):
+                raise RecipeError(f"{here} is a single value, not a section: use {here}=VALUE")
+            out[key] = merge(out[key], value, here)
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise RecipeError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path} must hold a mapping of recipe keys, got {type(data).__name__}")
+    return data

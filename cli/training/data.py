@@ -12,11 +12,10 @@ from pathlib import Path
 
 from ..errors import RecipeError, did_you_mean
 from ..planning.paths import FILE_BUILDERS
-from ..planning.recipe import template_fields
+from ..planning.recipe import FORMAT_COLUMNS, template_fields
 from ..planning.registry import EMBEDDED_DATASET
 
 IGNORE = -100  # label of tokens that are not targets (prompt, user turns, padding)
-FORMAT_COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 NO_TEMPLATE = ("the dataset has 'messages' but the tokenizer has no chat template: set chat_template to a Jinja "
                "file (chat_template: template.jinja), or use prompt/completion data")
 

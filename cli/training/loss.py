@@ -21,8 +21,8 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..planning.recipe import CHUNK_ELEMENTS, chunk_tokens
+from .data import IGNORE
 
-IGNORE = -100
 # Configs whose CausalLM forward transforms the head's output before the loss: the fused head would
 # skip that transform, so those models keep the plain loss.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")

@@ -168,7 +168,7 @@ def read_chat_template(value: str) -> str:
     return text
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32,
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32,
           "uint8": torch.uint8}
 
 
@@ -179,10 +179,10 @@ def quantization_config(recipe, precision: str):
     q = recipe.quantization
     if q.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
-    compute = DTYPES[precision if q.compute_dtype == "auto" else q.compute_dtype]
+    compute = TORCH_DTYPES[precision if q.compute_dtype == "auto" else q.compute_dtype]
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
                               bnb_4bit_use_double_quant=q.double_quant, bnb_4bit_compute_dtype=compute,
-                              bnb_4bit_quant_storage=DTYPES[q.quant_storage])
+                              bnb_4bit_quant_storage=TORCH_DTYPES[q.quant_storage])
 
 
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -257,19 +257,20 @@ def tensor_parallel(model, tp_size: int, device_mesh) -> None:
 def load_base(recipe, name_or_path: str, precision: str, device=None, device_mesh=None):
     """from_pretrained with the recipe's memory techniques: quantization, tensor parallelism (split
     over the mesh's "tp" dimension as it loads), gradient checkpointing (+ activation offload), dtype.
-    Returns (model, activation offload hooks or None). LoRA and compiling come after (`load_model`)."""
+    Returns (model, activation offload hooks or None). LoRA and compiling come after (recipes/sft.py's
+    setup_model)."""
     from transformers import AutoModelForCausalLM
 
     # A frozen LoRA base is stored in the compute dtype (2 bytes/param); trained weights stay fp32
     # masters and mixed precision casts them for compute, unless the recipe trains them in bf16.
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    dtype = half if recipe.lora and half is not None else DTYPES[recipe.weight_dtype]
+    dtype = half if recipe.lora and half is not None else TORCH_DTYPES[recipe.weight_dtype]
     extra = {}
     q = recipe.quantization
     if q is not None:
         extra["quantization_config"] = quantization_config(recipe, precision)
         if q.quant_storage != "uint8":  # FSDP shards one dtype: the unquantized weights match the 4-bit storage
-            dtype = DTYPES[q.quant_storage]
+            dtype = TORCH_DTYPES[q.quant_storage]
         if recipe.fsdp is not None:
             # Under FSDP every rank loads the whole 4-bit model (transformers 5.23 has no "CPU or meta under
             # FSDP" branch any more), and with no device_map the bitsandbytes quantizer would put it on this
@@ -387,7 +388,7 @@ def wrap_first(accelerator, recipe, model):
         plugin.auto_wrap_policy = fsdp_auto_wrap_policy(model)
     storage = recipe.quantization.quant_storage if recipe.quantization else None
     if storage not in (None, "uint8"):
-        plugin.set_mixed_precision(DTYPES[storage], override=True)
+        plugin.set_mixed_precision(TORCH_DTYPES[storage], override=True)
     return accelerator.prepare(model)
 
 
