@@ -14,15 +14,20 @@ import argparse
 import copy
 import statistics
 import tempfile
+import sys
 import time
+from pathlib import Path
 
 import memrecipe  # noqa: F401  (first: quiets library notices)
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # loop_model: the loop's own model setup
+
+from helpers import loop_model  # noqa: E402
 from memrecipe.training.data import Collator, prepare_datasets
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss
 from memrecipe.training.measure import LossMemory
-from memrecipe.training.modeling import embedded_model, load_model, load_tokenizer
+from memrecipe.training.modeling import embedded_model, load_tokenizer
 from memrecipe.planning.registry import load_recipe
 
 BIG_VOCAB = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
@@ -78,7 +83,7 @@ def loss_peak(model, batch):
 
 def compare(name, path, window, steps):
     recipe = load_recipe("single-gpu-lora")
-    plain, _ = load_model(recipe, path, "bf16")
+    plain, _ = loop_model(recipe, path, "bf16")
     plain.train()
     fused = copy.deepcopy(plain)
     fuse_head(fused)

@@ -17,12 +17,14 @@ import torch
 import memrecipe  # noqa: F401  (first: quiets library notices)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # loop_model: the loop's own model setup
 
 from sft import accumulate_window  # noqa: E402
 
+from helpers import loop_model  # noqa: E402
 from memrecipe.training.data import Collator, prepare_datasets  # noqa: E402
 from memrecipe.training.measure import held_bytes, optimizer_state_dtypes, peak_memory  # noqa: E402
-from memrecipe.training.modeling import embedded_model, load_model, load_tokenizer, make_accelerator  # noqa: E402
+from memrecipe.training.modeling import embedded_model, load_tokenizer, make_accelerator  # noqa: E402
 from memrecipe.training.optimizers import make_optimizer  # noqa: E402
 from memrecipe.planning.registry import load_recipe  # noqa: E402
 
@@ -41,7 +43,7 @@ def main():
     accelerator = make_accelerator(recipe)
     path = embedded_model()
     tokenizer = load_tokenizer(path)
-    model, _ = load_model(recipe, path, accelerator.mixed_precision)
+    model, _ = loop_model(recipe, path, accelerator.mixed_precision)
     optimizer = make_optimizer(recipe, model, SimpleNamespace(device=accelerator.device))
     model, optimizer = accelerator.prepare(model, optimizer)
     train, _ = prepare_datasets(recipe, tokenizer)

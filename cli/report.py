@@ -126,8 +126,9 @@ def _gib(n) -> str:
     return "-" if n is None else f"{n / GiB:.3g}"
 
 
-def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eval_loss) -> dict:
-    """report.json's content, from what the loop measured and what the planner predicts."""
+def build(out, recipe, accelerator, model_path, measured) -> dict:
+    """report.json's content, from what the loop measured (training.measure.Measured) and what the planner
+    predicts."""
     import importlib.metadata as md
 
     import torch
@@ -136,6 +137,7 @@ def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eva
     from .planning.planner import estimate, largest_micro_batch
     from .planning.topology import launched_topology
 
+    setup, history, wall = measured.setup, measured.history, measured.wall_seconds
     shape = structure(read_config(model_path))
     cuda = accelerator.device.type == "cuda"
     gpu_memory = torch.cuda.get_device_properties(accelerator.device).total_memory if cuda else None
@@ -180,13 +182,24 @@ def build(out, recipe, accelerator, model_path, setup, history, ranks, wall, eva
               "resolved_config": resolved, "setup": setup, "device": name,
               "topology": {"processes": accelerator.num_processes, "machines": machines, "describe": topo.describe(),
                            "gpu_memory": gpu_memory},
-              "plan": plan.as_dict(), "processes": ranks, "throughput": throughput, "steps": steps,
-              "wall_seconds": wall, "final_train_loss": history[-1]["loss"], "final_eval_loss": eval_loss,
+              "plan": plan.as_dict(), "processes": measured.processes, "throughput": throughput, "steps": steps,
+              "wall_seconds": wall, "final_train_loss": history[-1]["loss"], "final_eval_loss": measured.eval_loss,
               "history": history}
     bigger = largest_micro_batch(recipe, shape, topo, gpu_memory, None, 4 * recipe.per_device_train_batch_size) \
         if cuda else None
     report["advice"] = advice(report, gpu_memory, bigger)
     return report
+
+
+def write_report(run, recipe, accelerator, model_path, measured) -> str:
+    """report.json and loss.png in the run folder (main process); returns the card and where they are."""
+    from .plots import plot_loss
+
+    report = build(run.path, recipe, accelerator, model_path, measured)
+    run.report.write_text(json.dumps(report, indent=2))
+    plotted = plot_loss(report, run.loss_plot)
+    return card(report) + f"\nrun folder {run.path.resolve()}: final/, report.json" + (
+        ", loss.png" if plotted else " (pip install 'memrecipe[plot]' for loss.png)")
 
 
 def compare_rows(reports: list[dict]) -> tuple[list[str], list[list[str]]]:

@@ -4,11 +4,11 @@
     accelerate launch --config_file accelerate_configs/single_gpu_lora_cpu1.yaml \
         recipes/sft.py --recipe recipes/single-gpu-lora.yaml [--output-dir DIR] [key=value ...]
 
-Setup, in order: run (Accelerator, run folder) -> model (+ LoRA, compile) -> data -> optimizer ->
-prepare -> schedule and checkpoints; then the loop over windows of micro batches (log, eval,
-checkpoint), the final save and the report. Copy this file to change a step: the optimizer and
-the LoRA setup are built here, in `setup_model` and `setup_optimizer`. Everything it takes from
-memrecipe comes through `memrecipe.loop` (its docstring lists the names).
+Setup, in order: run (Accelerator, run folder) -> model (its memory techniques, LoRA, compile) -> data ->
+optimizer -> prepare -> schedule and checkpoints; then `train` (the loop over windows of micro batches:
+log, eval, checkpoint) and `finish` (the final save and the report). Copy this file to change a step:
+each is one call in its setup_* function. Everything it takes from memrecipe comes through
+`memrecipe.loop` (its docstring lists the names); keys of your own go in the recipe's `extra:`.
 
 Gradient accumulation is exact: an optimizer step sees a window of `gradient_accumulation_steps`
 micro batches on every process, and its loss is the sum over all the window's target tokens
@@ -17,25 +17,19 @@ therefore trains like one big batch, however unevenly the tokens fall.
 """
 
 import argparse
-import json
 import math
-import os
 import signal
 import sys
 import time
-from dataclasses import replace
-from datetime import datetime
 
 # first: importing memrecipe quiets library notices that say nothing about the run
-from memrecipe.loop import (INITIAL_ADAPTER, LAUNCHED_BY, LOSS_PLOT, Checkpoints, Collator, LossMemory,  # isort: skip
-                            MemorySnapshot, RecipeError, RunFolder, absolute_paths, add_lora, build_report, card,
-                            compile_layers, count_targets, describe_setup, embedded_model, fuse_head, held_bytes,
-                            launched_topology, lm_loss, load_base, load_recipe, load_tokenizer, make_accelerator,
-                            make_optimizer, optimizer_state_dtypes, peak_memory, plot_loss, prepare,
-                            prepare_datasets, rewrites_base, run_files, save_final, save_initial_adapter,
-                            start_trackers, window_counts, wrap_first, write_files)
+from memrecipe.loop import (Checkpoints, Collator, Meter, RecipeError, add_lora, compile_layers,  # isort: skip
+                            count_targets, embedded_model, enable_checkpointing, flag_overrides, fuse_head,
+                            keep_initial_adapter, lm_loss, load_pretrained, load_recipe, load_tokenizer,
+                            make_accelerator, make_optimizer, open_run, prepare, prepare_datasets, save_final,
+                            tensor_parallel, wrap_first, write_report)
 import torch
-from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -132,19 +126,7 @@ def setup_run(args, recipe):
     """The Accelerator (the launch config, accelerate YAML / DeepSpeed JSON, says how processes share the
     work), the run folder, and `say` (prints on the main process only)."""
     accelerator = make_accelerator(recipe)
-    stamp = [datetime.now().strftime("%Y%m%d-%H%M%S")]
-    broadcast_object_list(stamp)  # one folder name for all processes
-    run = RunFolder(args.output_dir or f"runs/{recipe.name}-{stamp[0]}")
-    if run.final.exists() and not args.overwrite and not args.resume:
-        raise RecipeError(f"{run.path} already holds a finished run: pass --overwrite, or another --output-dir")
-    if accelerator.is_main_process:
-        run.make()
-        if not run.recipe.exists():  # launched without `memrecipe run`: the folder gets the resolved
-            # recipe and a launch config as `memrecipe run` writes them, so resume, report and export take it
-            topology = launched_topology(accelerator.num_processes, accelerator.device.type == "cpu",
-                                         accelerator.mixed_precision == "bf16" or None)
-            ran = replace(recipe, mixed_precision=accelerator.mixed_precision)  # the launch config's, which wins
-            write_files(run.path, run_files(absolute_paths(ran), topology))
+    run = open_run(accelerator, recipe, args.output_dir, args.overwrite, args.resume)  # runs/<recipe>-<time>
     set_seed(recipe.seed)
     say = tqdm.write if accelerator.is_main_process else (lambda *a, **k: None)
     if recipe.mixed_precision not in ("auto", accelerator.mixed_precision):
@@ -154,25 +136,27 @@ def setup_run(args, recipe):
 
 
 def setup_model(recipe, model_path, accelerator, run, say):
-    """Tokenizer and model (a hub id, a local folder, or the embedded tiny default) with the recipe's
-    memory techniques, then its LoRA adapters and compiled layers. Returns (model, tokenizer, activation
-    offload hooks or None, the PiSSA/OLoRA initial adapter's folder or None)."""
-    tokenizer = load_tokenizer(model_path, recipe.trust_remote_code, recipe.chat_template)
-    mesh = accelerator.torch_device_mesh if recipe.parallelism else None  # tensor parallel: split as it loads
-    # quantization, tensor parallelism, gradient checkpointing (+ activation offload), dtype
-    model, offload = load_base(recipe, model_path, accelerator.mixed_precision, accelerator.device, mesh)
+    """The model (a hub id, a local folder, or the embedded tiny default) with the recipe's memory techniques,
+    then its LoRA adapters and compiled layers. Returns (model, activation offload hooks or None, the PiSSA/OLoRA
+    initial adapter's folder or None)."""
+    # the weights in the recipe's dtype; 4/8-bit quantization (bitsandbytes) as they load
+    model = load_pretrained(recipe, model_path, accelerator.mixed_precision, accelerator.device)
+    if recipe.parallelism:  # tensor parallel: each linear split over the mesh's "tp" dimension
+        tensor_parallel(model, recipe.parallelism.tp_size, accelerator.torch_device_mesh)
+    offload = None
+    if recipe.gradient_checkpointing:  # recompute each layer in backward (+ its saved input in host memory)
+        offload = enable_checkpointing(model, recipe.activation_offload)
     if recipe.lora:
         model = add_lora(model, recipe.lora)  # peft, configured by the recipe's lora: section
     if recipe.torch_compile:
         compile_layers(model)  # each decoder layer in place: names, hooks and checkpoints unchanged
-    initial_adapter = run / INITIAL_ADAPTER if rewrites_base(recipe) else None  # PiSSA/OLoRA: to convert back
-    if initial_adapter is not None and accelerator.is_main_process and not initial_adapter.exists():
-        save_initial_adapter(model, initial_adapter)
+    # PiSSA/OLoRA rewrite the base: the adapter as initialized is kept, to convert the final one back
+    initial_adapter = keep_initial_adapter(model, recipe, run.initial_adapter, accelerator.is_main_process)
     if recipe.fused_loss:  # the head and the loss run chunk by chunk: the [tokens x vocab] logits are never held
         not_fused = fuse_head(model)
         if not_fused:
             say(f"note: fused_loss is off for this model ({not_fused}): the loss uses the full logits")
-    return model, tokenizer, offload, initial_adapter
+    return model, offload, initial_adapter
 
 
 def setup_data(recipe, tokenizer, accelerator, say):
@@ -200,11 +184,14 @@ def train_loader(recipe, train_set, collate):
 
 
 def setup_optimizer(recipe, accelerator, model):
-    """The recipe's optimizer (AdamW, 8-bit, paged, APOLLO, the step in backward: optimizers.py), over
-    parameter groups without weight decay on norms and biases. FSDP1 flattens parameters, so there the
-    model is wrapped first (`wrap_first`) and the optimizer built on the wrapped model."""
+    """The recipe's optimizer over the trainable parameters. FSDP1 flattens parameters, so there the model is
+    wrapped first (`wrap_first`) and the optimizer built on the wrapped model."""
     model = wrap_first(accelerator, recipe, model)
-    return model, make_optimizer(recipe, model, accelerator)
+    # `optim` names an entry of memrecipe's optimizer table (AdamW, 8-bit, paged, torchao, APOLLO), built over
+    # groups: weight decay on matrices only, 32-bit state for embeddings under 8-bit optimizers; DeepSpeed's
+    # optimizer offload runs its CPU Adam; optimizer_in_backward steps each parameter during backward
+    optimizer = make_optimizer(recipe, model, accelerator)
+    return model, optimizer
 
 
 def setup_schedule(recipe, optimizer, train_loader, accelerator):
@@ -229,21 +216,26 @@ def main(argv=None):
     # (the embedded default model is built first: under ZeRO-3 the Accelerator makes every model a collective)
     model_path = recipe.model_name_or_path or embedded_model()
     accelerator, run, say = setup_run(args, recipe)
-    out, deepspeed = run.path, accelerator.distributed_type.value == "DEEPSPEED"
-    model, tokenizer, offload, initial_adapter = setup_model(recipe, model_path, accelerator, run, say)
+    tokenizer = load_tokenizer(model_path, recipe.trust_remote_code, recipe.chat_template)  # + the chat template
+    model, offload, initial_adapter = setup_model(recipe, model_path, accelerator, run, say)
     train_loader, eval_loader = setup_data(recipe, tokenizer, accelerator, say)
     model, optimizer = setup_optimizer(recipe, accelerator, model)
     # wraps the model (DDP / FSDP / DeepSpeed engine) and the optimizer, shards the data
     model, optimizer, train_loader, eval_loader = prepare(accelerator, recipe, model, optimizer, train_loader,
                                                           eval_loader)
     scheduler, total_steps, steps_per_epoch = setup_schedule(recipe, optimizer, train_loader, accelerator)
-    checkpoints = Checkpoints(accelerator, model, out, recipe.save_total_limit)  # one folder, or one per machine
-    accumulation = accelerator.gradient_accumulation_steps
-    setup = describe_setup(accelerator, model, optimizer)
-    tracking = start_trackers(accelerator, recipe, out)  # TensorBoard / W&B through accelerate, if asked for
-    world = accelerator.num_processes
-    tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch: count it once
-    sum_over_processes = lambda t: accelerator.reduce(t.to(accelerator.device), "sum")  # noqa: E731
+    checkpoints = Checkpoints(accelerator, model, run.path, recipe.save_total_limit)  # one folder, or one per machine
+    meter = Meter(accelerator, recipe, run.path, model, optimizer, offload, args.memory_snapshot)
+    say_setup(recipe, accelerator, meter.setup, train_loader, checkpoints, total_steps, steps_per_epoch, say)
+    train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, checkpoints, meter,
+          total_steps, run, say)
+    finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapter, eval_loader, meter, say)
+
+
+def say_setup(recipe, accelerator, setup, train_loader, checkpoints, total_steps, steps_per_epoch, say):
+    """The start-up lines: what runs where, the batch arithmetic, what the data leaves out."""
+    world, accumulation = accelerator.num_processes, accelerator.gradient_accumulation_steps
+    tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch
     say(f"memrecipe sft: recipe {recipe.name} | {world} process(es), {setup['engine']} on "
         f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
         f"{setup['params']:,} parameters train")
@@ -260,20 +252,25 @@ def main(argv=None):
         say("torch_compile: the decoder layers compile during the first step (tens of seconds; again if a batch "
             "brings a new shape), batches are padded to a multiple of 64 tokens")
 
-    # The loop: one optimizer step per window of micro batches.
-    history, step, epoch, consumed, held = [], 0, 0, 0, None
+
+def train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, checkpoints, meter,
+          total_steps, run, say):
+    """The loop: one optimizer step per window of micro batches; log, eval and checkpoint as the recipe says;
+    a stop request (SIGTERM, Ctrl-C) checkpoints and exits."""
+    accumulation = accelerator.gradient_accumulation_steps
+    deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
+    step, epoch, consumed = 0, 0, 0
     if args.resume:  # model, optimizer, scheduler and RNG states, and where the data stood
         state = checkpoints.resume(scheduler)  # the optimizer then trains at this run's schedule's rate
-        history, step, epoch, consumed = state["history"], state["step"], state["epoch"], state["consumed"]
-        setup["resumed_at_step"] = step
+        step, epoch, consumed = state["step"], state["epoch"], state["consumed"]
+        meter.resumed(state)
         say(f"resumed from {state['path']} at step {step} (epoch {epoch}, {consumed} micro batches in)")
         if state.get("total_steps", total_steps) != total_steps:  # a run extended (or cut short)
             say(f"note: {state['total_steps']} -> {total_steps} steps: the {recipe.lr_scheduler_type} schedule is "
                 f"rebuilt for {total_steps} steps: step {step + 1} trains at {scheduler.get_last_lr()[0]:.3e} (the "
                 f"{state['total_steps']}-step schedule: {state['saved_lr']:.3e})")
-    started, local_tokens, stop = time.perf_counter(), 0, StopRequest()
-    snapshot = MemorySnapshot(out, accelerator) if args.memory_snapshot else None
-    loss_memory = LossMemory(model, accelerator.device)  # the loss's peak, on the first micro batch
+    stop = StopRequest()
+    meter.start()
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     model.train()
     while step < total_steps:
@@ -295,27 +292,13 @@ def main(argv=None):
             scheduler.step()
             if step == 0 and recipe.torch_compile:
                 say(f"torch_compile: the first step took {time.perf_counter() - tick:.1f} s, compiling included")
-            if held is None:  # what this process really holds, once the optimizer state exists
-                held, setup["optimizer_state_dtypes"] = held_bytes(model, optimizer), optimizer_state_dtypes(optimizer)
-                held["logits"] = loss_memory.bytes
-                if offload is not None:  # activation offload: what one micro batch's checkpoints kept on the host
-                    setup["offloaded_bytes_per_micro_batch"] = offload.bytes // accumulation
+            meter.updated()  # the first time: what the model states hold, once the optimizer state exists
             optimizer.zero_grad()
             step += 1
-            if snapshot is not None and step == snapshot.steps:
-                snapshot.save()
 
-            counts, window_tokens = window_counts(window, targets, sum_over_processes, tp_share)  # each batch once
-            local_tokens += window_tokens
-            record = {"step": step, "loss": loss, **counts, "lr": lr,
-                      "seconds": time.perf_counter() - tick}
-            if grad_norm is not None:
-                record["grad_norm"] = float(grad_norm)
-            if eval_loader is not None and recipe.eval_steps and step % recipe.eval_steps == 0:
-                record["eval_loss"] = evaluate(model, eval_loader, accelerator)
-            history.append(record)
-            if tracking:
-                accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            evaluating = eval_loader is not None and recipe.eval_steps and step % recipe.eval_steps == 0
+            record = meter.record(step, window, loss, targets, lr, tick, grad_norm,
+                                  evaluate(model, eval_loader, accelerator) if evaluating else None)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}",
                             tok_s=f"{record['tokens'] / record['seconds']:,.0f}")
@@ -325,13 +308,11 @@ def main(argv=None):
                     + (f" | eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
             stopping = stop.agreed(accelerator)  # every process stops at the same step
             if (recipe.save_steps and (step % recipe.save_steps == 0 or step == total_steps)) or stopping:
-                path = checkpoints.save({"step": step, "epoch": epoch, "consumed": consumed, "history": history,
+                path = checkpoints.save({"step": step, "epoch": epoch, "consumed": consumed, "history": meter.history,
                                          "num_processes": accelerator.num_processes, "total_steps": total_steps})
                 say(f"checkpoint {path}")
             if stopping:
-                how = ("memrecipe run sft --resume --output-dir" if os.environ.get(LAUNCHED_BY) else
-                       "your accelerate launch command with --resume --output-dir")  # (either works: the folder has both)
-                say(f"stopped by {stop.name} at step {step}; resume with: {how} {out.resolve()}")
+                say(f"stopped by {stop.name} at step {step}; resume with: {run.resume_hint()}")
                 accelerator.end_training()
                 sys.exit(128 + stop.signum)
             if step >= total_steps:
@@ -339,25 +320,18 @@ def main(argv=None):
         else:
             epoch, consumed = epoch + 1, 0
     bar.close()
-    wall = time.perf_counter() - started
+    meter.stop()
+
+
+def finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapter, eval_loader, meter, say):
+    """The final eval; the save (the full weights gathered from FSDP shards or ZeRO-3 partitions, or the LoRA
+    adapter); report.json, loss.png and the card: what was measured next to what was planned."""
     eval_loss = evaluate(model, eval_loader, accelerator) if eval_loader is not None else None
-
-    # Save: gather the full weights (FSDP shards, ZeRO-3 16-bit partitions) or the LoRA adapter.
     save_final(accelerator, model, run.final, initial_adapter)
-    ranks = gather_object([{"process_index": accelerator.process_index, "num_processes": accelerator.num_processes,
-                            "held": held, "tokens": local_tokens, **peak_memory(accelerator.device)}])
-    if snapshot is not None and not snapshot.saved:
-        snapshot.save()
-
-    # Report: measured next to planned, report.json and loss.png in the run folder.
+    measured = meter.finish(eval_loss)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(run.final)  # with its chat template
-        report = build_report(out, recipe, accelerator, model_path, setup, history, ranks, wall, eval_loss)
-        run.report.write_text(json.dumps(report, indent=2))
-        plotted = plot_loss(report, run / LOSS_PLOT)
-        say(card(report))
-        say(f"run folder {out.resolve()}: final/, report.json" + (", loss.png" if plotted else
-                                                                    " (pip install 'memrecipe[plot]' for loss.png)"))
+        say(write_report(run, recipe, accelerator, model_path, measured))
     # all ranks tear down together: a gloo rank that destroyed its process group while rank 0 still wrote the
     # report was once aborted at exit ("terminate called without an active exception", SIGABRT)
     accelerator.wait_for_everyone()

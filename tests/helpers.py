@@ -12,6 +12,24 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
 
 
+def loop_model(recipe, model_path, precision="no", device=None, device_mesh=None, run_folder=None):
+    """The model as the loop builds it (recipes/sft.py's own setup_model: memory techniques, LoRA, compile, the
+    fused head), outside a launch. Returns (model, activation offload hooks or None)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))
+    from sft import setup_model
+
+    accelerator = SimpleNamespace(mixed_precision=precision, device=device or torch.device("cpu"),
+                                  torch_device_mesh=device_mesh, is_main_process=True)
+    folder = Path(run_folder or tempfile.mkdtemp(prefix="memrecipe-loop-model-"))
+    model, offload, _ = setup_model(recipe, model_path, accelerator, SimpleNamespace(
+        initial_adapter=folder / "initial_adapter"), lambda *a, **k: None)
+    return model, offload
+
+
 def tiny_model(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 

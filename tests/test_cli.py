@@ -222,22 +222,3 @@ def test_ls_and_show_fit_an_80_column_terminal_and_show_stays_the_same_yaml(monk
         assert all("#" not in line for line in long), long  # what is still long is a value, not a comment
     monkeypatch.setattr(show, "terminal_width", lambda: None)  # piped: the file as shipped
     assert CliRunner().invoke(cli, ["show", "qlora"]).output == show.recipe_path("qlora").read_text()
-
-
-def test_the_loop_takes_everything_from_memrecipe_through_one_documented_surface():
-    """recipes/sft.py imports memrecipe names from memrecipe.loop only; that module's __all__ is exactly
-    what the script uses, and its docstring lists every name."""
-    import ast
-
-    import memrecipe.loop as surface
-
-    tree = ast.parse((REPO / "recipes" / "sft.py").read_text())
-    imports = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module.startswith("memrecipe")]
-    assert {node.module for node in imports} == {"memrecipe.loop"}
-    assert not [node for node in ast.walk(tree) if isinstance(node, ast.Import)
-                and any(alias.name.startswith("memrecipe") for alias in node.names)]
-    imported = {alias.name for node in imports for alias in node.names}
-    assert imported == set(surface.__all__)
-    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-    assert imported <= used  # nothing on the surface the script does not use
-    assert [name for name in surface.__all__ if name not in surface.__doc__.replace(",", " ").split()] == []

@@ -5,10 +5,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import loop_model
 from memrecipe.training.data import Collator
 from memrecipe.errors import RecipeError
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss
-from memrecipe.training.modeling import embedded_model, load_model
+from memrecipe.training.modeling import embedded_model
 from memrecipe.training.optimizers import make_optimizer
 from memrecipe.planning.registry import load_recipe
 
@@ -18,7 +19,7 @@ def losses(compiled: bool, steps: int = 4) -> tuple[list[float], object]:
                                              f"torch_compile={str(compiled).lower()}"])
     assert recipe.gradient_checkpointing
     torch.manual_seed(0)
-    model, _ = load_model(recipe, embedded_model(), "no")
+    model, _ = loop_model(recipe, embedded_model(), "no")
     fuse_head(model)  # as the loop does: the head stays eager, outside the compiled layers
     optimizer = make_optimizer(recipe, model, SimpleNamespace(device=torch.device("cpu")))
     collate = Collator(0, 64)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import loop_model
 from memrecipe.planning.hardware import Machine
 from memrecipe.training import device
 from memrecipe.training.device import detect_machine
@@ -76,7 +77,7 @@ def test_fsdp_qlora_quantizes_on_the_host_and_fsdp_moves_each_quant_state_with_i
     cannot be set into a CPU tensor, the assignment half)."""
     from transformers import AutoModelForCausalLM
 
-    from memrecipe.training.modeling import embedded_model, load_model
+    from memrecipe.training.modeling import embedded_model
 
     seen = {}
     real = AutoModelForCausalLM.from_pretrained
@@ -87,7 +88,7 @@ def test_fsdp_qlora_quantizes_on_the_host_and_fsdp_moves_each_quant_state_with_i
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
     recipe = load_recipe("fsdp-qlora")
-    model, _ = load_model(recipe, embedded_model(), "bf16", device=torch.device("cuda", 0))
+    model, _ = loop_model(recipe, embedded_model(), "bf16", device=torch.device("cuda", 0))
     assert seen["device_map"] == {"": "cpu"}
     quantized = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
     assert quantized and all(p.quant_state.absmax.device.type == "cpu" for p in quantized)
@@ -97,7 +98,7 @@ def test_fsdp_qlora_quantizes_on_the_host_and_fsdp_moves_each_quant_state_with_i
         tensors = [state.absmax, state.code] + ([state.state2.absmax, state.state2.code] if state.nested else [])
         assert moved.device.type == "meta" and all(t.device.type == "meta" for t in tensors)
     seen.clear()
-    load_model(load_recipe("qlora"), embedded_model(), "bf16", device=torch.device("cpu"))
+    loop_model(load_recipe("qlora"), embedded_model(), "bf16", device=torch.device("cpu"))
     assert "device_map" not in seen  # one process without FSDP: quantized where it runs
 
 

@@ -8,12 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers import loop_model
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.training.checkpoint import save_final
 from memrecipe.errors import RecipeError
 from memrecipe.training.measure import held_bytes
 from memrecipe.planning.registry import EMBEDDED_MODEL
-from memrecipe.training.modeling import load_model, rewrites_base, save_initial_adapter
+from memrecipe.training.modeling import rewrites_base, save_initial_adapter
 from memrecipe.training.optimizers import make_optimizer
 from memrecipe.planning.planner import estimate
 from memrecipe.planning.registry import load_recipe
@@ -53,7 +54,7 @@ def test_each_lora_option_trains_saves_reloads_and_merges_to_the_trained_logits(
     overrides, extra = OPTIONS[option]
     recipe = load_recipe("single-gpu-lora", [*COMMON, *overrides, f"model_name_or_path={base}"])
     torch.manual_seed(0)
-    model, _ = load_model(recipe, str(base), "no")
+    model, _ = loop_model(recipe, str(base), "no")
     initial = tmp_path / "initial_adapter" if rewrites_base(recipe) else None
     if initial is not None:
         save_initial_adapter(model, initial)

@@ -151,7 +151,7 @@ def big_vocab_model():
 def loss_step_bytes(model, recipe, b):
     """What the loss step allocates at its peak (LossMemory, the report card's measurement)."""
     model = copy.deepcopy(model)
-    if recipe.lora is not None:  # a frozen bf16 base, as load_model stores it
+    if recipe.lora is not None:  # a frozen bf16 base, as the loop's setup stores it
         model = model.to(torch.bfloat16).requires_grad_(False)
         model.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)  # something before the head trains
     if recipe.fused_loss:

@@ -4,9 +4,10 @@ do not change, and the planner moves those bytes from the device to the host."""
 import pytest
 import torch
 
+from helpers import loop_model
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.training.loss import token_loss
-from memrecipe.training.modeling import embedded_model, load_model
+from memrecipe.training.modeling import embedded_model
 from memrecipe.planning.planner import estimate
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology
@@ -18,7 +19,7 @@ def step(offload):
     """One forward/backward of single-gpu-lora (no dropout, so both runs see the same function)."""
     recipe = load_recipe("single-gpu-lora", ["lora.dropout=0", f"activation_offload={str(offload).lower()}"])
     torch.manual_seed(0)
-    model, hooks = load_model(recipe, embedded_model(), "bf16")
+    model, hooks = loop_model(recipe, embedded_model(), "bf16")
     if hooks is not None:  # copy to a separate host tensor, as on CUDA: else on CPU both runs hold one tensor
         hooks.copy_on_cpu = True
     ids = torch.randint(0, model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))

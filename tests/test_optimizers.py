@@ -6,10 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import loop_model
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.errors import RecipeError
 from memrecipe.training.measure import held_bytes
-from memrecipe.training.modeling import embedded_model, load_model
+from memrecipe.training.modeling import embedded_model
 from memrecipe.training.optimizers import StepInBackward, make_optimizer
 from memrecipe.planning.optimizers import OPTIMIZERS
 from memrecipe.planning.planner import estimate
@@ -28,7 +29,7 @@ def full(*overrides):
 def trained(recipe, steps=1, seed=0):
     """The embedded model after `steps` real optimizer steps on fixed random batches."""
     torch.manual_seed(seed)
-    model, _ = load_model(recipe, embedded_model(), "bf16" if recipe.weight_dtype == "bf16" else "no")
+    model, _ = loop_model(recipe, embedded_model(), "bf16" if recipe.weight_dtype == "bf16" else "no")
     optimizer = make_optimizer(recipe, model, CPU)
     batches = torch.randint(0, 500, (steps, 2, 32), generator=torch.Generator().manual_seed(seed))
     for ids in batches:
@@ -85,7 +86,7 @@ def test_the_step_in_backward_gives_the_ordinary_steps_weights(optim):
     moved = 0
     for (name, a), b in zip(ordinary.named_parameters(), in_backward.parameters()):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=name)
-    reference, _ = load_model(full(*args), embedded_model(), "no")
+    reference, _ = loop_model(full(*args), embedded_model(), "no")
     moved = sum(not torch.equal(a, b) for a, b in zip(reference.parameters(), ordinary.parameters()))
     assert moved == len(list(reference.parameters()))  # every tensor was updated
 
@@ -93,7 +94,7 @@ def test_the_step_in_backward_gives_the_ordinary_steps_weights(optim):
 def test_the_scheduler_sets_every_per_parameter_learning_rate():
     from transformers import get_scheduler
 
-    model, _ = load_model(full("weight_dtype=bf16", "optim=adamw_torch_8bit", *IN_BACKWARD), embedded_model(), "bf16")
+    model, _ = loop_model(full("weight_dtype=bf16", "optim=adamw_torch_8bit", *IN_BACKWARD), embedded_model(), "bf16")
     optimizer = make_optimizer(full("weight_dtype=bf16", "optim=adamw_torch_8bit", *IN_BACKWARD), model, CPU)
     assert isinstance(optimizer, StepInBackward)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=4)
@@ -173,7 +174,7 @@ def test_low_rank_optimizers_are_offered_in_ddp_and_adamw_8bit():
         recipe = load_recipe(name, ["optim=apollo_adamw", "optim_args={rank: 4, update_proj_gap: 50}"])
         assert recipe.optim_args.rank == 4 and recipe.optim_target_modules == "all-linear"
     with pytest.raises(RecipeError, match="optim_target_modules"):
-        model, _ = load_model(full("optim=apollo_adamw", "optim_target_modules=[c_attn]"), embedded_model(), "no")
+        model, _ = loop_model(full("optim=apollo_adamw", "optim_target_modules=[c_attn]"), embedded_model(), "no")
         make_optimizer(full("optim=apollo_adamw", "optim_target_modules=[c_attn]"), model, CPU)
 
 
@@ -188,7 +189,7 @@ def test_a_checkpointed_optimizer_continues_exactly(tmp_path, optim):
     cut, optimizer, _ = trained(full(*args), steps=2)
     torch.save(optimizer.state_dict(), tmp_path / "optimizer.bin")
     torch.save(cut.state_dict(), tmp_path / "model.bin")
-    resumed, _ = load_model(full(*args), embedded_model(), "no")
+    resumed, _ = loop_model(full(*args), embedded_model(), "no")
     resumed.load_state_dict(torch.load(tmp_path / "model.bin"))
     again = make_optimizer(full(*args), resumed, CPU)
     again.load_state_dict(load(tmp_path / "optimizer.bin"))
@@ -261,7 +262,7 @@ def test_a_resumed_apollo_state_lands_on_its_parameters_device(tmp_path, in_back
         accelerator, model, optimizer, _ = prepared(model, optimizer)
         Checkpoints(accelerator, model, tmp_path).save({"step": 2, "num_processes": 1})
         AcceleratorState._reset_state(True)
-        fresh, _ = load_model(recipe, embedded_model(), "no")
+        fresh, _ = loop_model(recipe, embedded_model(), "no")
         fresh.to("meta")  # the optimizer's state must follow its parameters there when it loads
         accelerator, fresh, optimizer, scheduler = prepared(fresh, make_optimizer(recipe, fresh, CPU))
         Checkpoints(accelerator, fresh, tmp_path).resume(scheduler)

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from helpers import loop_model
 from memrecipe.training.data import IGNORE, Collator, bins, pack
-from memrecipe.training.loss import count_targets, fuse_head, lm_loss, model_inputs
-from memrecipe.training.modeling import embedded_model, load_model
+from memrecipe.training.loss import count_targets, fuse_head, lm_loss, model_inputs, output_head
+from memrecipe.training.modeling import embedded_model
 from memrecipe.planning.registry import load_recipe
 
 LENGTHS = [5, 9, 3, 12, 7, 4, 16, 2]
@@ -54,7 +55,7 @@ def test_pack_restarts_positions_and_keeps_every_target():
 @pytest.fixture(scope="module")
 def model():
     recipe = load_recipe("single-gpu-lora", ["lora=null", "mixed_precision=no", "gradient_checkpointing=false"])
-    model, _ = load_model(recipe, embedded_model(), "no")
+    model, _ = loop_model(recipe, embedded_model(), "no")
     return model.train()
 
 
@@ -134,10 +135,10 @@ def test_a_flattened_packed_micro_batch_gives_the_same_loss_and_gradients(monkey
     too: loss, per-row eval losses and gradients equal the [B, S] call's."""
     from memrecipe.training import loss
 
-    recipe = load_recipe("single-gpu-lora", ["lora=null", "mixed_precision=no", "gradient_checkpointing=false"])
-    model, _ = load_model(recipe, embedded_model(), "no")
-    if fused:
-        assert fuse_head(model) is None
+    recipe = load_recipe("single-gpu-lora", ["lora=null", "mixed_precision=no", "gradient_checkpointing=false",
+                                             f"fused_loss={str(fused).lower()}"])
+    model, _ = loop_model(recipe, embedded_model(), "no")
+    assert hasattr(output_head(model), "memrecipe_labels") == fused  # the loop's setup fused the head, or not
     batch, _ = packed_batch(documents(), width=24)
     assert batch["input_ids"].shape[0] >= 3
     results = []

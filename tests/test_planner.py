@@ -8,11 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import loop_model
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.errors import RecipeError
 from memrecipe.training.loss import fuse_head, lm_loss, token_loss
 from memrecipe.planning.registry import EMBEDDED_MODEL
-from memrecipe.training.modeling import load_model
+
 from memrecipe.training.optimizers import make_optimizer
 from memrecipe.planning.planner import breakdown, estimate, judge
 from memrecipe.planning.registry import load_recipe
@@ -76,7 +77,7 @@ def real_model_state_bytes(model, optimizer):
 def test_model_states_equal_the_bytes_held_after_a_real_step(models, name, recipe):
     recipe_name, _, optim = recipe.partition(":")
     r = load_recipe(recipe_name, [f"optim={optim}"] if optim else [])
-    model, _ = load_model(r, models[name], "bf16")
+    model, _ = loop_model(r, models[name], "bf16")
     optimizer = make_optimizer(r, model, SimpleNamespace(device=torch.device("cpu")))
     b = batch(model.config.vocab_size)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -139,9 +140,7 @@ def activation_case(models, name, recipe, overrides, layers=None):
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(config).save_pretrained(folder)
         folder = str(folder)
-    model, _ = load_model(r, folder, precision)
-    if r.fused_loss:
-        fuse_head(model)
+    model, _ = loop_model(r, folder, precision)  # the head fused as the recipe says
     if r.attn_implementation == "eager":
         model.config._attn_implementation = "eager"
     model.train()
@@ -439,7 +438,7 @@ def test_the_steps_peak_is_what_the_planner_calls_working_memory(models, recipe,
 
     B, S = 2, 256
     r = load_recipe(recipe, [*overrides, f"per_device_train_batch_size={B}", f"max_seq_length={S}"])
-    model, _ = load_model(r, models["medium"], "bf16")
+    model, _ = loop_model(r, models["medium"], "bf16")
     if r.fused_loss:
         fuse_head(model)
     model.train()  # checkpointing and dropout act in training mode only
@@ -626,7 +625,7 @@ def test_a_mixture_of_experts_holds_what_the_planner_says(models, recipe, moe):
     if extra:
         overrides = [*overrides, f"lora.target_modules=[{extra}]" if "proj" in extra else f"optim={extra}"]
     r = load_recipe(name, overrides)
-    model, _ = load_model(r, models[moe], "bf16")
+    model, _ = loop_model(r, models[moe], "bf16")
     optimizer = make_optimizer(r, model, SimpleNamespace(device=torch.device("cpu")))
     ids = batch(512)["input_ids"]
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import launch
+from helpers import launch, loop_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SHORT = ["max_steps=20", "eval_steps=10", "logging_steps=5", "max_seq_length=64"]  # packed rows of 64: ~1,000 tokens a step
@@ -258,7 +258,7 @@ def test_qlora_adapter_reloads_onto_the_quantized_base(runs):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from memrecipe.training.modeling import load_model
+    
     from memrecipe.planning.registry import load_recipe
 
     folder = runs("qlora")
@@ -268,7 +268,7 @@ def test_qlora_adapter_reloads_onto_the_quantized_base(runs):
     assert any("lora_B" in k and t.abs().sum() > 0 for k, t in adapter.items())  # B starts at zero: it trained
     recipe = load_recipe("qlora", SHORT)
     base_path = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
-    base, _ = load_model(replace(recipe, lora=None, gradient_checkpointing=False), base_path, "bf16")
+    base, _ = loop_model(replace(recipe, lora=None, gradient_checkpointing=False), base_path, "bf16")
     assert type(base.model.layers[0].mlp.down_proj.weight).__name__ == "Params4bit"
     model = PeftModel.from_pretrained(base, final)
     assert reload_eval_loss(folder, model) == pytest.approx(report(folder)["final_eval_loss"], rel=1e-4)

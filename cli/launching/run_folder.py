@@ -133,6 +133,22 @@ class RunFolder:
     def checkpoints(self) -> Path:
         return self.path / CHECKPOINTS
 
+    @property
+    def initial_adapter(self) -> Path:
+        return self.path / INITIAL_ADAPTER
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.path / LOSS_PLOT
+
+    def resume_hint(self) -> str:
+        """The command that continues this run (either works: the folder holds both the recipe and the config)."""
+        from .launch import LAUNCHED_BY
+
+        how = ("memrecipe run sft --resume --output-dir" if os.environ.get(LAUNCHED_BY) else
+               "your accelerate launch command with --resume --output-dir")
+        return f"{how} {self.path.resolve()}"
+
     def owned(self) -> list[Path]:
         """What machine rank 0's run owns in the folder (not the locks, not the other machines' files)."""
         return [c for c in self.path.iterdir()
@@ -156,6 +172,34 @@ class RunFolder:
 
     def lock(self) -> RunLock:
         return RunLock(self.path, self.machine_rank)
+
+
+def open_run(accelerator, recipe: Recipe, output_dir=None, overwrite: bool = False, resume: bool = False) -> RunFolder:
+    """The run folder, as the loop opens it: one name for all processes (runs/<recipe>-<time> unless named), a
+    finished run refused unless overwritten or resumed, and, launched without `memrecipe run` (plain accelerate
+    launch, the sbatch script), the resolved recipe and a launch config written as `memrecipe run` writes them,
+    so that resume, report and export take the folder."""
+    from dataclasses import replace
+
+    from accelerate.utils import broadcast_object_list
+
+    from ..files import write_files
+    from ..planning.paths import absolute_paths
+    from ..planning.topology import launched_topology
+
+    name = [output_dir or run_folder_name(recipe.name)]
+    broadcast_object_list(name)  # the main process's clock names the folder
+    run = RunFolder(name[0])
+    if run.final.exists() and not overwrite and not resume:
+        raise RecipeError(f"{run.path} already holds a finished run: pass --overwrite, or another --output-dir")
+    if accelerator.is_main_process:
+        run.make()
+        if not run.recipe.exists():
+            topology = launched_topology(accelerator.num_processes, accelerator.device.type == "cpu",
+                                         accelerator.mixed_precision == "bf16" or None)
+            ran = replace(recipe, mixed_precision=accelerator.mixed_precision)  # the launch config's, which wins
+            write_files(run.path, run_files(absolute_paths(ran), topology))
+    return run
 
 
 class RunLock:

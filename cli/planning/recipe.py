@@ -218,6 +218,9 @@ class Recipe:
     save_steps: int | None = spec(None, low=1)
     save_total_limit: int | None = spec(2, low=1)
     report_to: Literal["none", "tensorboard", "wandb"] = "none"
+    # keys of your own for a copied loop script (read as recipe.extra["my_key"]; set with extra.my_key=VALUE):
+    # any YAML, checked by nothing but the script that reads it
+    extra: dict = field(default_factory=dict)
 
     @property
     def uses_bnb(self) -> bool:

@@ -85,6 +85,10 @@ def _coerce(hint, value, key, meta):
         return tuple(_coerce(item, v, f"{key}[{i}]", {}) for i, v in enumerate(value))
     if dataclasses.is_dataclass(hint):
         return build(hint, {} if value is None else value, key)
+    if hint is dict:  # an open mapping: any YAML under it, read by whoever asked for it (a copied script)
+        if value is None or isinstance(value, dict):
+            return dict(value or {})
+        raise RecipeError(f"{key} must be a mapping of keys to values, got {_show(value)}")
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -137,7 +141,7 @@ def _describe(hint) -> str:
         return "a list"
     if hint is type(None):
         return "null"
-    if dataclasses.is_dataclass(hint):
+    if dataclasses.is_dataclass(hint) or hint is dict:
         return "a mapping"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
 

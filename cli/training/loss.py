@@ -74,8 +74,11 @@ def fuse_head(model, chunk_elements: int = CHUNK_ELEMENTS) -> str | None:
         blocker = "the model has no output head"
     if blocker is not None:
         return blocker
+    fused = hasattr(head, "memrecipe_labels")
+    head.memrecipe_tokens = chunk_tokens(model.config.vocab_size, chunk_elements)  # target tokens per chunk
+    if fused:  # fused already (the loop's setup): a second wrap would feed the chunks to the fused forward
+        return None
     original = head.forward
-    tokens = chunk_tokens(model.config.vocab_size, chunk_elements)
 
     def forward(hidden, *args, **kwargs):
         labels = head.memrecipe_labels
@@ -87,6 +90,7 @@ def fuse_head(model, chunk_elements: int = CHUNK_ELEMENTS) -> str | None:
         # split, not sliced: backward then joins the chunks' gradients once (a slice's backward writes a
         # zero-padded full-size gradient per chunk). At least one chunk, even empty: the head's weights
         # must be in the graph whatever the batch (DDP expects every parameter to get a gradient).
+        tokens = head.memrecipe_tokens
         return torch.cat([checkpoint(_chunk_loss, original, h, y, use_reentrant=False)
                           for h, y in zip(inputs.split(tokens), targets.split(tokens))])
 

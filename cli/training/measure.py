@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import resource
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -275,3 +277,86 @@ class MemorySnapshot:
         except ImportError:
             pass
         return str(path)
+
+
+@dataclass
+class Measured:
+    """What a run measured, as its report takes it (report.build)."""
+
+    setup: dict  # the live objects' facts (describe_setup), with the optimizer's state dtypes and offloaded bytes
+    history: list[dict]  # one record per optimizer step: loss, lr, counts, seconds, grad_norm, eval_loss
+    processes: list[dict]  # each process's held bytes, tokens and memory peaks
+    wall_seconds: float  # this session's training loop (not the final eval and save)
+    eval_loss: float | None  # on the whole eval set at the end
+
+
+class Meter:
+    """What a run measures about itself, in one object: the setup as it really is (describe_setup), each
+    optimizer step's record (loss, learning rate, target/real/padded tokens over all processes, seconds; logged
+    to TensorBoard / W&B when the recipe's report_to asks), what the model states hold after the first update
+    (held_bytes) and the loss's peak (LossMemory), memory over the first steps (--memory-snapshot), and each
+    process's peaks at the end. `finish` returns them as Measured, for the report."""
+
+    def __init__(self, accelerator, recipe, out, model, optimizer, offload=None, snapshot: bool = False):
+        self.accelerator, self.model, self.optimizer, self.offload = accelerator, model, optimizer, offload
+        self.out, self.take_snapshot = out, snapshot
+        self.setup = describe_setup(accelerator, model, optimizer)
+        self.tracking = start_trackers(accelerator, recipe, out)
+        self.tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch
+        self.history, self.held, self.tokens, self.wall = [], None, 0, None
+        self.snapshot = self.loss_memory = None
+
+    def resumed(self, state: dict) -> None:
+        """A resumed run's history goes on from its checkpoint's."""
+        self.history = state["history"]
+        self.setup["resumed_at_step"] = state["step"]
+
+    def start(self) -> None:
+        """Right before the first step: the clock, the loss's measurement and the memory snapshot start."""
+        self.started = time.perf_counter()
+        self.snapshot = MemorySnapshot(self.out, self.accelerator) if self.take_snapshot else None
+        self.loss_memory = LossMemory(self.model, self.accelerator.device)  # on the first micro batch
+
+    def updated(self) -> None:
+        """After an optimizer step, before zero_grad: the first time, what this process really holds, once the
+        optimizer state exists."""
+        if self.held is not None:
+            return
+        self.held = held_bytes(self.model, self.optimizer)
+        self.held["logits"] = self.loss_memory.bytes
+        self.setup["optimizer_state_dtypes"] = optimizer_state_dtypes(self.optimizer)
+        if self.offload is not None:  # activation offload: what one micro batch's checkpoints kept on the host
+            self.setup["offloaded_bytes_per_micro_batch"] = self.offload.bytes // self.accelerator.gradient_accumulation_steps
+
+    def record(self, step: int, window: list[dict], loss: float, targets: int, lr: float, started: float,
+               grad_norm=None, eval_loss: float | None = None) -> dict:
+        """The step's record, kept in the history and logged to the trackers."""
+        reduce = lambda t: self.accelerator.reduce(t.to(self.accelerator.device), "sum")  # noqa: E731
+        counts, local = window_counts(window, targets, reduce, self.tp_share)  # each batch once
+        self.tokens += local
+        record = {"step": step, "loss": loss, **counts, "lr": lr, "seconds": time.perf_counter() - started}
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        if eval_loss is not None:
+            record["eval_loss"] = eval_loss
+        self.history.append(record)
+        if self.tracking:
+            self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if self.snapshot is not None and step == self.snapshot.steps:
+            self.snapshot.save()
+        return record
+
+    def stop(self) -> None:
+        """The training loop is over: its clock stops (the final eval and save are not training)."""
+        self.wall = time.perf_counter() - self.started
+
+    def finish(self, eval_loss: float | None) -> Measured:
+        """Every process's figures, gathered (a collective: every process calls it), after the final save."""
+        from accelerate.utils import gather_object
+
+        processes = gather_object([{"process_index": self.accelerator.process_index,
+                                    "num_processes": self.accelerator.num_processes, "held": self.held,
+                                    "tokens": self.tokens, **peak_memory(self.accelerator.device)}])
+        if self.snapshot is not None and not self.snapshot.saved:
+            self.snapshot.save()
+        return Measured(self.setup, self.history, processes, self.wall, eval_loss)

@@ -254,11 +254,9 @@ def tensor_parallel(model, tp_size: int, device_mesh) -> None:
     model.config.distributed_config = config  # where accelerate reads the TP size (utils/other.py, get_model_tp_size)
 
 
-def load_base(recipe, name_or_path: str, precision: str, device=None, device_mesh=None):
-    """from_pretrained with the recipe's memory techniques: quantization, tensor parallelism (split
-    over the mesh's "tp" dimension as it loads), gradient checkpointing (+ activation offload), dtype.
-    Returns (model, activation offload hooks or None). LoRA and compiling come after (recipes/sft.py's
-    setup_model)."""
+def load_pretrained(recipe, name_or_path: str, precision: str, device=None):
+    """from_pretrained in the recipe's weight dtype, and with its quantization (bitsandbytes 4- or 8-bit, quantized
+    as it loads): what the base holds. No KV cache (it is for generation)."""
     from transformers import AutoModelForCausalLM
 
     # A frozen LoRA base is stored in the compute dtype (2 bytes/param); trained weights stay fp32
@@ -284,8 +282,6 @@ def load_base(recipe, name_or_path: str, precision: str, device=None, device_mes
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=recipe.attn_implementation,
                                                  trust_remote_code=recipe.trust_remote_code, **extra)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
-    if recipe.parallelism is not None:
-        tensor_parallel(model, recipe.parallelism.tp_size, device_mesh)
     if q is not None and q.upcast_unquantized:
         from peft import prepare_model_for_kbit_training
 
@@ -300,18 +296,16 @@ def load_base(recipe, name_or_path: str, precision: str, device=None, device_mes
         for module in model.modules():
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def load_base(recipe, name_or_path: str, precision: str, device=None, device_mesh=None):
+    """Deprecated (recipes/sft.py before 0.2 called it): load_pretrained, tensor_parallel and enable_checkpointing in
+    one call, as recipes/sft.py's setup_model now calls them. Returns (model, activation offload hooks or None)."""
+    model = load_pretrained(recipe, name_or_path, precision, device)
+    if recipe.parallelism is not None:
+        tensor_parallel(model, recipe.parallelism.tp_size, device_mesh)
     offload = enable_checkpointing(model, recipe.activation_offload) if recipe.gradient_checkpointing else None
-    return model, offload
-
-
-def load_model(recipe, name_or_path: str, precision: str, device=None, device_mesh=None):
-    """The model as the loop sets it up (recipes/sft.py's setup_model), in one call: the base with the
-    recipe's memory techniques, its LoRA adapters, its compiled layers. Returns (model, offload hooks or None)."""
-    model, offload = load_base(recipe, name_or_path, precision, device, device_mesh)
-    if recipe.lora:
-        model = add_lora(model, recipe.lora)
-    if recipe.torch_compile:
-        compile_layers(model)
     return model, offload
 
 
@@ -368,6 +362,17 @@ def save_initial_adapter(model, folder: Path) -> None:
         model.save_pretrained(folder)
     finally:
         config.init_lora_weights = init
+
+
+def keep_initial_adapter(model, recipe, folder: Path, main_process: bool = True) -> Path | None:
+    """PiSSA/OLoRA (`rewrites_base`): the adapter as initialized, saved once (by the main process) into `folder`
+    before training, to convert the final adapter back to one for the original base (save_final). None for
+    every other LoRA init and for full fine-tunes: nothing to convert."""
+    if not rewrites_base(recipe):
+        return None
+    if main_process and not folder.exists():
+        save_initial_adapter(model, folder)
+    return folder
 
 
 def _fsdp1(accelerator, recipe) -> bool:

@@ -14,14 +14,14 @@ import memrecipe  # noqa: F401
 import torch
 from accelerate.utils import set_seed
 
-from helpers import REPO
+from helpers import REPO, loop_model
 
 sys.path.insert(0, str(REPO / "recipes"))
 from sft import accumulate_window, setup_data, windows  # noqa: E402  (the loop's own functions)
 
 from memrecipe.training.loss import fuse_head  # noqa: E402
 from memrecipe.training.optimizers import make_optimizer  # noqa: E402
-from memrecipe.training.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare, wrap_first  # noqa: E402
+from memrecipe.training.modeling import embedded_model, load_tokenizer, make_accelerator, prepare, wrap_first  # noqa: E402
 from memrecipe.planning.registry import load_recipe  # noqa: E402
 
 result_path, name, *overrides = sys.argv[1:]
@@ -30,7 +30,7 @@ path = embedded_model()
 accelerator = make_accelerator(recipe)
 set_seed(recipe.seed)  # as the loop does: the seeded sampler draws from it
 tokenizer = load_tokenizer(path)
-model, _ = load_model(recipe, path, accelerator.mixed_precision, accelerator.device)
+model, _ = loop_model(recipe, path, accelerator.mixed_precision, accelerator.device)
 fuse_head(model)
 loader, _ = setup_data(recipe, tokenizer, accelerator, lambda *a, **k: None)
 model = wrap_first(accelerator, recipe, model)

@@ -18,10 +18,11 @@ import torch
 from torch.utils.data import DataLoader
 
 import memrecipe.training.loss as fused_loss
+from helpers import loop_model  # noqa: E402
 from memrecipe.training.data import Collator, prepare_datasets
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss, model_inputs, output_head, token_loss
 from memrecipe.training.optimizers import make_optimizer
-from memrecipe.training.modeling import embedded_model, load_model, load_tokenizer, make_accelerator, prepare, wrap_first
+from memrecipe.training.modeling import embedded_model, load_tokenizer, make_accelerator, prepare, wrap_first
 from memrecipe.planning.registry import load_recipe
 
 CHUNK = 7
@@ -46,7 +47,7 @@ fused_loss._chunk_loss = counted_chunk_loss
 
 def compare(variant: str) -> dict:
     recipe = load_recipe(name, [*overrides, *VARIANTS[variant]])
-    model, _ = load_model(recipe, path, accelerator.mixed_precision, accelerator.device)
+    model, _ = loop_model(recipe, path, accelerator.mixed_precision, accelerator.device)
     if variant == "tied":
         model.lm_head.weight = model.model.embed_tokens.weight
     assert fuse_head(model, chunk_elements=CHUNK * model.config.vocab_size) is None

@@ -10,16 +10,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from helpers import loop_model  # noqa: E402
 from memrecipe.training.loss import token_loss
-from memrecipe.training.modeling import embedded_model, load_model
+from memrecipe.training.modeling import embedded_model
 from memrecipe.planning.registry import load_recipe
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
 recipe = load_recipe("tp", ["mixed_precision=no"])
 path = embedded_model()
-split, _ = load_model(recipe, path, "no", device_mesh=mesh)  # the loop's own loading code
-whole, _ = load_model(load_recipe("ddp", ["mixed_precision=no"]), path, "no")
+split, _ = loop_model(recipe, path, "no", device_mesh=mesh)  # the loop's own loading code
+whole, _ = loop_model(load_recipe("ddp", ["mixed_precision=no"]), path, "no")
 ids = torch.randint(0, whole.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
 losses = {}
 for name, model in (("split", split), ("whole", whole)):
