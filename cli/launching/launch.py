@@ -11,8 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..planning.configs import launch_env as accelerate_env
-from ..planning.configs import launch_words
+from ..planning.configs import launch_env, launch_words
 from ..planning.recipe import Recipe
 from ..planning.registry import data_dir
 from ..planning.topology import Topology
@@ -24,30 +23,27 @@ ERROR_LINE = b"memrecipe: error: "  # how the loop reports a RecipeError (recipe
 TRACEBACK = b"Traceback (most recent call last)"
 
 
-def launch_env(recipe: Recipe, topo: Topology, cores: int) -> dict[str, str]:
-    """Environment the launch needs on top of the user's."""
-    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", LAUNCHED_BY: "1", **accelerate_env(recipe, topo)}
+def launch(script: str, recipe: Recipe, topo: Topology, cores: int, extra=()) -> tuple[list[str], dict[str, str]]:
+    """`accelerate launch` as `memrecipe run` runs it from inside the run folder: (its words, the environment it
+    needs on top of the user's)."""
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
+    words = [accelerate, "launch"] if accelerate else [sys.executable, "-m", "accelerate.commands.launch"]
+    share = str(max(1, cores // topo.processes_per_machine))  # each process's share of this machine's cores
+    threads = ["--num_cpu_threads_per_process", share] if topo.cpu else []  # (accelerate warns and guesses otherwise)
+    sft = data_dir("recipes") / f"{script}.py"
+    words += launch_words(machine_file(LAUNCH_CONFIG, topo.machine_rank), str(sft),
+                          machine_file(RECIPE, topo.machine_rank), topo.num_machines, topo.machine_rank, threads,
+                          ["--output-dir", ".", *extra])
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", LAUNCHED_BY: "1", **launch_env(recipe, topo)}
     if not topo.cpu and recipe.deepspeed is not None:
         # accelerate launches DeepSpeed through torchrun, which sets 1 thread per process when a node runs
         # several (torch/distributed/run.py, "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1),
         # and --num_cpu_threads_per_process is not applied on that path: DeepSpeed's CPU Adam would run
         # on one core per rank. Each rank gets its share of the machine's cores.
-        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // topo.processes_per_machine))
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or share
     if topo.cpu:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would guess the CPU anyway, with a warning
-    return env
-
-
-def launch_command(script: str, topo: Topology, cores: int, extra=()) -> list[str]:
-    """`accelerate launch` run from inside the run folder."""
-    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
-    words = [accelerate, "launch"] if accelerate else [sys.executable, "-m", "accelerate.commands.launch"]
-    # on CPU the cores shared out (accelerate warns and guesses otherwise)
-    threads = ["--num_cpu_threads_per_process", str(max(1, cores // topo.processes_per_machine))] if topo.cpu else []
-    sft = data_dir("recipes") / f"{script}.py"
-    return [*words, *launch_words(machine_file(LAUNCH_CONFIG, topo.machine_rank), str(sft),
-                                  machine_file(RECIPE, topo.machine_rank), topo.num_machines, topo.machine_rank,
-                                  threads, ["--output-dir", ".", *extra])]
+    return words, env
 
 
 class LaunchOutput:

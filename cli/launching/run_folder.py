@@ -187,9 +187,9 @@ def open_run(accelerator, recipe: Recipe, output_dir=None, overwrite: bool = Fal
     from ..planning.paths import absolute_paths
     from ..planning.topology import launched_topology
 
-    name = [output_dir or run_folder_name(recipe.name)]
-    broadcast_object_list(name)  # the main process's clock names the folder
-    run = RunFolder(name[0])
+    name = [run_folder_name(recipe.name)]
+    broadcast_object_list(name)  # the main process's clock: one folder name for all processes
+    run = RunFolder(output_dir or name[0])  # a folder named on the command line: each machine's own
     if run.final.exists() and not overwrite and not resume:
         raise RecipeError(f"{run.path} already holds a finished run: pass --overwrite, or another --output-dir")
     if accelerator.is_main_process:

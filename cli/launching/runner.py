@@ -18,7 +18,7 @@ from ..planning.registry import load_recipe
 from ..planning.topology import Topology, plan_topology
 from ..units import GiB
 from .checks import check_fits, preflight, resumable
-from .launch import SCRIPTS, launch_command, launch_env, stream
+from .launch import SCRIPTS, launch, stream
 from .run_folder import RunFolder, default_run_folder, run_files
 
 
@@ -84,13 +84,13 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
             raise
         refused.append(str(e))
         verdict = check_fits(r, topo, machine, words, force=True)
+    folder = Path(output_dir or default_run_folder(r.name))
     files = run_files(r, topo)
     if resume:  # the folder's own launch configs stay; only the recipe may have raised max_steps
         files = {name: text for name, text in files.items() if name.startswith("recipe.")}
     extra = [flag for flag, on in (("--resume", resume), ("--memory-snapshot", memory_snapshot)) if on]
-    return RunPlan(r, topo, verdict, Path(output_dir or default_run_folder(r.name)), files,
-                   launch_command(script, topo, machine.cores, extra), launch_env(r, topo, machine.cores), resume,
-                   tuple(refused))
+    command, env = launch(script, r, topo, machine.cores, extra)
+    return RunPlan(r, topo, verdict, folder, files, command, env, resume, tuple(refused))
 
 
 def start(plan: RunPlan, overwrite=False, say=print) -> Outcome:

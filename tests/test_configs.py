@@ -1,4 +1,4 @@
-"""The generator: accelerate's and DeepSpeed's own loaders accept every config it writes."""
+"""planning/configs.py: accelerate's and DeepSpeed's own loaders accept every config it writes."""
 
 import json
 import subprocess

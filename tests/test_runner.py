@@ -1,0 +1,62 @@
+"""runner.plan_run, called directly: what `memrecipe run` checks and lays out before it touches the disk."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memrecipe.errors import RecipeError
+from memrecipe.launching.runner import plan_run
+from memrecipe.planning.hardware import Machine
+from memrecipe.units import GiB
+from model_configs import LLAMA_70B
+
+LAPTOP = Machine(gpus=0, gpu_memory=None, bf16=None, cores=2, host_memory=24 * GiB)
+NODE = Machine(gpus=8, gpu_memory=80 * GiB, bf16=True, cores=96, host_memory=1024 * GiB)
+CPU2 = {"num_processes": 2, "cpu": True}
+
+
+
+def test_a_cpu_run_is_laid_out_with_its_files_command_and_environment(tmp_path):
+    plan = plan_run("sft", "fsdp", ["max_steps=3"], tmp_path / "run", CPU2, machine=LAPTOP)
+    assert plan.folder == tmp_path / "run" and plan.refused == ()
+    recipe = yaml.safe_load(plan.files["recipe.yaml"])
+    assert recipe["max_steps"] == 3 and recipe["name"] == "fsdp"
+    config = yaml.safe_load(plan.files["accelerate_config.yaml"])
+    assert config["num_processes"] == 2 and config["distributed_type"] == "FSDP"
+    words = plan.command
+    assert words[words.index("--config_file") + 1] == "accelerate_config.yaml"
+    assert words[words.index("--num_cpu_threads_per_process") + 1] == "1"  # 2 cores, 2 processes
+    assert Path(words[words.index("--recipe") - 1]).name == "sft.py" and words[-3:] == ["recipe.yaml", "--output-dir", "."]
+    assert plan.env["ACCELERATE_USE_CPU"] == "true" and plan.env["MEMRECIPE_RUN"] == "1"
+    assert plan.verdict.fits and "of host RAM" in plan.banner
+
+
+def test_deepspeed_on_cpu_picks_its_own_accelerator_and_gpus_get_their_share_of_the_cores(tmp_path):
+    cpu = plan_run("sft", "zero3-offload", [], tmp_path / "a", CPU2, machine=LAPTOP)
+    assert "ACCELERATE_USE_CPU" not in cpu.env and cpu.env["DS_ACCELERATOR"] == "cpu"
+    assert "deepspeed_config.json" in cpu.files
+    gpu = plan_run("sft", "zero3-offload", [], tmp_path / "b", {"num_processes": 8}, dry_run=True, machine=NODE)
+    assert gpu.env["OMP_NUM_THREADS"] == "12" and "--num_cpu_threads_per_process" not in gpu.command
+    assert "per GPU" in gpu.banner
+
+
+def test_a_dry_run_names_what_a_run_would_be_refused_for(tmp_path):
+    folder = tmp_path / "llama-70b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_70B))
+    plan = plan_run("sft", "fsdp", [f"model_name_or_path={folder}"], tmp_path / "run", {"num_processes": 8},
+                    dry_run=True, machine=Machine(8, 80 * GiB, True, 96, 512 * GiB))
+    assert any("recipe fsdp will not fit" in line and "host RAM" in line for line in plan.refused)
+    assert plan.command and not plan.folder.exists()  # the launch line is still shown; nothing is written
+
+
+@pytest.mark.parametrize("script, recipe, resume, message", [
+    ("grpo", "fsdp", False, "unknown script 'grpo'"),
+    ("sft", None, False, "name a recipe with --recipe"),
+    ("sft", None, True, "--resume needs the run folder"),
+])
+def test_what_cannot_be_planned_is_refused_in_one_line(script, recipe, resume, message):
+    with pytest.raises(RecipeError, match=message):
+        plan_run(script, recipe, [], None, CPU2, resume=resume, machine=LAPTOP)
