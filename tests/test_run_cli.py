@@ -99,14 +99,19 @@ def _bad_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_bad_runs_are_refused_in_one_line_before_any_folder_exists(tmp_path, cli):
+def test_bad_runs_are_refused_in_one_line_before_any_folder_exists(tmp_path, capsys):
+    """In this process (main() as the memrecipe command runs it): each refusal is what a user's terminal shows."""
+    from memrecipe.main import main
+
     for args, words, folder in _bad_runs(tmp_path):
         out = folder or tmp_path / "never"
         recipe = [] if "--recipe" in args else ["--recipe", "single-gpu-lora"]
-        done = cli("run", "sft", *recipe, "--output-dir", str(out), *args, env=child_env())
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2, (args, done.stderr[-2000:])
-        assert len(lines) == 1 and words in lines[0], (args, done.stderr[-2000:])
+        with pytest.raises(SystemExit) as done:
+            main(["run", "sft", *recipe, "--output-dir", str(out), *args])
+        stderr = capsys.readouterr().err
+        lines = stderr.strip().splitlines()
+        assert done.value.code == 2, (args, stderr[-2000:])
+        assert len(lines) == 1 and words in lines[0], (args, stderr[-2000:])
         if folder is None:
             assert not out.exists(), args
     assert (tmp_path / "existing" / "notes.txt").read_text() == "mine"
