@@ -25,3 +25,10 @@ warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprec
 # imported (the loop imports memrecipe first); set either variable to see those lines again.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above its highest level (5, USDT)
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# The CUDA caching allocator grows its segments in place unless the user configured it (torch 2.13 reads
+# PYTORCH_ALLOC_CONF and the older PYTORCH_CUDA_ALLOC_CONF): fragmentation is the usual cause of an
+# out-of-memory at a planned 90% (single-gpu-full allocates ~17 GiB of optimizer state inside its first
+# backward, between the activations). Set here, before torch is imported: in the loop (however it was
+# launched) and in `memrecipe run`, whose launch inherits it. No effect without CUDA; report.json's setup says it.
+if not {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(os.environ):
+    os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"

@@ -2,6 +2,7 @@
 
 import ast
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -222,3 +223,18 @@ def test_ls_and_show_fit_an_80_column_terminal_and_show_stays_the_same_yaml(monk
         assert all("#" not in line for line in long), long  # what is still long is a value, not a comment
     monkeypatch.setattr(show, "terminal_width", lambda: None)  # piped: the file as shipped
     assert CliRunner().invoke(cli, ["show", "qlora"]).output == show.recipe_path("qlora").read_text()
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({}, "PYTORCH_ALLOC_CONF=expandable_segments:True"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128"),
+    ({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, "PYTORCH_ALLOC_CONF=backend:cudaMallocAsync"),
+])
+def test_the_cuda_allocator_grows_segments_in_place_unless_the_user_configured_it(given, expected):
+    """Set by importing memrecipe, before torch is: what the loop (however launched) and a `memrecipe run`
+    launch run with; the one a user gave is kept, under either name torch reads."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    code = ("import os, memrecipe; print(', '.join(f'{k}={os.environ[k]}' for k in "
+            "('PYTORCH_ALLOC_CONF', 'PYTORCH_CUDA_ALLOC_CONF') if k in os.environ))")
+    done = subprocess.run([sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == expected, done.stderr

@@ -114,6 +114,7 @@ def test_single_gpu_lora_trains_from_a_copied_folder(runs):
     s = r["setup"]
     assert s["trainable_names_all_lora"] and 0 < s["trainable_params"] < s["params"] / 4
     assert s["gradient_checkpointing"] and s["mixed_precision"] == "bf16"
+    assert s["allocator_conf"] == "PYTORCH_ALLOC_CONF=expandable_segments:True"  # memrecipe's default, on a plain launch
     from memrecipe.planning.registry import EMBEDDED_DATASET
 
     assert r["recipe"]["dataset"] == str(EMBEDDED_DATASET)  # sft.py --dataset reached the recipe

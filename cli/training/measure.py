@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import resource
 import sys
 import time
@@ -44,6 +45,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "optimizer_in_backward": hasattr(getattr(optimizer, "optimizer", optimizer), "optimizers"),
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
         "cpu_threads": torch.get_num_threads(),  # what CPU work (DeepSpeed's CPU Adam, collation) runs on
+        "allocator_conf": ", ".join(f"{k}={os.environ[k]}" for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+                                    if k in os.environ) or None,  # the CUDA allocator's (training.device)
     }
     if hasattr(model, "zero_optimization_stage"):  # a DeepSpeedEngine
         facts["zero_stage"] = model.zero_optimization_stage()

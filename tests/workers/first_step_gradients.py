@@ -79,4 +79,5 @@ if accelerator.is_main_process:
     torch.save({**first, "grads": grads, "losses": losses, "rows": len(loader.dataset),
                 "processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value},
                result_path)
+accelerator.wait_for_everyone()  # the result is written: all ranks tear down together
 accelerator.end_training()

@@ -112,4 +112,5 @@ results = {variant: compare(variant) for variant in variants}
 if accelerator.is_main_process:
     with open(result_path, "w") as f:
         json.dump(results, f)
+accelerator.wait_for_everyone()  # the result is written: all ranks tear down together
 accelerator.end_training()
