@@ -30,5 +30,6 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 # out-of-memory at a planned 90% (single-gpu-full allocates ~17 GiB of optimizer state inside its first
 # backward, between the activations). Set here, before torch is imported: in the loop (however it was
 # launched) and in `memrecipe run`, whose launch inherits it. No effect without CUDA; report.json's setup says it.
-if not {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(os.environ):
+ALLOCATOR_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+if not set(ALLOCATOR_CONF) & set(os.environ):
     os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"

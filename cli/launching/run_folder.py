@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from ..errors import RecipeError
 from ..files import make_folder
 from ..planning.configs import Invocation, accelerate_config, deepspeed_config, render_json, render_yaml
+from ..planning.registry import data_dir
 
 if TYPE_CHECKING:
     from ..planning.recipe import Recipe
@@ -66,8 +67,6 @@ def run_files(recipe: Recipe, topo: Topology) -> dict[str, str]:
     name = lambda n: machine_file(n, topo.machine_rank)  # noqa: E731
     files = {name(RECIPE): f"# Resolved recipe of this run: the single source of truth for it.\n{recipe.to_yaml()}"}
     ds = deepspeed_config(recipe, topo)
-    from ..planning.registry import data_dir
-
     script = str(data_dir("recipes") / "sft.py")  # this installation's loop (`memrecipe cp` gives a copy to edit)
     run = Invocation.of(recipe, topo, name(LAUNCH_CONFIG), script, name(RECIPE))
     header = [f"memrecipe run of recipe {recipe.name} on {topo.describe()}.",

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import ALLOCATOR_CONF
+
 # accelerate's distributed types, in words for the start-up line
 ENGINES = {"NO": "plain (no DDP/FSDP/DeepSpeed)", "MULTI_CPU": "DDP (gloo)", "MULTI_GPU": "DDP", "FSDP": "FSDP",
            "DEEPSPEED": "DeepSpeed"}
@@ -45,8 +47,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "optimizer_in_backward": hasattr(getattr(optimizer, "optimizer", optimizer), "optimizers"),
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
         "cpu_threads": torch.get_num_threads(),  # what CPU work (DeepSpeed's CPU Adam, collation) runs on
-        "allocator_conf": ", ".join(f"{k}={os.environ[k]}" for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-                                    if k in os.environ) or None,  # the CUDA allocator's (training.device)
+        # the CUDA allocator's configuration (memrecipe/__init__.py sets one unless the user did)
+        "allocator_conf": ", ".join(f"{k}={os.environ[k]}" for k in ALLOCATOR_CONF if k in os.environ) or None,
     }
     if hasattr(model, "zero_optimization_stage"):  # a DeepSpeedEngine
         facts["zero_stage"] = model.zero_optimization_stage()
