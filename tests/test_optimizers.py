@@ -238,6 +238,7 @@ def reachable_tensors(value, through_object=False):
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["one-optimizer", "per-parameter"])
+@pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter")  # meta weights, by design
 def test_a_resumed_apollo_state_lands_on_its_parameters_device(tmp_path, in_backward):
     """Checkpoints.resume puts every tensor of the optimizer state where its parameter is, projector objects'
     attributes included (torch's load_state_dict leaves objects as they are). The parameters sit on the meta

@@ -1,6 +1,5 @@
 import signal
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -55,15 +54,16 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
             click.echo(f"\n==> {plan.folder / name} <==")
             click.echo(text, nl=False)
         return
-    started = time.time()
+    report = RunFolder(plan.folder).report
+    before = _stamp(report)  # (a resumed run's folder already holds the last stop's report)
     outcome = start(plan, overwrite, say=lambda line: click.echo(line, err=True))
     if outcome.status and not outcome.stopped_by and output_dir is None:
         discard_failed_start(plan)  # a timestamped folder holding only a failed start
     if outcome.error and not outcome.stopped_by:  # the loop said what is wrong, in its one line
         sys.exit(2)  # (the folder stays reusable by the same command)
     if outcome.stopped_by:
-        name, report = signal.Signals(outcome.stopped_by).name, RunFolder(plan.folder).report
-        if report.is_file() and report.stat().st_mtime >= started:  # the signal came after the last step
+        name = signal.Signals(outcome.stopped_by).name
+        if _stamp(report) not in (None, before):  # the run wrote its report: the signal came after the last step
             click.echo(f"memrecipe: {name} came after the run had finished: final/ and report.json are in "
                        f"{plan.folder}", err=True)
             sys.exit(outcome.status)
@@ -71,3 +71,13 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
                    f"memrecipe run {script} --resume --output-dir {plan.folder}", err=True)
         sys.exit(128 + outcome.stopped_by)
     sys.exit(outcome.status)
+
+
+def _stamp(path):
+    """A file's (mtime_ns, size), or None: compared, not ordered against time.time(), whose clock runs ahead of the
+    coarse one a file system stamps with (a report written 1 ms after the start could look older than it)."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_mtime_ns, stat.st_size, stat.st_ino
