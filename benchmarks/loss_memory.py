@@ -2,6 +2,7 @@
 loss's peak bytes (LossMemory, the report card's measurement) and seconds per training step.
 
     python benchmarks/loss_memory.py [--steps 7]
+    python benchmarks/loss_memory.py --chunks     # the fused loss's chunk size: bytes held, head re-reads
 
 Two cases, each trained by the single-gpu-lora recipe's model code (LoRA all-linear, checkpointing,
 bf16 autocast): a model whose vocabulary dominates (32k vocabulary, 2 x 1024 tokens, every token a
@@ -12,9 +13,11 @@ batches; the figures are medians.
 
 import argparse
 import copy
+import json
 import statistics
-import tempfile
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,11 +27,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # loop_model: the loop's own model setup
 
 from helpers import loop_model  # noqa: E402
+from model_configs import LLAMA_8B  # noqa: E402
 from memrecipe.training.data import Collator, prepare_datasets
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss
 from memrecipe.training.measure import LossMemory
 from memrecipe.training.modeling import embedded_model, load_tokenizer
+from memrecipe.planning.architecture import structure
+from memrecipe.planning.planner import estimate
 from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.topology import Topology
 
 BIG_VOCAB = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
@@ -82,11 +89,10 @@ def loss_peak(model, batch):
 
 
 def compare(name, path, window, steps):
-    recipe = load_recipe("single-gpu-lora")
-    plain, _ = loop_model(recipe, path, "bf16")
+    plain, _ = loop_model(load_recipe("single-gpu-lora", ["fused_loss=false"]), path, "bf16")
     plain.train()
     fused = copy.deepcopy(plain)
-    fuse_head(fused)
+    fuse_head(fused)  # (the loop's setup, fused_loss: true)
     peaks = {"plain": loss_peak(plain, window[0]), "fused": loss_peak(fused, window[0])}
     steppers = {"plain": trainer(plain, window), "fused": trainer(fused, window)}
     for run in steppers.values():
@@ -107,10 +113,53 @@ def compare(name, path, window, steps):
           f"{seconds['plain'] / seconds['fused']:.2f}x the speed of plain")
 
 
+LLAMA3_HEAD = {"vocab_size": 128256, "hidden_size": 4096}  # Llama-3.1-8B's output head
+CHUNKS = (64, 128, 256, 512, 1024, 2048)
+WORKER = Path(__file__).resolve().parent.parent / "tests" / "workers" / "head_loss_bytes.py"
+
+
+def head_loss_bytes(mode, hidden, tokens, vocab, rows, seq):
+    """(measured, planned) loss peak, one fresh process per measurement (tests/workers/head_loss_bytes.py)."""
+    done = subprocess.run([sys.executable, str(WORKER), mode, str(hidden), str(tokens), str(vocab), str(rows), str(seq)],
+                          capture_output=True, text=True, check=True)
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    return r["measured"], r["planned"]
+
+
+def chunk_sweep(rows=2, seq=2048):
+    """The fused loss's peak per chunk size on a 128k vocabulary (a 1-layer model, hidden 64: the head's weights
+    small beside the chunks), measured with LossMemory and planned, for a frozen bf16 head (LoRA) and a trained
+    fp32 one under autocast; then what each chunk size costs Llama-3.1-8B's head at 2 x 2048 targets: passes over
+    its 1 GiB of bf16 weights (forward, backward's recompute and grad-input: 3 a chunk), the matmuls' FLOPs per
+    weight byte (= tokens per chunk: an H100's bf16 matmuls are bound by memory below ~295), and the LoRA q,v r8
+    plan's total (the torchtune job of docs/memory.md)."""
+    vocab = LLAMA3_HEAD["vocab_size"]
+    job = ["per_device_train_batch_size=2", "max_seq_length=2048", "lora.r=8", "lora.alpha=16",
+           "lora.target_modules=[q_proj,v_proj]"]
+    targets, head_bytes = rows * (seq - 1), 2 * vocab * LLAMA3_HEAD["hidden_size"]
+    print(f"\nthe fused loss's chunk, vocabulary {vocab}, {rows} x {seq} tokens, all targets "
+          "(loss peak: measured / planned, MiB)")
+    print(f"{'tokens/chunk':>12} {'LoRA head':>17} {'trained head':>17} {'chunks':>7} {'8B head reads':>14} "
+          f"{'FLOP/byte':>10} {'8B LoRA plan':>13}")
+    for tokens in CHUNKS:
+        cells = []
+        for mode in ("lora", "mixed"):
+            measured, planned = head_loss_bytes(mode, 64, tokens, vocab, rows, seq)
+            cells.append(f"{measured / 2**20:7.0f} / {planned / 2**20:7.0f}")
+        chunks = -(-targets // tokens)
+        eight_b = estimate(load_recipe("single-gpu-lora", [*job, f"loss_chunk_tokens={tokens}"]), structure(LLAMA_8B),
+                           Topology(1))
+        print(f"{tokens:12d} {cells[0]:>17} {cells[1]:>17} {chunks:7d} {3 * chunks * head_bytes / 2**30:10.0f} GiB "
+              f"{tokens:10d} {(eight_b.total - eight_b.overhead) / 2**30:9.2f} GiB")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=7, help="timed steps per path (median)")
+    parser.add_argument("--chunks", action="store_true", help="the fused loss's chunk size sweep only")
     args = parser.parse_args()
+    if args.chunks:
+        return chunk_sweep()
     with tempfile.TemporaryDirectory() as folder:
         compare("vocabulary 32k, 2 x 1024 tokens", *big_vocab_case(folder), args.steps)
     compare("embedded default, chat data (micro batch 4 x accumulation 4)", *embedded_case(), args.steps)

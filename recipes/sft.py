@@ -153,7 +153,7 @@ def setup_model(recipe, model_path, accelerator, run, say):
     # PiSSA/OLoRA rewrite the base: the adapter as initialized is kept, to convert the final one back
     initial_adapter = keep_initial_adapter(model, recipe, run.initial_adapter, accelerator.is_main_process)
     if recipe.fused_loss:  # the head and the loss run chunk by chunk: the [tokens x vocab] logits are never held
-        not_fused = fuse_head(model)
+        not_fused = fuse_head(model, recipe.loss_chunk_tokens)
         if not_fused:
             say(f"note: fused_loss is off for this model ({not_fused}): the loss uses the full logits")
     return model, offload, initial_adapter

@@ -268,7 +268,7 @@ def test_an_8b_job_plans_no_more_than_torchtune_measures(recipe, overrides, offl
         est = estimate(r, s, Topology(1))
         assert (est.total - est.overhead) / 2**30 <= bound, (knob, est)
         plain = estimate(load_recipe(recipe, [*TORCHTUNE_JOB, *overrides, "fused_loss=false"]), s, Topology(1))
-        assert plain.logits > 30 * est.logits  # 4.9 GiB of logits, vs one chunk's
+        assert plain.logits > 6 * est.logits  # 4.9 GiB of logits, vs one 512-token chunk's 0.6
     if recipe == "qlora":  # 16-bit embeddings and head, as the quantized base stores them
         upcast = estimate(load_recipe(recipe, [*TORCHTUNE_JOB, "quantization.upcast_unquantized=true"]), s, Topology(1))
         assert upcast.parameters - est.parameters == 2 * (s.params - s.layers * sum(lin.params for lin in s.linears))

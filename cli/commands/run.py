@@ -78,6 +78,6 @@ def _stamp(path):
     coarse one a file system stamps with (a report written 1 ms after the start could look older than it)."""
     try:
         stat = path.stat()
-    except FileNotFoundError:
+    except OSError:  # none yet (or the folder is a file: the launch refused it)
         return None
     return stat.st_mtime_ns, stat.st_size, stat.st_ino

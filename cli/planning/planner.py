@@ -14,16 +14,13 @@ from ..errors import RecipeError
 from ..units import GiB
 from .architecture import Structure, Tensor, lora_tensors_on_meta
 from .optimizers import OPTIMIZERS
-from .recipe import METHODS, Recipe, chunk_tokens, method
+from .recipe import METHODS, Recipe, method
 from .topology import Topology, check_supported, resolve_precision
 
 GPU_OVERHEAD = 1 * GiB  # CUDA context, kernels, cuBLAS/NCCL workspaces, allocator slack
 CPU_OVERHEAD = GiB // 2  # per process on CPU: torch, transformers, accelerate, DeepSpeed (measured RSS ~0.45 GiB)
 BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit state for tensors smaller than this
 BNB_BLOCK = 256  # ... and one float32 absmax per block of 256 per state, plus a 256-entry qmap per state
-# The fused loss's chunk: logits of at most 2^23 elements (tokens x vocab) at a time, 32 MiB in fp32,
-# ~65 tokens of a 128k vocabulary: large enough for an efficient GPU matmul, small enough that the
-# loss is never the step's peak.
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits", "overhead")
 
 
@@ -274,13 +271,19 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) 
     small = T * 8 + rope  # input ids, rotary cos/sin
     if recipe.fused_loss:  # the chunks keep their inputs (the target positions' hidden states, planned as all)
         saved_logits = T * h * residual
-        # at a chunk's backward: its fp32 log-softmax, the gradient the loss hands it and the log-softmax's
-        # own gradient, three fp32 [chunk x vocab]; beside them the saved inputs and the finished chunks' gradients
-        logits = 12 * min(chunk_tokens(V), T) * V + 2 * T * h * residual
-        # autocast casts the head's weights again in each chunk's recompute: a transient of the loss, not kept
-        logits, head_copy = logits + head_copy, 0
-        if recipe.lora is None:  # a trained head: its weights' gradient, summed over the chunks done so far
-            logits += V * h * (4 if mode == "fp32" else 2)
+        # forward, a chunk at a time: its fp32 logits and their log-sum-exp's temporary, 8 bytes a logit (12 through a
+        # wrapped head: LoRA on lm_head runs its own forward under checkpointing, autograd's three fp32 [chunk x
+        # vocab]), beside the head's weights cast once under autocast. Backward (HeadLoss) walks the head in blocks
+        # of rows: the input's gradient summed in fp32, a trained head's gradient written out (the window holds it),
+        # each block's fp32 sum and product (a quarter of a chunk's logits each). Beside both, the chunks' inputs.
+        # Measured by tests/workers/head_loss_bytes.py (benchmarks/loss_memory.py --chunks).
+        wrapped = recipe.lora is not None and "lm_head" in recipe.lora.target_modules
+        cV = min(recipe.loss_chunk_tokens, T) * V
+        forward = (12 if wrapped else 8) * cV + head_copy
+        backward = 4 * T * h
+        if recipe.lora is None:  # a trained head
+            backward += V * h * (2 if mode == "half" else 4) + 2 * cV
+        logits, head_copy = max(forward, backward) + T * h * residual, 0
     else:
         saved_logits = (T - b) * V * 4  # fp32 log-softmax kept for the loss's backward
         logits = 12 * T * V  # the same three fp32 [tokens x vocab] at the log-softmax's backward (measured)

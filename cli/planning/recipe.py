@@ -18,12 +18,9 @@ from .schema import build, spec, to_dict
 
 OptimizerName = Literal[tuple(OPTIMIZERS)]  # the table's names: the schema's choices
 
-CHUNK_ELEMENTS = 2**23  # the fused loss's chunk: [tokens x vocab] logits of at most this many elements
-
-
-def chunk_tokens(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
-    """Target tokens per chunk of the fused loss (recipes/sft.py's `fused_loss`)."""
-    return max(1, chunk_elements // vocab)
+# The fused loss's target tokens per chunk (docs/memory.md, "The fused loss's chunk"): each chunk reads the head's
+# weights three times, so small chunks starve a GPU's matmuls; each holds ~8-12 bytes x tokens x vocab at once.
+LOSS_CHUNK_TOKENS = 512
 
 @dataclass(frozen=True)
 class Supports:
@@ -204,6 +201,8 @@ class Recipe:
     gradient_checkpointing: bool = False
     activation_offload: bool = False  # checkpointed layers' saved inputs wait in host memory
     fused_loss: bool = True  # LM head + cross-entropy chunk by chunk, recomputed in backward: no full logits
+    # target tokens per chunk of the fused loss: fewer hold less ([tokens x vocab] in fp32) but re-read the head more
+    loss_chunk_tokens: int = spec(LOSS_CHUNK_TOKENS, low=1)
     # each decoder layer compiled in place (one graph serves them all): faster steps after a compile on the
     # first step (tens of seconds); batches are padded to a multiple of 64 tokens to bound recompiles
     torch_compile: bool = False

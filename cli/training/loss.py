@@ -16,11 +16,13 @@ The model then returns one fp32 loss per target token where it would return logi
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..planning.recipe import CHUNK_ELEMENTS, chunk_tokens
+from ..planning.recipe import LOSS_CHUNK_TOKENS
 from .data import IGNORE
 
 # Configs whose CausalLM forward transforms the head's output before the loss: the fused head would
@@ -65,9 +67,9 @@ def output_head(model):
     return unwrapped(model).get_output_embeddings()
 
 
-def fuse_head(model, chunk_elements: int = CHUNK_ELEMENTS) -> str | None:
-    """Give the model's output head the fused loss (call after LoRA, before accelerate's prepare).
-    Returns why not, or None once fused."""
+def fuse_head(model, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> str | None:
+    """Give the model's output head the fused loss, `chunk_tokens` target tokens per chunk (call after LoRA, before
+    accelerate's prepare). Returns why not, or None once fused."""
     blocker = fused_blocker(model.config)
     head = output_head(model)
     if blocker is None and head is None:
@@ -75,10 +77,11 @@ def fuse_head(model, chunk_elements: int = CHUNK_ELEMENTS) -> str | None:
     if blocker is not None:
         return blocker
     fused = hasattr(head, "memrecipe_labels")
-    head.memrecipe_tokens = chunk_tokens(model.config.vocab_size, chunk_elements)  # target tokens per chunk
+    head.memrecipe_tokens = chunk_tokens
     if fused:  # fused already (the loop's setup): a second wrap would feed the chunks to the fused forward
         return None
     original = head.forward
+    plain = type(head) is torch.nn.Linear  # its own weights: the chunks' loss is computed here, by HeadLoss
 
     def forward(hidden, *args, **kwargs):
         labels = head.memrecipe_labels
@@ -87,10 +90,13 @@ def fuse_head(model, chunk_elements: int = CHUNK_ELEMENTS) -> str | None:
         targets = labels[:, 1:]
         keep = targets != IGNORE
         inputs, targets = hidden[:, :-1][keep], targets[keep]  # only positions that predict a target
-        # split, not sliced: backward then joins the chunks' gradients once (a slice's backward writes a
-        # zero-padded full-size gradient per chunk). At least one chunk, even empty: the head's weights
-        # must be in the graph whatever the batch (DDP expects every parameter to get a gradient).
         tokens = head.memrecipe_tokens
+        if plain:
+            return HeadLoss.apply(inputs, targets, tokens, head.weight, head.bias)
+        # a wrapped head (LoRA, quantized): its own forward, chunk by chunk under checkpointing. split, not sliced:
+        # backward then joins the chunks' gradients once (a slice's backward writes a zero-padded full-size
+        # gradient per chunk). At least one chunk, even empty: the head's weights must be in the graph whatever
+        # the batch (DDP expects every parameter to get a gradient).
         return torch.cat([checkpoint(_chunk_loss, original, h, y, use_reentrant=False)
                           for h, y in zip(inputs.split(tokens), targets.split(tokens))])
 
@@ -101,7 +107,83 @@ def fuse_head(model, chunk_elements: int = CHUNK_ELEMENTS) -> str | None:
 
 
 def _chunk_loss(forward, hidden, targets):
-    return F.cross_entropy(forward(hidden).float(), targets, reduction="none")
+    return F.cross_entropy(_chunk_logits(forward, hidden), targets, reduction="none")
+
+
+def _chunk_logits(forward, hidden):
+    """One chunk's fp32 logits: every path computes them here, twice per chunk (forward, and backward's recompute)."""
+    return forward(hidden).float()
+
+
+class HeadLoss(torch.autograd.Function):
+    """One loss per target token through a plain linear head, chunk by chunk, holding neither the logits nor a copy of
+    the head's gradient. Forward keeps the inputs and each token's log-sum-exp (4 bytes). Backward walks the head in
+    blocks of vocabulary rows and, for each block, every chunk: it recomputes that tile of logits, turns it into the
+    loss's gradient (softmax from the saved log-sum-exp, minus the target's one-hot) and adds the tile's products to
+    the input's gradient and to the block's weight gradient, summed in fp32 and written out once per block. So the
+    head's gradient is summed in fp32 whatever the weights' dtype (autograd would sum the chunks' gradients in bf16
+    under bf16 weights, rounding the small additions away: tests/test_loss.py) without an fp32 copy of the whole
+    head, and each block is read once per chunk, as the chunked forward reads it.
+
+    The matmuls run in the autocast dtype when autocast is on (the weight cast once per pass, as F.linear's autocast
+    would), else in the weight's. Called from the head module's own forward, so every engine's hooks (DDP, FSDP2's
+    unshard, ZeRO-3's gather) see the head as before."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, tokens, weight, bias):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        with torch.autocast(device, enabled=False):
+            head = partial(F.linear, weight=weight.to(dtype), bias=None if bias is None else bias.to(dtype))
+            losses, lse = [], []
+            for h, y in zip(hidden.split(tokens), targets.split(tokens)):
+                logits = _chunk_logits(head, h.to(dtype))
+                lse.append(torch.logsumexp(logits, dim=-1))
+                losses.append(lse[-1] - logits.gather(1, y[:, None]).squeeze(1))
+                del logits
+        lse = torch.cat(lse) if lse else hidden.new_zeros(0, dtype=torch.float32)
+        ctx.save_for_backward(hidden, targets, weight, bias, lse)
+        ctx.tokens, ctx.dtype = tokens, dtype
+        return torch.cat(losses) if losses else lse.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, targets, weight, bias, lse = ctx.saved_tensors
+        dtype, tokens = ctx.dtype, ctx.tokens
+        wants_hidden, _, _, wants_weight, wants_bias = ctx.needs_input_grad
+        vocab, width = weight.shape
+        rows = max(1, tokens * vocab // (4 * width))  # a block's fp32 gradient sum: a quarter of a chunk's fp32 logits
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if wants_hidden else None
+        grad_weight = torch.empty_like(weight) if wants_weight else None
+        grad_bias = torch.empty_like(bias) if wants_bias else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            inputs = hidden.to(dtype)
+            for first in range(0, vocab, rows):
+                last = min(first + rows, vocab)
+                w = weight[first:last].to(dtype)
+                b = None if bias is None else bias[first:last].to(dtype)
+                block = torch.zeros(last - first, width, dtype=torch.float32, device=weight.device) if wants_weight else None
+                block_bias = torch.zeros(last - first, dtype=torch.float32, device=weight.device) if wants_bias else None
+                for start in range(0, len(targets), tokens):
+                    end = start + tokens
+                    h, y = inputs[start:end], targets[start:end]
+                    d = _chunk_logits(partial(F.linear, weight=w, bias=b), h)  # this tile of logits, in fp32
+                    d = d.sub_(lse[start:end, None]).exp_()  # softmax
+                    inside = (y >= first) & (y < last)
+                    d[inside.nonzero().squeeze(1), y[inside] - first] -= 1
+                    d = d.mul_(grad[start:end, None]).to(dtype)  # d loss / d logits
+                    if wants_hidden:
+                        grad_hidden[start:end] += d @ w
+                    if wants_weight:
+                        block += d.t() @ h
+                    if wants_bias:
+                        block_bias += d.float().sum(0)
+                    del d  # before the next tile's logits
+                if wants_weight:
+                    grad_weight[first:last] = block
+                if wants_bias:
+                    grad_bias[first:last] = block_bias
+        return (None if grad_hidden is None else grad_hidden.to(hidden.dtype), None, None, grad_weight, grad_bias)
 
 
 # Attention implementations that read a packed row's documents from position_ids as variable-length sequences,

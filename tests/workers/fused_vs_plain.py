@@ -9,7 +9,6 @@ head shares the embeddings' weight) and `lora-head` (LoRA on q, v and the head).
 ("base" first) to its figures."""
 
 import json
-import math
 import os
 import sys
 
@@ -33,16 +32,16 @@ variants = ["base", *filter(None, os.environ.get("FUSED_VARIANTS", "").split(","
 path = embedded_model()
 accelerator = make_accelerator(load_recipe(name, overrides))
 tokenizer = load_tokenizer(path)
-chunks = [0]
-real_chunk_loss = fused_loss._chunk_loss
+chunks = []  # the tokens of each chunk (forward) and tile (backward) the head computes logits for
+real_chunk_logits = fused_loss._chunk_logits
 
 
-def counted_chunk_loss(*args):  # the fused head calls it by its module name: forward and recompute both count
-    chunks[0] += 1
-    return real_chunk_loss(*args)
+def counted_chunk_logits(*args):  # the fused head calls it by its module name: forward and backward both count
+    chunks.append(len(args[1]))
+    return real_chunk_logits(*args)
 
 
-fused_loss._chunk_loss = counted_chunk_loss
+fused_loss._chunk_logits = counted_chunk_logits
 
 
 def compare(variant: str) -> dict:
@@ -50,7 +49,7 @@ def compare(variant: str) -> dict:
     model, _ = loop_model(recipe, path, accelerator.mixed_precision, accelerator.device)
     if variant == "tied":
         model.lm_head.weight = model.model.embed_tokens.weight
-    assert fuse_head(model, chunk_elements=CHUNK * model.config.vocab_size) is None
+    assert fuse_head(model, CHUNK) is None
     train, _ = prepare_datasets(recipe, tokenizer)
     loader = DataLoader(train, batch_size=recipe.per_device_train_batch_size, collate_fn=Collator(tokenizer.pad_token_id))
     model = wrap_first(accelerator, recipe, model)
@@ -75,7 +74,7 @@ def compare(variant: str) -> dict:
         return out
 
     def loss_and_grads(fused: bool):
-        chunks[0] = 0
+        chunks.clear()
         if fused:
             loss = lm_loss(model, batch)
         else:
@@ -84,7 +83,7 @@ def compare(variant: str) -> dict:
         model.backward(loss) if deepspeed else accelerator.backward(loss)  # the engine's backward, no step
         grads = full_grads()
         model.optimizer.zero_grad() if deepspeed else optimizer.zero_grad()
-        return loss.item(), grads, chunks[0]
+        return loss.item(), grads, list(chunks)
 
     plain_loss, plain, plain_chunks = loss_and_grads(False)
     fused_loss_value, fused, fused_chunks = loss_and_grads(True)
@@ -100,9 +99,9 @@ def compare(variant: str) -> dict:
             "head_grads": sum(p.requires_grad for p in head.parameters()),  # its weights (tied: the embeddings'), or adapters
             "max_eval_diff": (plain_eval - fused_eval).abs().max().item(), "eval_sequences": len(plain_eval),
             "max_eval": plain_eval.abs().max().item(),  # a packed row sums ~256 token losses
-            # forward and recompute: one call per chunk of this rank's targets, each; none on the plain path
-            "chunks": fused_chunks, "expected_chunks": 2 * math.ceil(count_targets(batch["labels"]) / CHUNK),
-            "plain_chunks": plain_chunks,
+            # forward and backward: every target of this rank's batch, in chunks of at most CHUNK; none on the plain path
+            "chunk_max": max(fused_chunks), "chunk_tokens": sum(fused_chunks), "targets": count_targets(batch["labels"]),
+            "plain_chunks": len(plain_chunks),
             "head_lora": hasattr(head, "lora_A"), "z3_leaf": getattr(head, "_z3_leaf", False),
             "tied": unwrapped.get_output_embeddings().weight is unwrapped.get_input_embeddings().weight,
             "distributed_type": accelerator.distributed_type.value, "num_processes": accelerator.num_processes}
