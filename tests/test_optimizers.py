@@ -68,6 +68,37 @@ def test_every_optimizer_of_the_table_builds_and_holds_its_planned_state(name):
     assert held["optimizer_state"] == plan.optimizer_state
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["one-step", "in-backward"])
+def test_apollos_step_temporaries_are_planned(in_backward):
+    """APOLLO on bf16 weights, profiled at its second step: at a projection refresh (update_proj_gap=1) what the
+    step allocates beyond its state is the plan's `step` within 5%; between refreshes no more than that. One step
+    over all tensors: the largest tensor's temporaries and the previous tensor's last update; in backward, each
+    tensor's own step (called here one tensor at a time, as the hooks do)."""
+    from memrecipe.planning.planner import step_temporaries, trainable_tensors
+    from memrecipe.training.measure import allocation_peak
+
+    peaks = {}
+    for gap in (1, 200):
+        recipe = full("weight_dtype=bf16", "optim=apollo_adamw", "optim_args.rank=8", f"optim_args.update_proj_gap={gap}",
+                      *(IN_BACKWARD if in_backward else []))
+        model, optimizer, _ = trained(recipe)
+        if in_backward:  # each tensor's own optimizer, a gradient given to it alone (its hook's step)
+            steps = [(o.step, [p]) for p, o in optimizer.optimizers.items()]
+        else:
+            steps = [(optimizer.step, [p for p in model.parameters() if p.requires_grad])]
+        peaks[gap] = 0
+        for step, params in steps:
+            for p in params:
+                p.grad = torch.randn_like(p) / 100
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                step()
+            peaks[gap] = max(peaks[gap], allocation_peak(prof))
+            for p in params:
+                p.grad = None
+    planned = step_temporaries(recipe, trainable_tensors(recipe, structure(read_config(None))), 2)
+    assert peaks[1] == pytest.approx(planned, rel=0.05) and peaks[200] <= planned, (peaks, planned)
+
+
 def test_the_step_in_backward_holds_one_tensors_gradient():
     recipe = full("weight_dtype=bf16", "optim=adamw_torch_8bit")
     model, _, ordinary = trained(recipe)

@@ -47,6 +47,7 @@ class Estimate:
     # host RAM per machine while the model loads, before it is sharded or moved to the GPUs
     host_load: int = 0
     notes: tuple[str, ...] = field(default=())
+    step: int = 0  # the optimizer step's temporaries beyond its state (in `working` when they are the peak)
 
     @property
     def total(self) -> int:
@@ -66,7 +67,7 @@ class Estimate:
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("recipe", "processes", "machines", "micro_batch", "seq_length",
                                              *CATEGORIES, "host_offload", "host_load", "cpu", "speed_cost", "saved_peak",
-                                             "working")}
+                                             "working", "step")}
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
 
 
@@ -123,6 +124,33 @@ def optimizer_state_bytes(recipe: Recipe, tensors: list[Tensor], weight_bytes: i
                 total += 2 * weight_bytes * t.numel
         return total
     return sum(2 * weight_bytes * t.numel + 4 for t in tensors)
+
+
+def step_temporaries(recipe: Recipe, tensors: list[Tensor], weight_bytes: int) -> int:
+    """Bytes an optimizer's step allocates beyond its state. APOLLO (apollo_torch/apollo.py, random_projector.py),
+    gradients in the weights' dtype: a projected m x n matrix makes `scaled_grad` = its gradient x the channel
+    scale, then divides it by the norm-growth limiter into a second full-size tensor (2 x m x n x the gradient's
+    bytes), beside its projected gradient, `denom`, `norm_grad` and their norms (~4 x rank x max(m, n)); at a refresh
+    (the first step, then every update_proj_gap) get_orthogonal_matrix first copies a 16-bit gradient to fp32 (4 x
+    m x n, freed before). A tensor it does not project (embeddings, norms) makes AdamW's `denom` and `norm_grad`,
+    each its size. One step over all tensors keeps the previous tensor's last update alive in the loop's locals
+    while the next one's are made: its largest other tensor's size comes on top; with the step in backward each
+    tensor steps alone. The other optimizers' steps are not counted yet (torch's foreach AdamW makes whole-list
+    intermediates; bitsandbytes' and torchao's steps are fused kernels): docs/memory.md."""
+    if OPTIMIZERS[recipe.optim].state != "low_rank":
+        return 0
+    projected, r, gb = set(projected_tensors(recipe, tensors)), recipe.optim_args.rank, weight_bytes
+    each = []
+    for i, t in enumerate(tensors):
+        if i in projected:
+            m, n = t.shape
+            each.append(max(2 * t.numel * gb, 4 * t.numel if gb < 4 else 0) + 4 * r * max(m, n) * gb)
+        else:
+            each.append(2 * t.numel * gb)
+    largest = max(range(len(tensors)), key=each.__getitem__)
+    if recipe.optimizer_in_backward:
+        return each[largest]
+    return each[largest] + max((t.numel * gb for i, t in enumerate(tensors) if i != largest), default=0)
 
 
 def projected_tensors(recipe: Recipe, tensors: list[Tensor]) -> list[int]:
@@ -429,6 +457,11 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     if load and not topo.cpu:
         notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")
     act = activation_bytes(recipe, s, mode, b, seq)
+    step = step_temporaries(recipe, train, wb)
+    # the step's temporaries: after backward (the activations gone), or inside it, beside the checkpointed inputs
+    working = max(act["working"], step + (act["forward_saved"] if recipe.optimizer_in_backward else 0))
+    if step:
+        notes.append(f"the optimizer's step allocates {step / GiB:.1f} GiB of temporaries at its largest tensor")
     if act["host"]:
         host += act["host"] * local
         notes.append("activation offload: each layer's checkpointed input waits in host memory")
@@ -436,7 +469,8 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         notes.append("CPU smoke-test mode: every figure is host RAM")
     return Estimate(recipe.name, n, machines, b, seq, int(params), int(grads), int(opt), int(act["activations"]),
                     int(act["logits"]), CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, int(host), topo.cpu,
-                    speed_cost(recipe, precision), int(act["saved_peak"]), int(act["working"]), int(load), tuple(notes))
+                    speed_cost(recipe, precision), int(act["saved_peak"]), int(working), int(load), tuple(notes),
+                    int(step))
 
 
 @dataclass(frozen=True)
