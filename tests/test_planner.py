@@ -10,7 +10,7 @@ import torch
 from helpers import loop_model
 from memrecipe.errors import RecipeError
 from memrecipe.planning.architecture import read_config, structure
-from memrecipe.planning.planner import breakdown, estimate
+from memrecipe.planning.planner import base_bytes, breakdown, estimate, trainable_tensors
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology, make_topology
 from memrecipe.training.loss import fuse_head, lm_loss, token_loss
@@ -250,6 +250,29 @@ def test_a_4bit_base_is_half_a_byte_per_layer_weight_and_fsdp_shards_it():
     assert two.gradients == pytest.approx(4 * trained / 2, rel=0.01)  # only the adapters have gradients
     offloaded = estimate(load_recipe("fsdp-qlora"), s, Topology(2))
     assert offloaded.parameters < two.parameters and offloaded.host_offload > 0
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_fsdp_qlora_keeps_the_whole_bases_scales_on_every_gpu(offload):
+    """FSDP shards or offloads the flat parameters, the packed 4-bit weights; bitsandbytes' quant_state (the absmax
+    per 64 weights, its fp32 absmax per 256, the codes) stays whole on each GPU: 1.0 GiB of a 70B's."""
+    from memrecipe.planning.planner import quant_state_bytes
+
+    s = structure(LLAMA_70B)
+    r = load_recipe("fsdp-qlora", [f"fsdp.offload_params={str(offload).lower()}"])
+    scales, linear = quant_state_bytes(r, s), s.layers * sum(lin.params for lin in s.linears)
+    assert scales == pytest.approx(linear / 64 * (1 + 4 / 256), rel=0.001)
+    eight, sixteen = (estimate(r, s, Topology(n)) for n in (8, 16))
+    sharded = eight.parameters - sixteen.parameters  # what 8 more GPUs take off each: a sixteenth of the shards
+    assert eight.parameters > scales and sixteen.parameters > scales
+    if offload:
+        # nothing sharded stays on the GPU: fp32 absmax (no double quantization, 4x the scales) adds them whole
+        single = load_recipe("fsdp-qlora", ["fsdp.offload_params=true", "quantization.double_quant=false"])
+        assert sharded == 0 and estimate(single, s, Topology(8)).parameters - eight.parameters == \
+            quant_state_bytes(single, s) - scales > 2 * scales
+    else:
+        assert sharded == pytest.approx((base_bytes(r, s, 2) - scales + 4 * sum(t.numel for t in
+                                         trainable_tensors(r, s))) / 16, rel=0.001)
 
 
 # --- the lean loss and lean QLoRA: what a Llama-3.1-8B job plans, and the step's measured peak ----

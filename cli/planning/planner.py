@@ -172,6 +172,17 @@ def quantized_bytes(numel: int, rows: int, q) -> int:
     return math.ceil(numel / 2) + scales + 4 * 16
 
 
+def quant_state_bytes(recipe: Recipe, s: Structure) -> int:
+    """The quantized linears' scales and codes (bitsandbytes' quant_state), the whole model's: quantized_bytes
+    less the packed weights."""
+    q = recipe.quantization
+    if q is None or not recipe.lora:
+        return 0
+    packed = (lambda numel: numel) if q.bits == 8 else (lambda numel: math.ceil(numel / 2))
+    return sum(g.layers * sum(quantized_bytes(lin.in_features * lin.out_features, lin.out_features, q)
+                              - packed(lin.in_features * lin.out_features) for lin in g.linears) for g in s.groups())
+
+
 def base_bytes(recipe: Recipe, s: Structure, cb: int, layer_only: bool = False) -> int:
     """The frozen LoRA base (the whole model, or one decoder layer): in the compute dtype; or with
     quantization, the decoder layers' linears quantized and the rest (embeddings, head, norms, biases)
@@ -434,17 +445,24 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         unit = max(s.largest_layer_params, s.root_params) // tp
         # the shards: trained params in fp32, a frozen LoRA base in the compute dtype (or quantized)
         base = base_bytes(recipe, s, cb) if recipe.lora else 0
-        sharded = (base + 4 * (Pt if recipe.lora else P)) // n
+        # a quantized base's scales are no part of FSDP's flat parameters: FSDP1 moves each parameter to the GPU
+        # (bitsandbytes' Params4bit.to moves its quant_state there, in place) and shards or offloads only the
+        # flat parameter, so every GPU keeps the whole model's absmax, nested absmax and codes
+        scales = quant_state_bytes(recipe, s)
+        sharded = (base - scales + 4 * (Pt if recipe.lora else P)) // n
         # gathered: the running unit and the prefetched one, or (no reshard) all of it
         unit_bytes = max(base_bytes(recipe, s, cb, layer_only=True), cb * s.root_params) if recipe.quantization \
             else cb * unit
         gathered = 2 * unit_bytes if f.reshard_after_forward else (base or cb * P // tp)
         unit_grads = 0 if recipe.lora else cb * unit  # a full unit's gradients before the reduce-scatter
         if f.offload_params:
-            params, grads, opt = gathered, unit_grads, 0
+            params, grads, opt = gathered + scales, unit_grads, 0
             host = (sharded + 4 * Pt // n + optim // n) * local
         else:
-            params, grads, opt = sharded + gathered, 4 * Pt // n + unit_grads, optim // n
+            params, grads, opt = sharded + gathered + scales, 4 * Pt // n + unit_grads, optim // n
+        if scales:
+            notes.append(f"each GPU keeps the whole base's quantization scales ({scales / GiB:.2f} GiB): FSDP shards "
+                         "only the packed weights")
     else:
         params = (base_bytes(recipe, s, cb) if recipe.lora else 0) + wb * Pt
         grads = wb * Pt
