@@ -61,16 +61,20 @@ def card(report: dict) -> str:
     plan, procs = report.get("plan") or {}, report["processes"]
     lines = [f"memrecipe report: {report['recipe']['name']} on {report['topology']['describe']}, "
              f"{report['steps']} steps in {report['wall_seconds']:.1f} s"]
-    rows = []
-    for category in ("parameters", "gradients", "optimizer_state"):
-        measured = [p["held"][category] for p in procs]
-        rows.append([category.replace("_", " "), _gib(plan.get(category)), *[_gib(m) for m in measured]])
     peak = peak_key(procs[0])
-    rows.append(["activations", _gib(plan.get("activations")), *["-" for _ in procs]])
-    rows.append(["logits (the loss's peak)", _gib(plan.get("logits")), *[_gib(p["held"].get("logits")) for p in procs]])
-    rows.append(["total / peak" + (" (CUDA allocated)" if peak.startswith("cuda") else " (RSS)"),
-                 _gib(plan.get("total")), *[_gib(p[peak]) for p in procs]])
-    lines.append(table(["MEMORY GiB", "PLANNED", *[f"RANK {p['process_index']}" for p in procs]], rows))
+    rows = []
+    for label, key, measured in (
+            *[(c.replace("_", " "), c, [p["held"][c] for p in procs]) for c in ("parameters", "gradients", "optimizer_state")],
+            ("activations", "activations", [None for _ in procs]),
+            ("logits (the loss's peak)", "logits", [p["held"].get("logits") for p in procs]),
+            ("total / peak" + (" (CUDA allocated)" if peak.startswith("cuda") else " (RSS)"), "total",
+             [p[peak] for p in procs])):
+        planned, most = plan.get(key), max((m for m in measured if m is not None), default=None)
+        # where the plan missed, by category: the largest rank's figure minus the plan
+        missed = _gib(most - planned) if None not in (most, planned) else "-"
+        rows.append([label, _gib(planned), *[_gib(m) for m in measured], missed])
+    lines.append(table(["MEMORY GiB", "PLANNED", *[f"RANK {p['process_index']}" for p in procs], "MEASURED - PLANNED"],
+                       rows))
     if peak == "peak_rss_bytes":
         lines.append("(on CPU peak RSS is mostly libraries and kernel caches; the measured parameters, gradients and "
                      "optimizer state are exact byte counts of what each rank holds)")
@@ -81,6 +85,9 @@ def card(report: dict) -> str:
         lines.append(f"activation offload: {offloaded / 2**20:,.2f} MiB of checkpointed inputs per micro batch waited "
                      f"in host memory (planned at full sequence length: {planned:,.2f} MiB per machine)")
     setup = report.get("setup", {})
+    if setup.get("bf16_update_rounding"):
+        lines.append(f"bf16 weights: {setup.get('optimizer_class', 'the optimizer')} rounded each update "
+                     f"{setup['bf16_update_rounding']}")
     if setup.get("zero_offload_optimizer") and setup.get("cpu_threads"):
         lines.append(f"DeepSpeed's CPU Adam: {setup['cpu_threads']} CPU thread(s) per process (OMP_NUM_THREADS)")
     tput = report["throughput"]

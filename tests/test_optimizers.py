@@ -99,6 +99,20 @@ def test_apollos_step_temporaries_are_planned(in_backward):
     assert peaks[1] == pytest.approx(planned, rel=0.05) and peaks[200] <= planned, (peaks, planned)
 
 
+@pytest.mark.parametrize("overrides, rounding", [
+    ([], "stochastically"),  # single-gpu-full: torchao's 8-bit AdamW, bf16_stochastic_round
+    (["optim=adamw_bnb_8bit"], "to nearest"),  # the choice without torchao's compile
+    (["optim_args.bf16_stochastic_round=false"], "to nearest"),
+    (["optim=apollo_adamw"], "to nearest"),
+    (["weight_dtype=fp32"], None),  # fp32 masters: nothing to round
+])
+def test_how_updates_reach_bf16_weights_is_the_recipes_choice(overrides, rounding):
+    from memrecipe.planning.optimizers import bf16_rounding
+
+    assert bf16_rounding(load_recipe("single-gpu-full", overrides)) == rounding
+    assert bf16_rounding(load_recipe("single-gpu-lora")) is None  # LoRA: a frozen base, fp32 adapters
+
+
 def test_the_step_in_backward_holds_one_tensors_gradient():
     recipe = full("weight_dtype=bf16", "optim=adamw_torch_8bit")
     model, _, ordinary = trained(recipe)

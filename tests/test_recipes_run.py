@@ -126,8 +126,9 @@ def test_single_gpu_lora_trains_from_a_copied_folder(runs):
     assert 0 < rank["held"]["logits"] <= r["plan"]["logits"]
     from memrecipe.report import card
 
-    row = next(line for line in card(r).splitlines() if line.startswith("logits"))
-    assert row.split()[-1] != "-"  # the card shows the measurement, not a dash
+    cells = next(line for line in card(r).splitlines() if line.startswith("logits")).split()
+    assert cells[-2] != "-"  # the card shows the measurement, not a dash, and what the plan missed by
+    assert float(cells[-1]) == pytest.approx((rank["held"]["logits"] - r["plan"]["logits"]) / 2**30, rel=0.01)
 
 
 def test_single_gpu_lora_adapter_reloads_and_is_the_trained_one(runs):
@@ -204,6 +205,9 @@ def test_single_gpu_full_trains_bf16_weights_with_the_step_in_backward(runs):
     r = assert_learned(folder, 1)
     s = r["setup"]
     assert s["optimizer_class"] == "TorchaoAdamW8bit" and s["optimizer_in_backward"]
+    assert s["bf16_update_rounding"] == "stochastically" and s["optimizer_first_use"] == ""  # (no compile on CPU)
+    assert "weights: bf16, no fp32 master; optim adamw_torch_8bit rounds each update stochastically" in \
+        (folder / "train.log").read_text()
     assert {"uint8", "float32"} <= set(s["optimizer_state_dtypes"])  # 8-bit moments; fp32 for the embeddings
     assert s["gradient_checkpointing"] and s["trainable_params"] == s["params"]
     (held,) = [p["held"] for p in r["processes"]]

@@ -18,6 +18,8 @@ class Optimizer:
     why_not: str = ""  # why not under the others
     bitsandbytes: bool = False  # its state is bitsandbytes' (no DTensor: not FSDP2; not beside DeepSpeed's CPU Adam)
     step_cost: float = 1.0  # step time against AdamW's (a rule of thumb, planner.speed_cost)
+    bf16_rounding: str = "to nearest"  # how it writes an update into bf16 weights (weight_dtype: bf16)
+    first_use_on_cuda: str = ""  # said before step 1 on a GPU: what its first use costs
 
     @property
     def eight_bit(self) -> bool:
@@ -31,6 +33,10 @@ class Optimizer:
 
 
 SHARDED = "is not tested under an engine that shards the optimizer state in memrecipe"
+TORCHAO_COMPILE = ("torchao compiles its step with torch.compile on first use, one graph per parameter shape and dtype "
+                   "(7 for a Llama; torchao measured ~12 minutes on a 7B): step 1 waits for it. optim=adamw_bnb_8bit "
+                   "needs no compile, but rounds bf16 updates to nearest (benchmarks/bf16_rounding.py)")
+
 OPTIMIZERS = {
     "adamw_torch": Optimizer("AdamW", "torch_adamw", "adamw"),
     "adamw_bnb_8bit": Optimizer("8-bit AdamW", "bnb_8bit", "bnb_8bit", bitsandbytes=True, step_cost=1.05),
@@ -38,8 +44,21 @@ OPTIMIZERS = {
                                   step_cost=1.05),
     # 8-bit moments and, with bf16 weights, stochastic rounding of each update (optim_args.bf16_stochastic_round)
     "adamw_torch_8bit": Optimizer("8-bit AdamW (torchao)", "torchao_8bit", "torchao_8bit", ("no", "ddp"), SHARDED,
-                                  step_cost=1.05),
+                                  step_cost=1.05, bf16_rounding="stochastically",
+                                  # torchao/optim/adam.py: torch.compile(single_param_adam, fullgraph=True,
+                                  # dynamic=False), called per parameter: a graph per shape and dtype
+                                  first_use_on_cuda=TORCHAO_COMPILE),
     "apollo_adamw": Optimizer("APOLLO", "apollo", "low_rank", ("no", "ddp"),
                               "projects each weight matrix whole, and the engine hands the optimizer flat or row shards",
                               step_cost=1.05),
 }
+
+
+def bf16_rounding(recipe) -> str | None:
+    """How this recipe's optimizer writes its updates into bf16 weights: 'stochastically' or 'to nearest' (an update
+    below half a bf16 step is lost); None when no bf16 weight trains."""
+    if recipe.weight_dtype != "bf16" or recipe.lora is not None:
+        return None
+    if recipe.optim == "adamw_torch_8bit" and not recipe.optim_args.bf16_stochastic_round:
+        return "to nearest"
+    return OPTIMIZERS[recipe.optim].bf16_rounding

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ALLOCATOR_CONF
+from ..planning.optimizers import OPTIMIZERS, bf16_rounding
 
 # accelerate's distributed types, in words for the start-up line
 ENGINES = {"NO": "plain (no DDP/FSDP/DeepSpeed)", "MULTI_CPU": "DDP (gloo)", "MULTI_GPU": "DDP", "FSDP": "FSDP",
@@ -306,6 +307,10 @@ class Meter:
         self.accelerator, self.model, self.optimizer, self.offload = accelerator, model, optimizer, offload
         self.out, self.take_snapshot = out, snapshot
         self.setup = describe_setup(accelerator, model, optimizer)
+        # the optimizer as the recipe chose it: how updates reach bf16 weights, what its first step costs on a GPU
+        self.setup["bf16_update_rounding"] = bf16_rounding(recipe)
+        self.setup["optimizer_first_use"] = OPTIMIZERS[recipe.optim].first_use_on_cuda \
+            if accelerator.device.type == "cuda" else ""
         self.tracking = start_trackers(accelerator, recipe, out)
         self.tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch
         self.history, self.held, self.tokens, self.wall = [], None, 0, None
