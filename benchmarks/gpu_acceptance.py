@@ -1,0 +1,220 @@
+"""The first command on a GPU box: every recipe the machine can hold, a few steps each through `memrecipe run`,
+on real-shaped models with random weights built from the config.json files beside this script (no hub), then
+one run stopped and resumed; one table of what the plan said against what the runs measured.
+
+    python benchmarks/gpu_acceptance.py                        # the 1B shape, every recipe this box can hold
+    python benchmarks/gpu_acceptance.py --shapes 1b,moe,8b     # the larger shapes too (opt-in)
+    python benchmarks/gpu_acceptance.py --cpu                  # tiny smoke mode (the test suite runs it)
+
+Writes OUT/acceptance.md and OUT/acceptance.json (default OUT: acceptance-<time>/): per run the planned and
+measured bytes per category and in total, the measured minus planned total, tokens/s, MFU, whether the loss
+fell; and whether the stopped-and-resumed run's steps equal the uninterrupted run's. A recipe the box cannot hold
+(GPUs, GPU memory or host RAM by the plan) or whose optional library is missing is skipped, with the reason.
+The data is the embedded chat set; the tokenizer is the embedded one (its ids fit any vocabulary).
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHAPES = {"1b": "llama-3.2-1b.json", "moe": "olmoe-1b-7b.json", "8b": "llama-3.1-8b.json"}
+# (recipe, overrides, processes); the first is also stopped and resumed
+ONE_GPU = [("single-gpu-lora", [], 1), ("qlora", [], 1), ("single-gpu-full", [], 1),
+           ("single-gpu-full", ["optim=apollo_adamw", "optim_args.rank=128"], 1), ("adamw-8bit", [], 1),
+           ("zero3-offload", [], 1), ("ddp", [], 1)]
+SEVERAL_GPUS = [("ddp", [], 0), ("fsdp", [], 0), ("fsdp-lora", [], 0), ("fsdp-qlora", [], 0), ("zero2", [], 0),
+                ("tp", [], 4)]  # 0: every GPU
+CPU = [("single-gpu-lora", [], 1), ("ddp", [], 2)]
+LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit": "bitsandbytes",
+             "single-gpu-full": "torchao", "apollo_adamw": "apollo_torch", "zero3-offload": "deepspeed",
+             "zero2": "deepspeed"}
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "logits")
+GiB = 2**30
+
+
+def build_model(config_file: Path, folder: Path) -> Path:
+    """A random-weight model of the config's shape, with the embedded tokenizer, saved like a hub model."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from memrecipe.planning.registry import EMBEDDED_MODEL
+
+    config = AutoConfig.for_model(**json.loads(config_file.read_text()))
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(EMBEDDED_MODEL).save_pretrained(folder)
+    return folder
+
+
+def skip_reason(recipe: str, overrides: list, processes: int, model: str | None, cpu: bool) -> str | None:
+    """Why this box cannot run the case (None: it can), from the optional libraries and the plan."""
+    from memrecipe.errors import RecipeError
+    from memrecipe.planning.architecture import read_config, structure
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.planning.topology import Topology
+
+    for key in (recipe, *(w.split("=", 1)[1] for w in overrides if w.startswith("optim="))):
+        if key in LIBRARIES and importlib.util.find_spec(LIBRARIES[key]) is None:
+            return f"{LIBRARIES[key]} is not installed"
+    try:
+        r = load_recipe(recipe, overrides)
+        if processes < r.supports.min_processes:
+            return f"needs {r.supports.min_processes}+ processes, the box has {processes}"
+        if cpu:
+            return None if r.supports.cpu else "GPU-only"
+        plan = estimate(r, structure(read_config(model)), Topology(processes))
+    except RecipeError as e:
+        return str(e)
+    import torch
+
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if plan.total > gpu:
+        return f"plans {plan.total / GiB:.1f} GiB per GPU, the GPU has {gpu / GiB:.1f}"
+    if plan.host_total() > host:
+        return f"plans {plan.host_total() / GiB:.0f} GiB of host RAM, the box has {host / GiB:.0f}"
+    return None
+
+
+def run(folder: Path, recipe: str, words: list, processes: int, cpu: bool, timeout: float) -> tuple[dict | None, str]:
+    """One `memrecipe run`; (its report.json, '') or (None, why it failed)."""
+    cmd = [sys.executable, "-m", "memrecipe", "run", "sft", "--recipe", recipe, "--output-dir", str(folder),
+           "--num-processes", str(processes), *(["--cpu"] if cpu else ["--memory-snapshot"]), *words]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"over {timeout:.0f} s"
+    (folder.parent / f"{folder.name}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        return None, (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1][:300]
+    return json.loads((folder / "report.json").read_text()), ""
+
+
+def row(name: str, shape: str, processes: int, report: dict) -> dict:
+    plan, procs = report["plan"], report["processes"]
+    peak_key = next((k for k in ("cuda_max_allocated_bytes", "peak_rss_bytes") if k in procs[0]), None)
+    measured = {c: max(p["held"].get(c) or 0 for p in procs) for c in CATEGORIES}
+    peak = max(p.get(peak_key) or 0 for p in procs) if peak_key else None
+    history, tput = report["history"], report["throughput"]
+    return {"recipe": name, "shape": shape, "processes": processes, "status": "ran",
+            "planned": {c: plan.get(c) for c in (*CATEGORIES, "total")},
+            "measured": {**measured, "total": peak}, "peak_kind": peak_key,
+            "measured_minus_planned_total": None if peak is None else peak - plan["total"],
+            "tokens_per_second": tput["tokens_per_second"], "mfu": tput.get("mfu"),
+            "loss_first": history[0]["loss"], "loss_last": report["final_train_loss"],
+            "loss_fell": report["final_train_loss"] < history[0]["loss"]}
+
+
+def resume_check(whole_folder: Path, processes: int, cpu: bool, timeout: float, steps: int, whole: dict) -> dict:
+    """The uninterrupted run, stopped at its half-way checkpoint (a copy of its folder as a stop leaves it: no later
+    checkpoint, no final save, no report) and resumed to the end: the resumed steps' losses must equal its own."""
+    half = steps // 2
+    folder = whole_folder.parent / f"{whole_folder.name}-resumed"
+    shutil.copytree(whole_folder, folder)
+    for later in [*(folder / "checkpoints").glob("step-*"), folder / "final", folder / "report.json"]:
+        if later.exists() and later.name != f"step-{half}":
+            shutil.rmtree(later) if later.is_dir() else later.unlink()
+    cmd = [sys.executable, "-m", "memrecipe", "run", "sft", "--resume", "--output-dir", str(folder),
+           "--num-processes", str(processes), *(["--cpu"] if cpu else []), f"max_steps={steps}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    (folder.parent / f"{folder.name}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        return {"resume_exact": False, "resume_note": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    resumed = json.loads((folder / "report.json").read_text())["history"]
+    ours = {h["step"]: h["loss"] for h in whole["history"]}
+    diffs = [abs(h["loss"] - ours[h["step"]]) for h in resumed if h["step"] > half]
+    exact = bool(diffs) and max(diffs) <= 1e-3 * max(1.0, max(abs(v) for v in ours.values()))
+    return {"resume_exact": exact, "resume_note": f"max |loss difference| over steps {half + 1}-{steps}: "
+                                                  f"{max(diffs) if diffs else float('nan'):.2e}"}
+
+
+def markdown(rows: list[dict]) -> str:
+    def gib(n):
+        return "-" if n is None else f"{n / GiB:.3g}"
+
+    head = ["recipe", "shape", "procs", "status", *[f"{c} planned/measured GiB" for c in (*CATEGORIES, "total")],
+            "measured-planned", "tokens/s", "MFU", "loss", "resume"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r["status"] != "ran":
+            lines.append(f"| {r['recipe']} | {r['shape']} | {r['processes']} | {r['status']}: {r['reason']} |"
+                         + " |" * (len(head) - 4))
+            continue
+        cells = [f"{gib(r['planned'][c])} / {gib(r['measured'][c])}" for c in (*CATEGORIES, "total")]
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} ({'falls' if r['loss_fell'] else 'FAIL'})"
+        resume = {True: "exact", False: "FAIL", None: "-"}[r.get("resume_exact")]
+        lines.append(f"| {r['recipe']} | {r['shape']} | {r['processes']} | ran | " + " | ".join(cells)
+                     + f" | {gib(r['measured_minus_planned_total'])} | {r['tokens_per_second']:,.0f} | {mfu} | {loss}"
+                     f" | {resume} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="smoke mode: the embedded tiny model, gloo, 2 recipes")
+    parser.add_argument("--shapes", default="1b", help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--steps", type=int, default=None, help="steps per run, even (default 10; --cpu 4)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default 900; --cpu 120)")
+    parser.add_argument("--out", type=Path, default=Path(time.strftime("acceptance-%Y%m%d-%H%M%S")))
+    args = parser.parse_args()
+    steps, timeout = args.steps or (4 if args.cpu else 10), args.timeout or (120 if args.cpu else 900)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.cpu:
+        shapes, gpus, cases = {"embedded": None}, 2, CPU
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("gpu_acceptance: no CUDA device here (--cpu runs the smoke mode)")
+        gpus = torch.cuda.device_count()
+        shapes = {s: None for s in args.shapes.split(",")}
+        cases = ONE_GPU + ([(r, o, n or gpus) for r, o, n in SEVERAL_GPUS] if gpus > 1 else [])
+    rows = []
+    for shape in shapes:
+        model = None if args.cpu else str(build_model(HERE / "gpu_configs" / SHAPES[shape], args.out / "models" / shape))
+        extra = ["lora.dropout=0"] if shape == "moe" else []  # peft's fused-expert adapters take no dropout
+        for index, (recipe, overrides, processes) in enumerate(cases):
+            name = " ".join([recipe, *overrides])
+            words = [*overrides, *extra, f"max_steps={steps}", "save_steps=null", "eval_steps=null",
+                     *([] if model is None else ["--model", model])]
+            reason = skip_reason(recipe, [*overrides, *extra], processes, model, args.cpu)
+            if reason:
+                rows.append({"recipe": name, "shape": shape, "processes": processes, "status": "skipped",
+                             "reason": reason})
+                print(f"{name} ({shape}): skipped: {reason}", flush=True)
+                continue
+            tag = f"{shape}-{index}-{recipe}"
+            if index == 0:  # a checkpoint half-way, to stop at and resume from
+                words.append(f"save_steps={steps // 2}")
+            report, why = run(args.out / tag, recipe, words, processes, args.cpu, timeout)
+            if report is None:
+                rows.append({"recipe": name, "shape": shape, "processes": processes, "status": "failed",
+                             "reason": why})
+                print(f"{name} ({shape}): FAILED: {why}", flush=True)
+                continue
+            result = row(name, shape, processes, report)
+            if index == 0:  # stopped and resumed
+                result.update(resume_check(args.out / tag, processes, args.cpu, timeout, steps, report))
+            rows.append(result)
+            print(f"{name} ({shape}): ran, loss {result['loss_first']:.3f} -> {result['loss_last']:.3f}", flush=True)
+    (args.out / "acceptance.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "acceptance.md").write_text(markdown(rows))
+    print(markdown(rows))
+    print(f"wrote {args.out / 'acceptance.md'} and acceptance.json")
+
+
+if __name__ == "__main__":
+    main()
