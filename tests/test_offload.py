@@ -57,7 +57,74 @@ def test_planner_moves_the_checkpointed_inputs_to_the_host():
     off = estimate(load_recipe("qlora"), s, gpu)
     b, seq = off.micro_batch, off.seq_length
     inputs = 16 * b * seq * s.hidden * 2  # the bf16 residual stream (unquantized weights stay 16-bit)
-    one_back = b * seq * s.hidden * 2  # the input coming back for its layer's recompute
-    assert off.activations - on.activations == inputs - one_back
+    back = 2 * b * seq * s.hidden * 2  # the input its layer's recompute uses, and the next one, prefetched
+    assert off.activations - on.activations == inputs - back
     assert on.host_offload - off.host_offload == inputs
     assert on.speed_cost > off.speed_cost
+
+
+class RecordedStreams:
+    """CopyStreams' stand-in on CPU: the copies run at once, each call is logged, events finish when told."""
+
+    def __init__(self):
+        self.log, self.finished = [], set()
+
+    def side_waits_compute(self):
+        self.log.append("side waits compute")
+
+    def on_side(self):
+        import contextlib
+
+        self.log.append("side")
+        return contextlib.nullcontext()
+
+    def record(self):
+        self.log.append(f"event {len(self.log)}")
+        return self.log[-1]
+
+    def compute_waits(self, event):
+        self.log.append(f"compute waits {event}")
+
+    def used_by_compute(self, tensor):
+        self.log.append("used by compute")
+
+    def done(self, event):
+        return event in self.finished
+
+
+def test_the_side_stream_copies_keep_their_order_and_the_gradients():
+    """The CUDA path's order of issue, wait and keep-alive, with recorded streams: forward's copies wait for the
+    compute stream and keep their device tensor until their event is done; backward waits on a tensor's own event
+    before it is used and issues the previous layer's copy (the prefetch) right after; the gradients are exact."""
+    _, plain, _ = step(offload=False)
+    recipe = load_recipe("single-gpu-lora", ["lora.dropout=0", "activation_offload=true"])
+    torch.manual_seed(0)
+    model, hooks = loop_model(recipe, embedded_model(), "bf16")
+    streams = hooks.streams = RecordedStreams()
+    unpack = hooks.unpack_hook  # each unpack marked in the log: a prefetched tensor's copy comes before it
+    hooks.unpack_hook = lambda packed: streams.log.append("unpack") or unpack(packed)
+    ids = torch.randint(0, model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = token_loss(model(input_ids=ids).logits, ids)
+    layers = model.config.num_hidden_layers
+    forward = list(streams.log)
+    assert forward == ["side waits compute", "side", "event 2"] + [
+        entry for k in range(1, layers) for entry in ("side waits compute", "side", f"event {3 * k + 2}")]
+    kept = [tensor for tensor, _ in hooks.alive.values()]  # no copy done yet: every device tensor kept alive
+    assert len(kept) == layers and all(torch.is_tensor(t) and t.shape == (B, S, model.config.hidden_size) for t in kept)
+    streams.finished.update(e for e in forward if e.startswith("event"))
+    loss.backward()
+    backward = streams.log[len(forward):]
+    last = f"event {3 * layers - 1}"  # the last layer's tensor: fetched on demand, then each prefetches the one before
+    assert backward[:5] == ["unpack", "side", f"event {len(forward) + 2}", f"compute waits event {len(forward) + 2}",
+                            "used by compute"] and last in forward
+    unpacks = [i for i, e in enumerate(backward) if e == "unpack"]
+    waits = [i for i, e in enumerate(backward) if e.startswith("compute waits")]
+    assert len(waits) == len(unpacks) == layers == hooks.copied
+    for unpack, wait in list(zip(unpacks, waits))[1:]:  # every tensor but the first was fetched before backward asked
+        assert backward.index(backward[wait].removeprefix("compute waits ")) < unpack, backward
+    assert not hooks.alive and not hooks.host and not hooks.back  # copies done: nothing kept on the device
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, plain[name], rtol=0, atol=0)

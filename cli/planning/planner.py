@@ -328,8 +328,8 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) 
         logits = 12 * T * V  # the same three fp32 [tokens x vocab] at the log-softmax's backward (measured)
     if recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
         inputs = s.layers * T * h * residual  # each layer keeps only its input; one layer is recomputed at a time
-        if recipe.activation_offload:  # ... in host memory; on the device only the one coming back for backward
-            host, inputs = inputs, T * h * residual
+        if recipe.activation_offload:  # ... in host memory; on the device the one its layer's recompute uses and
+            host, inputs = inputs, 2 * T * h * residual  # the next, prefetched (modeling.HostOffload)
         forward_saved = inputs + small + norm + head_copy + saved_logits
         saved_peak = max(forward_saved, inputs + small + layer)  # the loss's tensors are gone by the recompute
         acts = inputs + small + max(layer, norm + head_copy)

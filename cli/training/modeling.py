@@ -185,30 +185,94 @@ def quantization_config(recipe, precision: str):
                               bnb_4bit_quant_storage=TORCH_DTYPES[q.quant_storage])
 
 
-class HostOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Tensors saved for backward inside this context wait in host memory (pinned on CUDA, so the
-    copies can overlap compute) and come back to their device in backward. Counts what it holds."""
+class CopyStreams:
+    """Where HostOffload's copies run on CUDA: a side stream, ordered against the compute stream by events, so that
+    a copy overlaps the layers around it instead of queueing between them (torchtune's OffloadActivations is the
+    reference design). Tests stand in a recorder with the same methods (no side stream exists on CPU)."""
 
-    def __init__(self, copy_on_cpu: bool = False):
+    def __init__(self, device):
+        self.side, self.device = torch.cuda.Stream(device), device
+
+    def side_waits_compute(self):  # the tensor to copy is written
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+
+    def on_side(self):
+        return torch.cuda.stream(self.side)
+
+    def record(self):
+        return self.side.record_event()
+
+    def compute_waits(self, event):
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def used_by_compute(self, tensor):  # made on the side stream, freed after the compute stream's use
+        tensor.record_stream(torch.cuda.current_stream(self.device))
+
+    @staticmethod
+    def done(event) -> bool:
+        return event.query()
+
+
+class HostOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Tensors saved for backward inside this context wait in pinned host memory and come back to their device in
+    backward. On CUDA both copies run on a side stream (CopyStreams): forward's device-to-host copy keeps the device
+    tensor alive until its event says it is done; backward's host-to-device copy of the tensor needed next (the
+    previous layer's, in backward order) is issued as soon as the current one is unpacked, so it overlaps this
+    layer's recompute, and the compute stream waits on its event only when it needs it. On CPU (smoke-test mode)
+    the tensor stays where it is, host memory already; `copy_on_cpu` parks a copy, for tests. Counts what it holds."""
+
+    def __init__(self, copy_on_cpu: bool = False, streams=None):
         self.tensors = self.bytes = self.copied = 0
-        self.copy_on_cpu = copy_on_cpu  # CPU smoke-test mode keeps the tensor where it is (host memory already)
+        self.copy_on_cpu, self.streams = copy_on_cpu, streams
+        self.key = 0
+        self.host, self.alive, self.back = {}, {}, {}  # key -> host copy; -> (device tensor, event); -> fetched
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor):
         self.tensors += 1
         self.bytes += tensor.numel() * tensor.element_size()
-        if tensor.device.type == "cpu" and not self.copy_on_cpu:
-            return tensor.device, tensor
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
-                           pin_memory=tensor.device.type == "cuda")  # pinned: the copy overlaps compute
-        host.copy_(tensor, non_blocking=True)
+        streams = self.streams or (CopyStreams(tensor.device) if tensor.device.type == "cuda" else None)
+        if streams is None:
+            if not self.copy_on_cpu:
+                return tensor.device, tensor
+            self.copied += 1
+            return tensor.device, tensor.detach().clone()  # a separate host tensor, as on CUDA
+        self.streams = streams
+        self._release_copied()
+        streams.side_waits_compute()
+        with streams.on_side():
+            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
+                               pin_memory=tensor.device.type == "cuda")
+            host.copy_(tensor, non_blocking=True)
+            event = streams.record()
         self.copied += 1
-        return tensor.device, host
+        self.key += 1
+        self.host[self.key], self.alive[self.key] = (tensor.device, host), (tensor, event)
+        return None, self.key
 
-    @staticmethod
-    def _unpack(packed):
+    def _unpack(self, packed):
         device, tensor = packed
-        return tensor.to(device, non_blocking=True)
+        if device is not None:  # not on a side stream: the tensor itself, or its host copy
+            return tensor.to(device)
+        key = tensor
+        fetched, event = self.back.pop(key, None) or self._fetch(key)
+        self.streams.compute_waits(event)
+        self.streams.used_by_compute(fetched)
+        if key - 1 in self.host:  # prefetch: the next tensor backward unpacks (the previous layer's input)
+            self.back[key - 1] = self._fetch(key - 1)
+        return fetched
+
+    def _fetch(self, key):
+        self._release_copied()
+        device, host = self.host.pop(key)
+        with self.streams.on_side():
+            fetched = host.to(device, non_blocking=True)
+            return fetched, self.streams.record()
+
+    def _release_copied(self):
+        """Drop the device tensors whose copy to the host has finished."""
+        for key in [k for k, (_, event) in self.alive.items() if self.streams.done(event)]:
+            del self.alive[key]
 
 
 def enable_checkpointing(model, offload: bool) -> HostOffload | None:
