@@ -74,8 +74,9 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
 
 
 def _stamp(path):
-    """A file's (mtime_ns, size), or None: compared, not ordered against time.time(), whose clock runs ahead of the
-    coarse one a file system stamps with (a report written 1 ms after the start could look older than it)."""
+    """A file's (mtime, size, inode), or None. Compared before and after, never ordered against time.time(): that
+    clock runs ahead of the coarse one file systems stamp with, so a report written just after the start could
+    look older than the start."""
     try:
         stat = path.stat()
     except OSError:  # none yet (or the folder is a file: the launch refused it)

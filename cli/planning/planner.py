@@ -165,22 +165,25 @@ def quantized_bytes(numel: int, rows: int, q) -> int:
     per row. 4-bit: two weights per byte and an absmax per block of 64 weights (fp32; with double
     quantization uint8, plus an fp32 absmax per 256 of those, an offset and its own copy of the
     256-entry fp32 map), and a 16-entry fp32 code."""
+    return (numel if q.bits == 8 else math.ceil(numel / 2)) + quant_scale_bytes(numel, rows, q)
+
+
+def quant_scale_bytes(numel: int, rows: int, q) -> int:
+    """The scales and codes of one quantized weight (bitsandbytes' quant_state; quantized_bytes less the packed
+    weights)."""
     if q.bits == 8:
-        return numel + 4 * rows
+        return 4 * rows
     blocks = math.ceil(numel / 64)
-    scales = blocks + 4 * math.ceil(blocks / 256) + 4 + 4 * 256 if q.double_quant else 4 * blocks
-    return math.ceil(numel / 2) + scales + 4 * 16
+    return (blocks + 4 * math.ceil(blocks / 256) + 4 + 4 * 256 if q.double_quant else 4 * blocks) + 4 * 16
 
 
 def quant_state_bytes(recipe: Recipe, s: Structure) -> int:
-    """The quantized linears' scales and codes (bitsandbytes' quant_state), the whole model's: quantized_bytes
-    less the packed weights."""
+    """The quantized linears' scales and codes (bitsandbytes' quant_state), the whole model's."""
     q = recipe.quantization
     if q is None or not recipe.lora:
         return 0
-    packed = (lambda numel: numel) if q.bits == 8 else (lambda numel: math.ceil(numel / 2))
-    return sum(g.layers * sum(quantized_bytes(lin.in_features * lin.out_features, lin.out_features, q)
-                              - packed(lin.in_features * lin.out_features) for lin in g.linears) for g in s.groups())
+    return sum(g.layers * sum(quant_scale_bytes(lin.in_features * lin.out_features, lin.out_features, q)
+                              for lin in g.linears) for g in s.groups())
 
 
 def base_bytes(recipe: Recipe, s: Structure, cb: int, layer_only: bool = False) -> int:

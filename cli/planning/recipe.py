@@ -22,6 +22,7 @@ OptimizerName = Literal[tuple(OPTIMIZERS)]  # the table's names: the schema's ch
 # weights three times, so small chunks starve a GPU's matmuls; each holds ~8-12 bytes x tokens x vocab at once.
 LOSS_CHUNK_TOKENS = 512
 
+
 @dataclass(frozen=True)
 class Supports:
     """The topologies a recipe runs on."""

@@ -5,8 +5,10 @@ vocabulary that is the biggest tensor of the whole step (Llama-3 8B, 2 x 2048 to
 
 Fused (`fused_loss: true`): the output head's forward is replaced, on the live module, by one that
 takes the labels, keeps only the positions that predict a target (prompts and padding never reach
-the head), and runs head + cross-entropy chunk by chunk under non-reentrant checkpointing, so that
-backward recomputes one chunk's logits at a time. Nothing of [tokens x vocab] is ever held whole.
+the head), and runs head + cross-entropy chunk by chunk (`loss_chunk_tokens`): a plain linear head
+through HeadLoss (backward recomputes the logits a tile at a time and sums the head's gradient in fp32),
+a wrapped one (LoRA on the head) under non-reentrant checkpointing. Nothing of [tokens x vocab] is ever
+held whole.
 
 The head is still called as a module from inside the model's own forward, so every engine's hooks
 see it: DDP's, FSDP2's unshard of the root's parameters, DeepSpeed ZeRO-3's gather (a LoRA-wrapped
@@ -111,7 +113,8 @@ def _chunk_loss(forward, hidden, targets):
 
 
 def _chunk_logits(forward, hidden):
-    """One chunk's fp32 logits: every path computes them here, twice per chunk (forward, and backward's recompute)."""
+    """One chunk's (or, in HeadLoss's backward, one tile's) fp32 logits: every path computes them here, in forward
+    and again in backward."""
     return forward(hidden).float()
 
 
