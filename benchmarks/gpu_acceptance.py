@@ -26,12 +26,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SHAPES = {"1b": "llama-3.2-1b.json", "moe": "olmoe-1b-7b.json", "8b": "llama-3.1-8b.json"}
 # (recipe, overrides, processes); the first is also stopped and resumed
-ONE_GPU = [("single-gpu-lora", [], 1), ("qlora", [], 1), ("single-gpu-full", [], 1),
+# a row with attn_implementation=sdpa is checked against its recipe's row under auto (flash-attn or flex_attention)
+ONE_GPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation=sdpa"], 1), ("qlora", [], 1),
+           ("qlora", ["activation_offload=true"], 1), ("single-gpu-full", [], 1),
            ("single-gpu-full", ["optim=apollo_adamw", "optim_args.rank=128"], 1), ("adamw-8bit", [], 1),
            ("zero3-offload", [], 1), ("ddp", [], 1)]
 SEVERAL_GPUS = [("ddp", [], 0), ("fsdp", [], 0), ("fsdp-lora", [], 0), ("fsdp-qlora", [], 0), ("zero2", [], 0),
                 ("tp", [], 4)]  # 0: every GPU
-CPU = [("single-gpu-lora", [], 1), ("ddp", [], 2)]
+CPU = [("single-gpu-lora", [], 1), ("ddp", [], 2), ("single-gpu-lora", ["attn_implementation=sdpa"], 1)]
 LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit": "bitsandbytes",
              "single-gpu-full": "torchao", "apollo_adamw": "apollo_torch", "zero3-offload": "deepspeed",
              "zero2": "deepspeed"}
@@ -109,6 +111,7 @@ def row(name: str, shape: str, processes: int, report: dict) -> dict:
     peak = max(p.get(peak_key) or 0 for p in procs) if peak_key else None
     history, tput = report["history"], report["throughput"]
     return {"recipe": name, "shape": shape, "processes": processes, "status": "ran",
+            "attention": report["setup"].get("attention"),
             "planned": {c: plan.get(c) for c in (*CATEGORIES, "total")},
             "measured": {**measured, "total": peak}, "peak_kind": peak_key,
             "measured_minus_planned_total": None if peak is None else peak - plan["total"],
@@ -140,12 +143,25 @@ def resume_check(whole_folder: Path, processes: int, cpu: bool, timeout: float, 
                                                   f"{max(diffs) if diffs else float('nan'):.2e}"}
 
 
+def kernel_check(result: dict, auto: dict | None) -> dict:
+    """An sdpa row against its recipe's row under auto: the same weights, data and seed, so the first step's loss
+    must agree to bf16's precision whichever kernel auto took; and the tokens/s auto gains."""
+    if auto is None:
+        return {}
+    first, theirs = result["loss_first"], auto["loss_first"]
+    agree = abs(first - theirs) <= 2e-2 * max(1.0, abs(first))
+    return {"kernels_agree": agree, "kernel_note": f"step 1 loss {theirs:.4f} under {auto['attention']} vs {first:.4f} "
+                                                  f"under sdpa; {auto['tokens_per_second'] / result['tokens_per_second']:.2f}"
+                                                  f"x the tokens/s"}
+
+
 def markdown(rows: list[dict]) -> str:
     def gib(n):
         return "-" if n is None else f"{n / GiB:.3g}"
 
-    head = ["recipe", "shape", "procs", "status", *[f"{c} planned/measured GiB" for c in (*CATEGORIES, "total")],
-            "measured-planned", "tokens/s", "MFU", "loss", "resume"]
+    head = ["recipe", "shape", "procs", "status", "attention",
+            *[f"{c} planned/measured GiB" for c in (*CATEGORIES, "total")], "measured-planned", "tokens/s", "MFU",
+            "loss", "resume / kernels"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["status"] != "ran":
@@ -156,7 +172,9 @@ def markdown(rows: list[dict]) -> str:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} ({'falls' if r['loss_fell'] else 'FAIL'})"
         resume = {True: "exact", False: "FAIL", None: "-"}[r.get("resume_exact")]
-        lines.append(f"| {r['recipe']} | {r['shape']} | {r['processes']} | ran | " + " | ".join(cells)
+        if "kernels_agree" in r:
+            resume = ("agree: " if r["kernels_agree"] else "FAIL: ") + r["kernel_note"]
+        lines.append(f"| {r['recipe']} | {r['shape']} | {r['processes']} | ran | {r['attention']} | " + " | ".join(cells)
                      + f" | {gib(r['measured_minus_planned_total'])} | {r['tokens_per_second']:,.0f} | {mfu} | {loss}"
                      f" | {resume} |")
     return "\n".join(lines) + "\n"
@@ -208,6 +226,10 @@ def main():
             result = row(name, shape, processes, report)
             if index == 0:  # stopped and resumed
                 result.update(resume_check(args.out / tag, processes, args.cpu, timeout, steps, report))
+            if "attn_implementation=sdpa" in overrides:
+                auto = [r for r in rows if r["status"] == "ran" and r["shape"] == shape and r["recipe"] == recipe
+                        and r["processes"] == processes]
+                result.update(kernel_check(result, auto[0] if auto else None))
             rows.append(result)
             print(f"{name} ({shape}): ran, loss {result['loss_first']:.3f} -> {result['loss_last']:.3f}", flush=True)
     (args.out / "acceptance.json").write_text(json.dumps(rows, indent=1))

@@ -85,6 +85,9 @@ def card(report: dict) -> str:
         lines.append(f"activation offload: {offloaded / 2**20:,.2f} MiB of checkpointed inputs per micro batch waited "
                      f"in host memory (planned at full sequence length: {planned:,.2f} MiB per machine)")
     setup = report.get("setup", {})
+    if setup.get("attention"):
+        lines.append(f"attention: {setup['attention']}" + (f" ({setup['attention_why']})" if setup.get("attention_why")
+                                                          else ""))
     if setup.get("bf16_update_rounding"):
         lines.append(f"bf16 weights: {setup.get('optimizer_class', 'the optimizer')} rounded each update "
                      f"{setup['bf16_update_rounding']}")

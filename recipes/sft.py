@@ -248,6 +248,7 @@ def say_setup(recipe, accelerator, setup, train_loader, checkpoints, total_steps
     if checkpoints.machines > 1:
         say(f"{checkpoints.machines} machines " + ("share the run folder: machine 0 writes the checkpoints" if
             checkpoints.shared else "each keep their own run folder and write whole checkpoints into it"))
+    say(f"attention: {setup['attention']}" + (f" ({setup['attention_why']})" if setup["attention_why"] else ""))
     if setup["bf16_update_rounding"]:  # the optimizer's choice, said: never a silent fallback
         say(f"weights: bf16, no fp32 master; optim {recipe.optim} rounds each update {setup['bf16_update_rounding']}")
     if setup["optimizer_first_use"]:

@@ -42,9 +42,11 @@ def models(tmp_path_factory):
 
 
 def batch(vocab, b=2, s=48):
+    """Rows packed as the recipes pack them (packing: true): three documents each, positions restarting at 0."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (b, s), generator=g)
-    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    positions = torch.cat([torch.arange(n) for n in (s // 3, s // 3, s - 2 * (s // 3))]).repeat(b, 1)
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids), "position_ids": positions}
 
 
 def real_model_state_bytes(model, optimizer):

@@ -120,6 +120,9 @@ def test_single_gpu_lora_trains_from_a_copied_folder(runs):
     assert r["recipe"]["dataset"] == str(EMBEDDED_DATASET)  # sft.py --dataset reached the recipe
     log = (folder.parent / "copied.log").read_text()
     assert "data: train: messages format" in log and "are targets" in log  # what the loss learns from
+    # attn_implementation: auto, resolved on the process's device and read back off the loaded model
+    assert (r["recipe"]["attn_implementation"], s["attention"]) == ("auto", "sdpa")
+    assert f"attention: sdpa ({s['attention_why']})" in log and s["attention_why"].startswith("auto: on CPU")
     assert all(0 < h["targets"] < h["tokens"] for h in r["history"])  # chat data: only the assistant's tokens
     # the fused loss's peak, measured on the first micro batch: within what the plan gives a full-length batch
     (rank,) = r["processes"]
@@ -129,6 +132,7 @@ def test_single_gpu_lora_trains_from_a_copied_folder(runs):
     cells = next(line for line in card(r).splitlines() if line.startswith("logits")).split()
     assert cells[-2] != "-"  # the card shows the measurement, not a dash, and what the plan missed by
     assert float(cells[-1]) == pytest.approx((rank["held"]["logits"] - r["plan"]["logits"]) / 2**30, rel=0.01)
+    assert f"attention: sdpa ({s['attention_why']})" in card(r).splitlines()
 
 
 def test_single_gpu_lora_adapter_reloads_and_is_the_trained_one(runs):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import RecipeError
 from ..units import GiB
 from .architecture import Structure, Tensor, lora_tensors_on_meta
+from .attention import dense_mask, flash_installed, resolve
 from .optimizers import OPTIMIZERS
 from .recipe import METHODS, Recipe, method
 from .topology import Topology, check_supported, resolve_precision
@@ -48,6 +49,7 @@ class Estimate:
     host_load: int = 0
     notes: tuple[str, ...] = field(default=())
     step: int = 0  # the optimizer step's temporaries beyond its state (in `working` when they are the peak)
+    attention: str = "sdpa"  # the kernel planned: what `attn_implementation` resolves to (planning.attention)
 
     @property
     def total(self) -> int:
@@ -67,7 +69,7 @@ class Estimate:
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("recipe", "processes", "machines", "micro_batch", "seq_length",
                                              *CATEGORIES, "host_offload", "host_load", "cpu", "speed_cost", "saved_peak",
-                                             "working", "step")}
+                                             "working", "step", "attention")}
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
 
 
@@ -246,10 +248,10 @@ def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
     return "mixed"
 
 
-def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) -> int:
+def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str) -> int:
     """Bytes one decoder layer saves for backward (Korthikanti et al. 2022's counting, redone for
     what transformers' Llama layers and PyTorch autograd really keep; docs/memory.md). `s`: the layer's group
-    (Structure.groups)."""
+    (Structure.groups); `attention`: the kernel that runs (planning.attention.resolve)."""
     h, kv, i, a, T = s.hidden, s.kv_dim, s.intermediate, s.heads, b * seq
     gated = s.gated_mlp
     moe = s.experts > 0  # the MLP is routed experts, counted below
@@ -279,9 +281,12 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         eb = 4 if mode in ("fp32", "mixed") else 2
         per_token += s.top_k * (eb * (4 * i + 2 * h) + 32) + 4 * s.experts + 8 * s.top_k
     total = T * per_token
-    if recipe.attn_implementation == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated
-        cb = 4 if mode == "fp32" else 2
-        total += b * a * seq * seq * (4 if mode == "fp32" else 6) + T * (h - kv) * 2 * cb - T * 4 * a
+    cb = 4 if mode == "fp32" else 2  # the attention's compute dtype
+    repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
+    if attention == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated, no log-sum-exp
+        total += b * a * seq * seq * (4 if mode == "fp32" else 6) + repeated - T * 4 * a
+    elif dense_mask(attention, recipe.packing, b):  # sdpa under a mask: K/V repeated, the mask made additive
+        total += repeated + b * seq * seq * cb
     if mode == "mixed":
         total += 2 * sum(lin.params for lin in s.linears)  # autocast's bf16 weight copies, saved for backward
     if mode in ("lora", "qlora"):  # ... and of the fp32 adapters
@@ -292,15 +297,19 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
     return total
 
 
-def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int) -> dict:
+def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str | None = None) -> dict:
     """One micro batch on one process: `activations` and `logits` (the categories), `saved_peak` (most
     bytes held for backward at once), `forward_saved` (held when the forward ends), `layer` (one layer's),
-    `host` (checkpointed inputs moved to host memory by activation_offload)."""
+    `host` (checkpointed inputs moved to host memory by activation_offload). `attention`: the kernel that runs
+    (planning.attention.resolve; None: what runs on CPU)."""
     h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
+    if attention is None:  # the kernel on CPU (what the tests measure)
+        attention = resolve(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,
+                            flash=False, flex=False).name
     # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
     # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
     tp = recipe.parallelism.tp_size if recipe.parallelism else 1
-    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq) // tp) for g in s.groups()]
+    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq, attention) // tp) for g in s.groups()]
     layer = max(one for _, one in layers)  # the largest layer's (one is recomputed at a time)
     every_layer = sum(n * one for n, one in layers)
     host = 0
@@ -477,7 +486,13 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     load = loading_bytes(recipe, s, cb, local)
     if load and not topo.cpu:
         notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")
-    act = activation_bytes(recipe, s, mode, b, seq)
+    # the kernel a launch here would run: with flash-attn installed here, its varlen kernel; on a GPU without it,
+    # flex_attention over packed rows (planning.attention)
+    attention = resolve(recipe.attn_implementation, cuda=not topo.cpu, half=cb == 2, packing=recipe.packing,
+                        flash=flash_installed(), flex=True)
+    if attention.name != recipe.attn_implementation:
+        notes.append(f"attention: {attention.name} ({attention.why})")
+    act = activation_bytes(recipe, s, mode, b, seq, attention.name)
     step = step_temporaries(recipe, train, wb)
     # the step's temporaries: after backward (the activations gone), or inside it, beside the checkpointed inputs
     working = max(act["working"], step + (act["forward_saved"] if recipe.optimizer_in_backward else 0))
@@ -491,7 +506,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     return Estimate(recipe.name, n, machines, b, seq, int(params), int(grads), int(opt), int(act["activations"]),
                     int(act["logits"]), CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, int(host), topo.cpu,
                     speed_cost(recipe, precision), int(act["saved_peak"]), int(working), int(load), tuple(notes),
-                    int(step))
+                    int(step), attention.name)
 
 
 @dataclass(frozen=True)

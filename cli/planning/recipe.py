@@ -159,7 +159,7 @@ class Recipe:
     # model
     model_name_or_path: str | None = None  # null: the embedded tiny default
     trust_remote_code: bool = False
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = "auto"
     # data
     # one source (hub id, file or folder; null: the embedded default dataset), or a list of
     # {path, split, fraction, format, columns} mixed together
@@ -428,6 +428,9 @@ def cpu_blocker(r: Recipe) -> str | None:
         return "FSDP1 wants a CUDA compute device (torch: inconsistent compute device cpu vs cpu:0)"
     if r.fsdp and r.fsdp.offload_params:
         return "FSDP parameter offload needs an accelerator to fetch the parameters to"
+    if r.attn_implementation in ("flash_attention_2", "flex_attention"):
+        return (f"attn_implementation {r.attn_implementation} trains on CUDA only (flash-attn is a CUDA package; "
+                "torch 2.13's flex_attention has no backward on CPU); attn_implementation=auto runs sdpa here")
     if not r.supports.cpu:
         return "the recipe says supports.cpu: false"
     return None

@@ -318,6 +318,30 @@ def tensor_parallel(model, tp_size: int, device_mesh) -> None:
     model.config.distributed_config = config  # where accelerate reads the TP size (utils/other.py, get_model_tp_size)
 
 
+def attention(recipe, name_or_path: str, precision: str, device=None):
+    """The attention kernel this process runs (planning.attention.resolve), from the facts here: transformers' own
+    flash-attn check (package, version, CUDA), Triton for flex_attention's CUDA kernel, and the model: its class
+    must support the kernel (transformers refuses otherwise) and flex refuses attention dropout in training."""
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import is_flash_attn_2_available
+
+    from ..planning.attention import resolve
+
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=recipe.trust_remote_code)
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, AttributeError):  # remote code: its class is known once loaded; assume it supports both
+        model_class = None
+    cuda = device is not None and device.type == "cuda"
+    flash = is_flash_attn_2_available() and getattr(model_class, "_supports_flash_attn", True)
+    flex = (cuda and importlib.util.find_spec("triton") is not None and getattr(model_class, "_supports_flex_attn", True)
+            and not getattr(config, "attention_dropout", 0))
+    return resolve(recipe.attn_implementation, cuda=cuda, half=precision in ("bf16", "fp16"), packing=recipe.packing,
+                   flash=flash, flex=flex)
+
+
 def load_pretrained(recipe, name_or_path: str, precision: str, device=None):
     """from_pretrained in the recipe's weight dtype, and with its quantization (bitsandbytes 4- or 8-bit, quantized
     as it loads): what the base holds. No KV cache (it is for generation)."""
@@ -343,8 +367,10 @@ def load_pretrained(recipe, name_or_path: str, precision: str, device=None):
             extra["device_map"] = {"": "cpu"}
         elif device is not None and device.type == "cuda":
             extra["device_map"] = {"": device}  # quantize straight onto this process's GPU
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=recipe.attn_implementation,
+    kernel = attention(recipe, name_or_path, precision, device)  # attn_implementation: auto, resolved here
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=kernel.name,
                                                  trust_remote_code=recipe.trust_remote_code, **extra)
+    model.memrecipe_attention = kernel  # why this kernel, for the start-up log and the report (measure.describe_setup)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if q is not None and q.upcast_unquantized:
         from peft import prepare_model_for_kbit_training

@@ -1,0 +1,55 @@
+"""Which attention kernel a run uses (`attn_implementation: auto`), decided from facts about the machine, without
+torch: the planner plans what a launch will run, and the launch (training.modeling) says which it took and why.
+
+What each one does with packed rows (several documents per row, position_ids restarting at 0), read in
+transformers 5.23 and torch 2.13:
+- flash_attention_2: the micro batch called as one flattened row (training.loss.model_inputs), each document a
+  variable-length sequence (flash_attn_varlen_func): no mask, no work across documents, grouped K/V heads as they are.
+- flex_attention: a BlockMask of the causal and document masks (masking_utils.flex_attention_mask): blocks where
+  no token may attend are skipped, K/V heads are shared (enable_gqa). Its kernel is compiled on first use (Triton on
+  CUDA); torch 2.13 has no flex backward on CPU (flex_attention._validate_device), and transformers' flex path
+  refuses attention dropout (integrations/flex_attention.py).
+- sdpa: a dense [B, 1, S, S] mask (masking_utils.sdpa_mask: packed rows turn off the is_causal shortcut). With a
+  mask, sdpa_attention_forward copies K/V to every query head (use_gqa_in_sdpa: CUDA needs no mask for GQA), and
+  torch converts the boolean mask to an additive one in the compute dtype, both saved for backward in every layer;
+  every S x S block is computed, across documents and above the diagonal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import NamedTuple
+
+CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
+
+
+class Attention(NamedTuple):
+    name: str  # what transformers runs (its attn_implementation)
+    why: str  # one line: why this one
+
+
+def flash_installed() -> bool:
+    """The flash-attn package is importable here (looked up, not imported)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve(requested: str, *, cuda: bool, half: bool, packing: bool, flash: bool, flex: bool) -> Attention:
+    """`auto`: flash-attn's varlen kernel where it can run (CUDA, 16-bit compute, installed), else flex_attention's
+    block-sparse mask for packed rows on CUDA, else sdpa. Any other choice is taken as asked."""
+    if requested != "auto":
+        return Attention(requested, "as the recipe asks")
+    if cuda and half and flash:
+        return Attention("flash_attention_2", "auto: flash-attn is installed; packed documents run as varlen sequences")
+    why = "flash-attn is not installed" if cuda and half else "flash-attn needs CUDA and 16-bit compute"
+    if cuda and packing and flex:
+        return Attention("flex_attention", f"auto: {why}; flex_attention skips the blocks across packed documents "
+                                           "and above the diagonal (compiled on first use)")
+    if not cuda:
+        return Attention("sdpa", "auto: on CPU, where flex_attention has no backward and flash-attn does not run")
+    return Attention("sdpa", f"auto: {why}" + ("" if packing else "; rows are not packed"))
+
+
+def dense_mask(name: str, packing: bool, micro_batch: int) -> bool:
+    """Whether sdpa gets a dense mask: packed rows, or padded rows (more than one per micro batch, padded to the
+    longest). Without one it runs causal with K/V heads grouped."""
+    return name == "sdpa" and (packing or micro_batch > 1)
