@@ -212,7 +212,7 @@ def setup_schedule(recipe, optimizer, train_loader, accelerator):
 
 def main(argv=None):
     args = parse_args(argv)
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides, script="sft")  # (a dpo: section is refused here)
     # (the embedded default model is built first: under ZeRO-3 the Accelerator makes every model a collective)
     model_path = recipe.model_name_or_path or embedded_model()
     accelerator, run, say = setup_run(args, recipe)

@@ -195,7 +195,7 @@ def test_docs_configs_names_every_recipe_key():
 
     text = (REPO / "docs" / "configs.md").read_text()
     sections = (schema.Recipe, schema.Supports, schema.DataSource, schema.Columns, schema.Lora, schema.OptimArgs,
-                schema.Quantization, schema.Fsdp, schema.DeepSpeed, schema.Parallelism)
+                schema.Quantization, schema.Fsdp, schema.DeepSpeed, schema.Parallelism, schema.Dpo)
     missing = [f"{cls.__name__}.{f.name}" for cls in sections for f in dataclasses.fields(cls) if f"`{f.name}`" not in text]
     assert not missing
 

@@ -72,7 +72,7 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
     else:
         if recipe_ref is None:
             raise RecipeError("name a recipe with --recipe (memrecipe ls lists them), or --resume a run")
-        r = absolute_paths(load_recipe(recipe_ref, words))
+        r = absolute_paths(load_recipe(recipe_ref, words, script))
         check_paths(r)  # also in a dry run: a missing file is known without reading anything
         topo = plan_topology(r, machine, **topology, refused=refused if dry_run else None)
         if not dry_run:

@@ -94,6 +94,37 @@ class OptimArgs:
     bf16_stochastic_round: bool = True
 
 
+# the DPO family's objectives, under TRL's names (trl 1.16, DPOConfig.loss_type); `sft` is the NLL of the chosen
+# completions (RPO: loss_type [sigmoid, sft] with loss_weights [1, alpha])
+DpoLoss = Literal["sigmoid", "ipo", "hinge", "robust", "sft"]
+SMOOTHED_LOSSES = ("robust",)  # the ones that read label_smoothing
+
+
+@dataclass(frozen=True)
+class Dpo:
+    """Preference tuning (`memrecipe run dpo`), with TRL's DPOConfig names."""
+
+    beta: float = spec(0.1, low=0, low_open=True)  # higher: the policy stays closer to the reference
+    loss_type: DpoLoss | tuple[DpoLoss, ...] = "sigmoid"  # one objective, or a list summed with loss_weights
+    loss_weights: tuple[float, ...] | None = None  # one per loss_type; null: 1 each
+    label_smoothing: float = spec(0.0, low=0, high=0.49)  # robust: the share of pairs assumed mislabelled
+    # the reference's log-probabilities computed once before training and kept in the run folder (a full fine-tune
+    # then needs no frozen copy of the model); null: yes for a full fine-tune, no under LoRA (its reference is
+    # the same weights with the adapters off, computed beside each step)
+    precompute_ref_log_probs: bool | None = None
+    # tokens per sequence (prompt + completion), the start kept; a pair whose completion would be cut away entirely
+    # is dropped; null: half of max_seq_length (a pair's two sequences share a packed row)
+    max_length: int | None = spec(None, low=2)
+
+    @property
+    def losses(self) -> tuple[str, ...]:
+        return (self.loss_type,) if isinstance(self.loss_type, str) else self.loss_type
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        return self.loss_weights or (1.0,) * len(self.losses)
+
+
 @dataclass(frozen=True)
 class Fsdp:
     version: Literal[1, 2] = 2
@@ -212,6 +243,7 @@ class Recipe:
     fsdp: Fsdp | None = None
     deepspeed: DeepSpeed | None = None
     parallelism: Parallelism | None = None  # null: no tensor parallelism
+    dpo: Dpo | None = None  # preference tuning's keys (memrecipe run dpo); null under run sft
     # logging and saving
     logging_steps: int = spec(1, low=1)
     eval_steps: int | None = spec(None, low=1)
@@ -247,6 +279,8 @@ def make_recipe(data: dict) -> Recipe:
 
 def check_combinations(r: Recipe) -> None:
     """Refuse technique combinations that fail, or silently do the wrong thing."""
+    if r.dpo is not None:
+        check_dpo(r.dpo)
     if r.distributed_type == "fsdp" and r.fsdp is None:
         raise RecipeError("distributed_type fsdp needs an fsdp: section (e.g. fsdp: {version: 2})")
     if r.distributed_type == "deepspeed" and r.deepspeed is None:
@@ -324,6 +358,28 @@ def check_combinations(r: Recipe) -> None:
             raise RecipeError(f"deepspeed.offload_param needs zero_stage 3, got zero_stage {ds.zero_stage}")
         if ds.offload_optimizer != "none" and ds.zero_stage == 0:
             raise RecipeError("deepspeed.offload_optimizer needs zero_stage 1, 2 or 3, got 0")
+
+
+def check_dpo(d: Dpo) -> None:
+    losses = d.losses
+    if not losses:
+        raise RecipeError("dpo.loss_type is an empty list: name at least one (sigmoid, ipo, hinge, robust, sft)")
+    if d.loss_weights is not None and len(d.loss_weights) != len(losses):
+        raise RecipeError(f"dpo.loss_weights has {len(d.loss_weights)} weight(s) for {len(losses)} loss_type(s) "
+                          f"({', '.join(losses)}): give one per loss")
+    if d.label_smoothing and not any(loss in SMOOTHED_LOSSES for loss in losses):
+        raise RecipeError(f"dpo.label_smoothing={d.label_smoothing:g} is read by loss_type robust only, not by "
+                          f"{', '.join(losses)}: use loss_type robust, or label_smoothing 0")
+    if set(losses) == {"sft"}:
+        raise RecipeError("dpo.loss_type sft alone is supervised fine-tuning on the chosen completions: add a "
+                          "preference loss (e.g. [sigmoid, sft]), or use memrecipe run sft")
+
+
+def check_script(r: Recipe, script: str) -> None:
+    """A recipe's objective sections are read by their own loop script only: `run sft` refuses a `dpo:` section
+    (it would train SFT and leave the keys unread)."""
+    if script == "sft" and r.dpo is not None:
+        raise RecipeError("run sft does not read the dpo: section (preference tuning's keys): remove it (dpo=null)")
 
 
 def fp16_blocker(r: Recipe) -> str | None:

@@ -9,7 +9,7 @@ import yaml
 
 from ..errors import RecipeError, did_you_mean
 from .paths import from_recipe_file
-from .recipe import Recipe, make_recipe
+from .recipe import Recipe, check_script, make_recipe
 
 PACKAGE = Path(__file__).resolve().parents[1]  # memrecipe/ (cli/ in a checkout)
 # the embedded default: a tiny Llama (config and tokenizer; weights built from a seed) and a chat set
@@ -69,11 +69,15 @@ def resolve(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     return merge(resolve(base_path, (*chain, path.resolve())), data)
 
 
-def load_recipe(name_or_path: str, overrides=()) -> Recipe:
-    """The validated Recipe for a name or file (its `base:` chain resolved), with `key=value` override words applied."""
+def load_recipe(name_or_path: str, overrides=(), script: str | None = None) -> Recipe:
+    """The validated Recipe for a name or file (its `base:` chain resolved), with `key=value` override words applied;
+    with `script`, checked for that loop script (its objective's section, e.g. no dpo: under sft)."""
     path = recipe_path(name_or_path)
     try:
-        return make_recipe(merge(resolve(path), parse_overrides(overrides)))
+        recipe = make_recipe(merge(resolve(path), parse_overrides(overrides)))
+        if script is not None:
+            check_script(recipe, script)
+        return recipe
     except RecipeError as e:
         raise RecipeError(f"recipe {name_or_path}: {e}") from None
 

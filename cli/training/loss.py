@@ -219,20 +219,34 @@ def model_inputs(batch: dict, flatten: bool = False) -> dict:
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
-def lm_loss(model, batch, per_sequence: bool = False) -> torch.Tensor:
-    """The batch's next-token cross-entropy, summed over its target tokens (or per sequence), in fp32:
-    through the fused head when the model has one, else from the full logits."""
+def target_losses(model, batch) -> torch.Tensor:
+    """Each target token's next-token cross-entropy (-log p), in fp32, in the row-major order of the labels' target
+    mask (labels[:, 1:] != IGNORE): through the fused head when the model has one, else from the full logits."""
     head, labels = output_head(model), batch["labels"]
     inputs = model_inputs(batch, flatten=varlen(model))
     if not hasattr(head, "memrecipe_labels"):
         logits = model(**inputs).logits.view(*labels.shape, -1)  # (a flattened row back to its rows)
-        return token_loss(logits, labels, per_sequence)
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # shift the labels, not the logits: no copy of those
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
+        return losses[targets.flatten() != IGNORE]
     head.memrecipe_labels = labels.reshape(inputs["input_ids"].shape)  # the targets of the row(s) it is called on
     try:  # the head returns one loss per target token, in the order of the labels' target mask
-        losses = model(**inputs).logits
+        return model(**inputs).logits
     finally:
         head.memrecipe_labels = None
+
+
+def per_group(losses: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor, count: int) -> torch.Tensor:
+    """target_losses summed per group: `groups` [B, S] numbers each position's group (a row, a packed document),
+    read at each target; `count` groups."""
+    at = groups[:, 1:][labels[:, 1:] != IGNORE]  # (flattened: the same targets, in the same row-major order)
+    return losses.new_zeros(count).index_add_(0, at, losses)
+
+
+def lm_loss(model, batch, per_sequence: bool = False) -> torch.Tensor:
+    """The batch's next-token cross-entropy, summed over its target tokens (or per sequence), in fp32."""
+    losses, labels = target_losses(model, batch), batch["labels"]
     if not per_sequence:
         return losses.sum()
-    rows = (labels[:, 1:] != IGNORE).nonzero()[:, 0]  # (flattened: the same targets, in the same row-major order)
-    return losses.new_zeros(labels.shape[0]).index_add_(0, rows, losses)
+    rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels)
+    return per_group(losses, labels, rows, labels.shape[0])

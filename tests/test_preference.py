@@ -1,0 +1,230 @@
+"""Preference tuning's pieces against TRL's own trainer (trl 1.16, in-process, on the same tiny model and pairs):
+the tokenized pairs, the reference log-probabilities, each loss and TRL's metrics; and what TRL does not do:
+pairs packed as documents (= one pair per row), the fused head (= full logits), accumulation by pairs over
+uneven micro batches (= one batch of all of them)."""
+
+import copy
+
+import pytest
+import torch
+import trl  # a test dependency (pyproject.toml [test]): TRL's trainer is the reference
+
+from memrecipe.planning.recipe import Dpo
+from memrecipe.training.modeling import embedded_model
+from memrecipe.training.preference import (PairCollator, learnable_pair, pack_pairs, preference_sums, sequence_logps,
+                                           split_prompt, tokenize_pair, window_loss)
+
+MAX_LENGTH = 64
+
+
+def text_pairs(n=8):
+    return [{"prompt": f"Question {i}: what is {i} plus {i}?", "chosen": f" It is {2 * i}.",
+             "rejected": f" Maybe {i + 3}, or {'not' if i % 2 else 'so, I would say, more or less'}."} for i in range(n)]
+
+
+def chat_pairs(n=6):
+    return [{"prompt": [{"role": "user", "content": f"What is {i} plus 1?"}],
+             "chosen": [{"role": "assistant", "content": f"{i} plus 1 is {i + 1}."}],
+             "rejected": [{"role": "assistant", "content": f"{i} plus 1 is {i + 7}, I think."}]} for i in range(n)]
+
+
+def implicit(pairs):
+    """The same pairs without a prompt column: the prompt is in both (as in HH-RLHF)."""
+    return [{"chosen": p["prompt"] + p["chosen"], "rejected": p["prompt"] + p["rejected"]} for p in pairs]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model())
+
+
+@pytest.fixture(scope="module")
+def base():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(embedded_model(), dtype=torch.float32)
+
+
+def trl_trainer(model, tokenizer, rows, tmp_path, **config):
+    """TRL's DPOTrainer over `rows`, the reference's log-probs precomputed by TRL itself from `model` as given."""
+    from datasets import Dataset
+
+    args = trl.DPOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, report_to="none",
+                         max_length=MAX_LENGTH, per_device_train_batch_size=len(rows), use_cpu=True, bf16=False,
+                         **config)
+    return trl.DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+
+
+def ours(rows, tokenizer, width=128, packing=True):
+    from datasets import Dataset
+
+    tokenized = [tokenize_pair(r, tokenizer, MAX_LENGTH) for r in rows]
+    packed = pack_pairs(Dataset.from_list(tokenized), width, packing)
+    return tokenized, PairCollator(tokenizer.pad_token_id)(list(packed))
+
+
+@pytest.mark.parametrize("rows", [text_pairs(), chat_pairs(), implicit(text_pairs()), implicit(chat_pairs())],
+                         ids=["text", "messages", "implicit-text", "implicit-messages"])
+def test_pairs_tokenize_as_trl_tokenizes_them(tokenizer, base, tmp_path, rows):
+    trainer = trl_trainer(copy.deepcopy(base), tokenizer, rows, tmp_path)
+    tokenized, _ = ours(rows, tokenizer)
+    for mine, theirs in zip(tokenized, trainer.train_dataset, strict=True):
+        assert (mine["prompt_ids"], mine["chosen_ids"], mine["rejected_ids"]) == \
+            (theirs["prompt_ids"], theirs["chosen_ids"], theirs["rejected_ids"])
+    assert all(len(t["prompt_ids"]) > 0 for t in tokenized)  # the prompt was found, and is no completion
+
+
+def test_the_implicit_prompt_is_the_shared_start():
+    split = split_prompt({"chosen": "The sky is blue.", "rejected": "The sky is green."})
+    assert split == {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
+
+
+def test_truncation_keeps_the_start_and_a_cut_away_completion_drops_the_pair(tokenizer):
+    long_prompt = {"prompt": "word " * 80, "chosen": " yes.", "rejected": " no."}
+    assert not learnable_pair(tokenize_pair(long_prompt, tokenizer, MAX_LENGTH))
+    pair = tokenize_pair({"prompt": "Hi.", "chosen": " a" * 100, "rejected": " b."}, tokenizer, MAX_LENGTH)
+    assert len(pair["prompt_ids"]) + len(pair["chosen_ids"]) == MAX_LENGTH and pair["cut"] > 0
+    assert learnable_pair(pair)
+
+
+@pytest.fixture(scope="module")
+def lora_base(base):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                           lora_dropout=0.0))
+    return model
+
+
+def perturbed(model, seed=1):
+    """The policy a few steps away from the reference: its trained weights moved (LoRA's B starts at 0)."""
+    model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def reference_logps(model, batch):
+    """The reference: a LoRA model with its adapters off, else the model as it is (here, before perturbation)."""
+    import contextlib
+
+    with torch.no_grad(), (model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()):
+        return sequence_logps(model, batch)
+
+
+LOSSES = [dict(loss_type="sigmoid", beta=0.1), dict(loss_type="ipo", beta=0.5), dict(loss_type="hinge", beta=0.2),
+          dict(loss_type="robust", beta=0.1, label_smoothing=0.2),
+          dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], beta=0.1)]
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+@pytest.mark.parametrize("config", LOSSES, ids=lambda c: "+".join(c["loss_type"]) if isinstance(c["loss_type"], list)
+                         else c["loss_type"])
+def test_each_loss_and_its_metrics_equal_trls(tokenizer, base, lora_base, tmp_path, kind, config):
+    """TRL's compute_loss on its padded [chosen; rejected] batch with its own precomputed reference, against ours on
+    packed rows through the fused head, to 1e-5 in fp32."""
+    from memrecipe.training.loss import fuse_head
+
+    rows = text_pairs()
+    start = base if kind == "full" else lora_base
+    policy = perturbed(start)
+    # TRL's reference: the model it is given (a given adapter is copied as its "ref" adapter), then trained to the
+    # policy's weights; ours: the model before, or under LoRA the policy with its adapters off (B = 0 before)
+    trainer = trl_trainer(copy.deepcopy(start), tokenizer, rows, tmp_path, **config)
+    theirs_params = dict(trainer.model.named_parameters())
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if p.requires_grad:
+                theirs_params[name].copy_(p)
+    trainer.model.train()
+    theirs = trainer.compute_loss(trainer.model, trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))]))
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    _, batch = ours(rows, tokenizer)
+    assert batch["input_ids"].shape[0] < len(rows)  # several pairs share a row
+    reference = reference_logps(start if kind == "full" else policy, batch)
+    trl_reference = torch.tensor([[trainer.train_dataset[int(i)][f"ref_{k}_logps"] for k in ("chosen", "rejected")]
+                                  for i in batch["index"]]).flatten()
+    torch.testing.assert_close(reference, trl_reference, rtol=1e-6, atol=1e-4)  # (sums of ~60 log-probs)
+    fuse_head(policy)
+    dpo = Dpo(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()})
+    sums = preference_sums(sequence_logps(policy, batch), reference, batch, dpo)
+    mine = window_loss(sums, sums["pairs"], sums["chosen_targets"])
+    assert float(mine) == pytest.approx(float(theirs), abs=1e-5, rel=1e-5)
+    for name, total in sums["metrics"].items():
+        assert float(total) / sums["pairs"] == pytest.approx(metrics[name], abs=1e-5, rel=1e-5), name
+
+
+def test_packed_equals_one_pair_per_row_and_fused_equals_full_logits(tokenizer, base):
+    from memrecipe.training.loss import fuse_head
+
+    rows = text_pairs()
+    _, packed = ours(rows, tokenizer)
+    _, alone = ours(rows, tokenizer, packing=False)
+    assert packed["input_ids"].shape[0] < alone["input_ids"].shape[0] == len(rows)
+    assert alone["index"].tolist() == list(range(len(rows)))
+    model = copy.deepcopy(base)
+    with torch.no_grad():
+        plain = sequence_logps(model, alone).view(-1, 2)  # pair i: (chosen, rejected), from the full logits
+    fuse_head(model)
+    with torch.no_grad():
+        fused = sequence_logps(model, packed).view(-1, 2)  # the pairs as the bins ordered them
+    torch.testing.assert_close(fused, plain[packed["index"]], rtol=1e-6, atol=1e-4)
+
+
+def test_a_window_of_uneven_micro_batches_averages_over_its_pairs(tokenizer, base):
+    """Micro batches of 1 and 3 packed rows (unequal pairs, unequal chosen tokens), each loss over the WINDOW's counts:
+    their gradients sum to one batch of all the pairs' gradient (the sigmoid term over pairs, sft over tokens)."""
+    from memrecipe.training.data import IGNORE
+
+    rows = text_pairs(12)
+    _, batch = ours(rows, tokenizer, width=96)
+    dpo = Dpo(beta=0.1, loss_type=("sigmoid", "sft"), loss_weights=(1.0, 0.5))
+    policy = perturbed(base)
+    reference = reference_logps(base, batch)
+
+    def gradient(micro_batches):
+        policy.zero_grad()
+        parts = [(b, reference[first:first + b["completion_tokens"].numel()]) for b, first in micro_batches]
+        sums = [preference_sums(sequence_logps(policy, b), ref, b, dpo) for b, ref in parts]
+        pairs, chosen = sum(x["pairs"] for x in sums), sum(x["chosen_targets"] for x in sums)
+        for x in sums:
+            window_loss(x, pairs, chosen).backward()
+        return torch.cat([p.grad.flatten() for p in policy.parameters()])
+
+    def rows_of(a, b):  # packed rows a..b as a micro batch, and its first document's place in the whole batch
+        keys = ("input_ids", "labels", "attention_mask", "position_ids", "document")
+        part = {k: batch[k][a:b] for k in keys}
+        docs = part["document"][part["document"] >= 0]
+        first, last = int(docs.min()), int(docs.max()) + 1
+        part["document"] = torch.where(part["document"] >= 0, part["document"] - first, -1)
+        part["completion_tokens"], part["index"] = batch["completion_tokens"][first:last], batch["index"][first // 2:last // 2]
+        return part, first
+
+    n = batch["input_ids"].shape[0]
+    assert n >= 4 and (batch["labels"][:, 1:] != IGNORE).sum(-1).unique().numel() > 1
+    whole = gradient([(batch, 0)])
+    split = gradient([rows_of(0, 1), rows_of(1, n)])
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("words, says", [
+    (["dpo.label_smoothing=0.1"], "dpo.label_smoothing=0.1 is read by loss_type robust only"),
+    (["dpo.loss_type=[sigmoid,ipo]", "dpo.loss_weights=[1]"], "dpo.loss_weights has 1 weight(s) for 2 loss_type(s)"),
+    (["dpo.loss_type=sigmod"], "did you mean 'sigmoid'"),
+    (["dpo.loss_type=sft"], "sft alone is supervised fine-tuning")])
+def test_bad_dpo_keys_are_one_line_naming_the_key(cli, tmp_path, words, says):
+    out = cli("config", "single-gpu-lora", "--cpu", "--output-dir", str(tmp_path), *words)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
+
+
+def test_run_sft_refuses_a_dpo_section_before_anything_is_written(cli, tmp_path):
+    out = cli("run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(tmp_path / "run"), "dpo.beta=0.2")
+    assert out.returncode == 2 and "run sft does not read the dpo: section" in out.stderr
+    assert not (tmp_path / "run").exists()
