@@ -53,6 +53,7 @@ def cli():
     memrecipe show fsdp                           one recipe's YAML, with its comments
     memrecipe config zero3-offload --num-processes 8
     memrecipe run sft --recipe single-gpu-lora    train (no GPU: CPU smoke-test mode)
+    memrecipe run dpo --recipe single-gpu-lora    preference tuning (DPO) on the embedded pairs
     """
 
 

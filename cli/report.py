@@ -100,6 +100,13 @@ def card(report: dict) -> str:
     lines.append(f"throughput{warmup}: {tput['tokens_per_second']:,.0f} real tokens/s total, "
                  f"{tput['tokens_per_second_per_process']:,.0f} per process, {tput['seconds_per_step']:.2f} s/step"
                  f"{padding} | MFU {mfu}")
+    first, last = report["history"][0], report["history"][-1]
+    if "rewards/accuracies" in last:  # preference tuning: TRL's metrics, first and last step (and the final eval)
+        final = report.get("final_eval_metrics") or {}
+        lines.append("preferences: " + ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in
+                                                 ("rewards/accuracies", "rewards/margins", "logps/chosen"))
+                     + (f"; eval rewards/accuracies {final['eval_rewards/accuracies']:.3f}, margins "
+                        f"{final['eval_rewards/margins']:.3f}" if "eval_rewards/accuracies" in final else ""))
     loss = f"loss: {report['history'][0]['loss']:.3f} -> {report['final_train_loss']:.3f}"
     if report.get("final_eval_loss") is not None:
         loss += f", eval {report['final_eval_loss']:.3f}"
@@ -194,7 +201,7 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
                            "gpu_memory": gpu_memory},
               "plan": plan.as_dict(), "processes": measured.processes, "throughput": throughput, "steps": steps,
               "wall_seconds": wall, "final_train_loss": history[-1]["loss"], "final_eval_loss": measured.eval_loss,
-              "history": history}
+              "final_eval_metrics": measured.eval_metrics, "history": history}
     bigger = largest_micro_batch(recipe, shape, topo, gpu_memory, None, 4 * recipe.per_device_train_batch_size) \
         if cuda else None
     report["advice"] = advice(report, gpu_memory, bigger)

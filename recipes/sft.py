@@ -82,6 +82,26 @@ def accumulate_window(model, window, accelerator):
     return accelerator.reduce(loss_sum, "sum").item() / targets, targets
 
 
+class Objective:
+    """What `train` and `finish` ask of the objective: a window's forward and backward ({"loss", "targets", and any
+    metrics to record}), and an eval ({"eval_loss", ...}). SFT's is the next-token cross-entropy per target token;
+    recipes/dpo.py brings preference tuning's to the same loop."""
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+
+    def describe(self) -> str | None:
+        """A start-up line about the objective (None: nothing to say)."""
+        return None
+
+    def window(self, model, window, accelerator) -> dict:
+        loss, targets = accumulate_window(model, window, accelerator)
+        return {"loss": loss, "targets": targets}
+
+    def evaluate(self, model, dataloader, accelerator) -> dict:
+        return {"eval_loss": evaluate(model, dataloader, accelerator)}
+
+
 class StopRequest:
     """SIGTERM (preemption) or SIGINT (Ctrl-C) asks the run to stop: it finishes the step, all
     processes agree on it, and a checkpoint is written. A second Ctrl-C stops at once; repeated
@@ -210,9 +230,10 @@ def setup_schedule(recipe, optimizer, train_loader, accelerator):
     return scheduler, total_steps, steps_per_epoch
 
 
-def main(argv=None):
+def main(argv=None, script="sft", setup_data=setup_data, objective=Objective):
+    """SFT; recipes/dpo.py runs the same steps with its own data and objective (`script` names the loop)."""
     args = parse_args(argv)
-    recipe = load_recipe(args.recipe, args.overrides, script="sft")  # (a dpo: section is refused here)
+    recipe = load_recipe(args.recipe, args.overrides, script=script)  # (sft refuses a dpo: section)
     # (the embedded default model is built first: under ZeRO-3 the Accelerator makes every model a collective)
     model_path = recipe.model_name_or_path or embedded_model()
     accelerator, run, say = setup_run(args, recipe)
@@ -227,16 +248,19 @@ def main(argv=None):
     checkpoints = Checkpoints(accelerator, model, run.path, recipe.save_total_limit)  # one folder, or one per machine
     meter = Meter(accelerator, recipe, run.path, model, optimizer, offload, args.memory_snapshot)
     say_setup(recipe, accelerator, meter.setup, train_loader, checkpoints, total_steps, steps_per_epoch, say)
+    objective = objective(recipe)
+    if objective.describe():
+        say(objective.describe())
     train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, checkpoints, meter,
-          total_steps, run, say)
-    finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapter, eval_loader, meter, say)
+          total_steps, run, say, objective)
+    finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapter, eval_loader, meter, say, objective)
 
 
 def say_setup(recipe, accelerator, setup, train_loader, checkpoints, total_steps, steps_per_epoch, say):
     """The start-up lines: what runs where, the batch arithmetic, what the data leaves out."""
     world, accumulation = accelerator.num_processes, accelerator.gradient_accumulation_steps
     tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch
-    say(f"memrecipe sft: recipe {recipe.name} | {world} process(es), {setup['engine']} on "
+    say(f"memrecipe {'dpo' if recipe.dpo else 'sft'}: recipe {recipe.name} | {world} process(es), {setup['engine']} on "
         f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
         f"{setup['params']:,} parameters train")
     say(f"batch: {recipe.per_device_train_batch_size} sequences x {accumulation} accumulation x {world} "
@@ -259,7 +283,7 @@ def say_setup(recipe, accelerator, setup, train_loader, checkpoints, total_steps
 
 
 def train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, checkpoints, meter,
-          total_steps, run, say):
+          total_steps, run, say, objective):
     """The loop: one optimizer step per window of micro batches; log, eval and checkpoint as the recipe says;
     a stop request (SIGTERM, Ctrl-C) checkpoints and exits."""
     accumulation = accelerator.gradient_accumulation_steps
@@ -284,7 +308,8 @@ def train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, 
         batches = accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader
         for window in windows(batches, accumulation):
             tick = time.perf_counter()
-            loss, targets = accumulate_window(model, window, accelerator)
+            result = objective.window(model, window, accelerator)
+            loss, targets = result.pop("loss"), result.pop("targets")
             consumed += accumulation
             if not math.isfinite(loss):  # stop before the update; the last checkpoint stays the last good one
                 raise RecipeError(f"the loss is {loss} at step {step + 1}: stopped without saving (lower "
@@ -303,7 +328,7 @@ def train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, 
 
             evaluating = eval_loader is not None and recipe.eval_steps and step % recipe.eval_steps == 0
             record = meter.record(step, window, loss, targets, lr, tick, grad_norm,
-                                  evaluate(model, eval_loader, accelerator) if evaluating else None)
+                                  objective.evaluate(model, eval_loader, accelerator) if evaluating else None, result)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}",
                             tok_s=f"{record['tokens'] / record['seconds']:,.0f}")
@@ -328,12 +353,13 @@ def train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, 
     meter.stop()
 
 
-def finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapter, eval_loader, meter, say):
+def finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapter, eval_loader, meter, say,
+           objective):
     """The final eval; the save (the full weights gathered from FSDP shards or ZeRO-3 partitions, or the LoRA
     adapter); report.json, loss.png and the card: what was measured next to what was planned."""
-    eval_loss = evaluate(model, eval_loader, accelerator) if eval_loader is not None else None
+    evaluated = objective.evaluate(model, eval_loader, accelerator) if eval_loader is not None else {}
     save_final(accelerator, model, run.final, initial_adapter)
-    measured = meter.finish(eval_loss)
+    measured = meter.finish(evaluated.get("eval_loss"), evaluated)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(run.final)  # with its chat template
         say(write_report(run, recipe, accelerator, model_path, measured))
@@ -343,9 +369,14 @@ def finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapt
     accelerator.end_training()
 
 
-if __name__ == "__main__":
+def entry(main):
+    """A loop script's entry point: a RecipeError is one line and exit status 2, no traceback."""
     try:
         main()
     except RecipeError as e:
         print(f"memrecipe: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    entry(main)

@@ -193,7 +193,7 @@ def test_cp_copies_side_by_side_and_refuses_to_overwrite(cli, tmp_path):
     dest = tmp_path / "deep" / "train"
     done = cli("cp", "fsdp", str(dest))
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in dest.iterdir()) == ["fsdp.yaml", "fsdp_8gpu.yaml", "fsdp_cpu2.yaml", "sft.py"]
+    assert sorted(p.name for p in dest.iterdir()) == ["dpo.py", "fsdp.yaml", "fsdp_8gpu.yaml", "fsdp_cpu2.yaml", "sft.py"]
     assert "--config_file fsdp_cpu2.yaml sft.py --recipe fsdp.yaml" in (dest / "fsdp.yaml").read_text()
     assert "accelerate_configs/" not in (dest / "fsdp_cpu2.yaml").read_text()
     (dest / "sft.py").write_text("# my edits\n")

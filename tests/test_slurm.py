@@ -31,7 +31,7 @@ def test_sbatch_script_allocates_and_launches_one_launcher_per_node(cli, tmp_pat
     assert sbatch["nodes"] == "2" and sbatch["gpus-per-node"] == "8" and sbatch["ntasks-per-node"] == "1"
     assert sbatch["partition"] == "gpu" and sbatch["time"] == "1-00:00:00"
     assert "srun --ntasks-per-node=1" in script and "learning_rate=2e-5" in script
-    assert {p.name for p in tmp_path.iterdir()} == {"fsdp.sbatch", "fsdp_2x8gpu_rank0.yaml", "sft.py", "fsdp.yaml"}
+    assert {p.name for p in tmp_path.iterdir()} == {"fsdp.sbatch", "fsdp_2x8gpu_rank0.yaml", "sft.py", "dpo.py", "fsdp.yaml"}
     assert subprocess.run(["bash", "-n", str(tmp_path / "fsdp.sbatch")]).returncode == 0  # bash parses it
 
 

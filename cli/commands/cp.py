@@ -25,4 +25,4 @@ def command(recipe, dest, force):
     for path in write_files(dest, files, force):
         click.echo(f"wrote {path}")
     click.echo(f"run from {dest}: the 'Run:' line at the top of each .yaml config (needs memrecipe installed: "
-               "sft.py imports it)")
+               "sft.py imports it); dpo.py in place of sft.py trains preference pairs (it imports sft.py's steps)")

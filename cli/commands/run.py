@@ -30,10 +30,12 @@ from ..planning.registry import flag_overrides
 @overrides_argument
 def command(script, recipe, model, dataset, output_dir, num_processes, num_machines, machine_rank, main_process_ip,
             main_process_port, cpu, report_to, resume, overwrite, dry_run, force, memory_snapshot, overrides):
-    """Train with a recipe, checked and launched with accelerate.
+    """Train with a recipe, checked and launched with accelerate: SCRIPT is sft (supervised fine-tuning) or dpo
+    (preference pairs, LoRA recipes).
 
     \b
     memrecipe run sft --recipe single-gpu-lora               # the embedded tiny model and data
+    memrecipe run dpo --recipe single-gpu-lora               # ... and the embedded preference pairs
     memrecipe run sft --recipe fsdp --num-processes 8 --model meta-llama/Llama-3.1-8B --dataset data.jsonl
     memrecipe run sft --recipe zero3-offload max_steps=100 --dry-run
     memrecipe run sft --resume --output-dir runs/fsdp-20261122-010000 max_steps=2000

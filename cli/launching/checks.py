@@ -29,18 +29,26 @@ def preflight(recipe):
     from ..training.data import check_targets, load_sources
     from ..training.modeling import check_model, check_tokenizer, read_chat_template
 
-    sources = []  # (where, rows, format) of each source of the train and eval data
-    for name, spec in (("train", recipe.dataset), ("eval", recipe.eval_dataset)):
-        if spec or name == "train":
-            for i, (source, raw, fmt, _) in enumerate(load_sources(spec, recipe, name)):
-                where = f"{name} dataset[{i}] ({source.path}): " if isinstance(spec, tuple) else f"{name} dataset: "
-                sources.append((where, raw, fmt))
+    sources, chat = [], False  # (where, rows, format) of each source of the train and eval data
+    splits = [(name, spec) for name, spec in (("train", recipe.dataset), ("eval", recipe.eval_dataset))
+              if spec or name == "train"]
+    if recipe.dpo is not None:  # preference pairs: their columns (the pairs' tokenization needs the loop's model)
+        from ..training.preference import load_pairs
+
+        for name, spec in splits:
+            pairs = load_pairs(spec, recipe, name)
+            chat = chat or (len(pairs) > 0 and not isinstance(pairs[0]["chosen"], str))
+        splits = []
+    for name, spec in splits:
+        for i, (source, raw, fmt, _) in enumerate(load_sources(spec, recipe, name)):
+            where = f"{name} dataset[{i}] ({source.path}): " if isinstance(spec, tuple) else f"{name} dataset: "
+            sources.append((where, raw, fmt))
     if recipe.chat_template:
         read_chat_template(recipe.chat_template)
     if recipe.model_name_or_path:
         check_model(recipe.model_name_or_path, recipe.trust_remote_code)
     tokenizer = check_tokenizer(recipe.model_name_or_path or str(EMBEDDED_MODEL), recipe.trust_remote_code,
-                                recipe.chat_template, chat=any(fmt == "messages" for _, _, fmt in sources))
+                                recipe.chat_template, chat=chat or any(fmt == "messages" for _, _, fmt in sources))
     for where, raw, fmt in sources:  # examples too long for max_seq_length: known before launch
         check_targets(raw, fmt, tokenizer, recipe, where)
 

@@ -17,7 +17,7 @@ from ..planning.registry import data_dir
 from ..planning.topology import Topology
 from .run_folder import LAUNCH_CONFIG, RECIPE, machine_file
 
-SCRIPTS = ("sft",)
+SCRIPTS = ("sft", "dpo")  # recipes/<name>.py: the loop scripts
 LAUNCHED_BY = "MEMRECIPE_RUN"  # in a launch's environment: started by `memrecipe run` (the loop's resume hint says so)
 ERROR_LINE = b"memrecipe: error: "  # how the loop reports a RecipeError (recipes/sft.py's __main__)
 TRACEBACK = b"Traceback (most recent call last)"

@@ -287,7 +287,7 @@ def shipped_files(recipe: Recipe, folder: str = "accelerate_configs", **kwargs) 
 
 
 def script_files(recipe_ref: str, recipe: Recipe, recipe_file: str) -> dict[str, str]:
-    """The loop and the recipe, to sit side by side in a folder of their own (`cp`, `slurm`): the recipe
+    """The loops (sft.py, dpo.py) and the recipe, to sit side by side in a folder of their own (`cp`, `slurm`): the recipe
     file as written, with its header's repo paths made local; a recipe with a `base:` resolved, since its
     base would not be found from there."""
     from .registry import data_dir, read_yaml, recipe_path
@@ -300,4 +300,6 @@ def script_files(recipe_ref: str, recipe: Recipe, recipe_file: str) -> dict[str,
         for old, new in ((f"recipes/{recipe.name}.yaml", recipe_file), ("recipes/sft.py", "sft.py"),
                          ("accelerate_configs/", "")):
             text = text.replace(old, new)
-    return {"sft.py": (data_dir("recipes") / "sft.py").read_text(encoding="utf-8"), recipe_file: text}
+    # both loops: dpo.py takes sft.py's setup steps and loop from beside it
+    loops = {name: (data_dir("recipes") / name).read_text(encoding="utf-8") for name in ("sft.py", "dpo.py")}
+    return {**loops, recipe_file: text}

@@ -375,11 +375,33 @@ def check_dpo(d: Dpo) -> None:
                           "preference loss (e.g. [sigmoid, sft]), or use memrecipe run sft")
 
 
-def check_script(r: Recipe, script: str) -> None:
-    """A recipe's objective sections are read by their own loop script only: `run sft` refuses a `dpo:` section
-    (it would train SFT and leave the keys unread)."""
+def script_of(r: Recipe) -> str:
+    """The loop script that trains a resolved recipe (a run folder's): dpo where it has a dpo: section."""
+    return "dpo" if r.dpo is not None else "sft"
+
+
+def for_script(r: Recipe, script: str) -> Recipe:
+    """The recipe as a loop script reads it: its objective's section is its own (`run sft` refuses a `dpo:` section,
+    which it would leave unread; `run dpo` gives a recipe without one TRL's defaults), and what the preference
+    loop does not run yet is refused, saying so."""
+    from dataclasses import replace
+
     if script == "sft" and r.dpo is not None:
         raise RecipeError("run sft does not read the dpo: section (preference tuning's keys): remove it (dpo=null)")
+    if script != "dpo":
+        return r
+    r = r if r.dpo is not None else replace(r, dpo=Dpo())
+    if r.lora is None or r.dpo.precompute_ref_log_probs:
+        raise RecipeError("run dpo trains LoRA recipes (single-gpu-lora, qlora, ddp with lora:) in this release, the "
+                          "reference being the base with the adapters off; a full fine-tune's precomputed reference "
+                          "(dpo.precompute_ref_log_probs) is not implemented yet")
+    if r.lora.init_lora_weights in ("pissa", "olora"):
+        raise RecipeError(f"lora.init_lora_weights {r.lora.init_lora_weights} rewrites the base, so the adapters off "
+                          "are not the reference model: use init_lora_weights true under run dpo")
+    if r.distributed_type not in ("no", "ddp"):
+        raise RecipeError(f"run dpo runs one process or DDP in this release, not {r.distributed_type}: use "
+                          "single-gpu-lora, qlora, or ddp with a lora: section")
+    return r
 
 
 def fp16_blocker(r: Recipe) -> str | None:

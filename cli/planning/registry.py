@@ -9,12 +9,13 @@ import yaml
 
 from ..errors import RecipeError, did_you_mean
 from .paths import from_recipe_file
-from .recipe import Recipe, check_script, make_recipe
+from .recipe import Recipe, for_script, make_recipe
 
 PACKAGE = Path(__file__).resolve().parents[1]  # memrecipe/ (cli/ in a checkout)
 # the embedded default: a tiny Llama (config and tokenizer; weights built from a seed) and a chat set
 EMBEDDED_MODEL = PACKAGE / "data" / "tiny-llama"
 EMBEDDED_DATASET = PACKAGE / "data" / "chat.jsonl"
+EMBEDDED_PREFERENCES = PACKAGE / "data" / "preferences.jsonl"  # the chat set's answers against wrong ones (run dpo)
 
 
 def data_dir(name: str) -> Path:
@@ -75,9 +76,7 @@ def load_recipe(name_or_path: str, overrides=(), script: str | None = None) -> R
     path = recipe_path(name_or_path)
     try:
         recipe = make_recipe(merge(resolve(path), parse_overrides(overrides)))
-        if script is not None:
-            check_script(recipe, script)
-        return recipe
+        return recipe if script is None else for_script(recipe, script)
     except RecipeError as e:
         raise RecipeError(f"recipe {name_or_path}: {e}") from None
 

@@ -7,7 +7,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -297,6 +297,7 @@ class Measured:
     processes: list[dict]  # each process's held bytes, tokens and memory peaks
     wall_seconds: float  # this session's training loop (not the final eval and save)
     eval_loss: float | None  # on the whole eval set at the end
+    eval_metrics: dict = field(default_factory=dict)  # the objective's other eval figures at the end (eval_rewards/...)
 
 
 class Meter:
@@ -342,16 +343,19 @@ class Meter:
             self.setup["offloaded_bytes_per_micro_batch"] = self.offload.bytes // self.accelerator.gradient_accumulation_steps
 
     def record(self, step: int, window: list[dict], loss: float, targets: int, lr: float, started: float,
-               grad_norm=None, eval_loss: float | None = None) -> dict:
-        """The step's record, kept in the history and logged to the trackers."""
+               grad_norm=None, evaluated: dict | float | None = None, metrics: dict | None = None) -> dict:
+        """The step's record, kept in the history and logged to the trackers: with the objective's own metrics
+        (e.g. preference tuning's rewards/...) and an eval's ({"eval_loss": ..., "eval_rewards/...": ...})."""
         reduce = lambda t: self.accelerator.reduce(t.to(self.accelerator.device), "sum")  # noqa: E731
         counts, local = window_counts(window, targets, reduce, self.tp_share)  # each batch once
         self.tokens += local
         record = {"step": step, "loss": loss, **counts, "lr": lr, "seconds": time.perf_counter() - started}
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
-        if eval_loss is not None:
-            record["eval_loss"] = eval_loss
+        record.update(metrics or {})
+        if isinstance(evaluated, float):  # (a loop script of 0.2 gives the eval loss alone)
+            evaluated = {"eval_loss": evaluated}
+        record.update(evaluated or {})
         self.history.append(record)
         if self.tracking:
             self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
@@ -363,7 +367,7 @@ class Meter:
         """The training loop is over: its clock stops (the final eval and save are not training)."""
         self.wall = time.perf_counter() - self.started
 
-    def finish(self, eval_loss: float | None) -> Measured:
+    def finish(self, eval_loss: float | None, evaluated: dict | None = None) -> Measured:
         """Every process's figures, gathered (a collective: every process calls it), after the final save."""
         from accelerate.utils import gather_object
 
@@ -372,4 +376,5 @@ class Meter:
                                     "tokens": self.tokens, **peak_memory(self.accelerator.device)}])
         if self.snapshot is not None and not self.snapshot.saved:
             self.snapshot.save()
-        return Measured(self.setup, self.history, processes, self.wall, eval_loss)
+        return Measured(self.setup, self.history, processes, self.wall, eval_loss,
+                        {k: v for k, v in (evaluated or {}).items() if k != "eval_loss"})

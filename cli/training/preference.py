@@ -34,6 +34,72 @@ def split_prompt(example: dict) -> dict:
     return {**example, "prompt": chosen[:at], "chosen": chosen[at:], "rejected": rejected[at:]}
 
 
+def load_pairs(spec, recipe, name: str):
+    """The preference rows of `dataset` (name "train") or `eval_dataset` ("eval"): each source (None: the embedded
+    preference set) loaded, its fraction drawn with the seed, checked for TRL's columns (chosen and rejected, with
+    or without prompt); several are shuffled together."""
+    from datasets import concatenate_datasets
+
+    from ..errors import RecipeError
+    from ..planning.registry import EMBEDDED_PREFERENCES
+    from .data import load_any, sources
+
+    parts = []
+    for i, source in enumerate(sources(spec)):
+        where = f"{name} dataset[{i}] ({source.path}): " if isinstance(spec, tuple) else f"{name} dataset: "
+        raw = load_any(source.path or str(EMBEDDED_PREFERENCES), source.split)
+        missing = [c for c in PAIR_COLUMNS if c not in raw.column_names]
+        if missing:
+            raise RecipeError(f"{where}preference tuning needs columns chosen and rejected (and prompt, or a prompt "
+                              f"shared by both); it has no {' or '.join(missing)}: {', '.join(raw.column_names)}")
+        raw = raw.select_columns([c for c in ("prompt", *PAIR_COLUMNS) if c in raw.column_names])
+        for column in PAIR_COLUMNS:  # a row without one (a JSON line that lacks the key reads as null)
+            empty = next((n for n, value in enumerate(raw[column]) if value is None or len(value) == 0), None)
+            if empty is not None:
+                raise RecipeError(f"{where}row {empty + 1} has no {column}: every pair needs chosen and rejected")
+        if len(raw) and all(r["chosen"] == r["rejected"] for r in raw):
+            raise RecipeError(f"{where}chosen equals rejected in every row: nothing to prefer")
+        if source.fraction < 1:
+            raw = raw.shuffle(seed=recipe.seed).select(range(max(1, int(source.fraction * len(raw)))))
+        parts.append(raw)
+    return parts[0] if len(parts) == 1 else concatenate_datasets(parts).shuffle(seed=recipe.seed)
+
+
+def prepare_pairs(recipe, tokenizer, say=None):
+    """(train, eval or None): tokenized pairs packed into rows (pack_pairs), as the recipe asks. `say` gets a line
+    per split: pairs kept, dropped (the completions cut away by max_length), truncated, tokens, rows."""
+    from ..errors import RecipeError
+    from .data import fingerprint
+
+    say = say or (lambda *a, **k: None)
+    max_length = recipe.dpo.max_length or recipe.max_seq_length // 2
+    train = load_pairs(recipe.dataset, recipe, "train")
+    eval_raw = load_pairs(recipe.eval_dataset, recipe, "eval") if recipe.eval_dataset else None
+    if eval_raw is None and recipe.eval_size:
+        split = train.train_test_split(test_size=recipe.eval_size, seed=recipe.seed)
+        train, eval_raw = split["train"], split["test"]
+
+    def finish(raw, name):
+        options = {"tokenizer": tokenizer, "max_length": max_length}
+        ds = raw.map(tokenize_pair, fn_kwargs=options, remove_columns=raw.column_names,
+                     new_fingerprint=fingerprint(raw, options, tokenize_pair, split_prompt))
+        kept = ds.filter(learnable_pair)
+        if len(kept) == 0:
+            raise RecipeError(f"no {name} pair keeps a completion token within dpo.max_length={max_length} (all "
+                              f"{len(ds)} dropped): raise max_length (and max_seq_length), or shorten the prompts")
+        cut = [n for n in kept["cut"] if n]
+        rows = pack_pairs(kept.remove_columns("cut"), recipe.max_seq_length, recipe.packing)
+        tokens = sum(len(ids) for ids in rows["input_ids"])
+        say(f"data: {name}: {len(kept):,} pairs kept"
+            + (f", {len(ds) - len(kept)} dropped (the prompt fills dpo.max_length={max_length})" if len(kept) < len(ds)
+               else "") + (f", {len(cut)} truncated to {max_length} tokens a sequence ({sum(cut):,} cut)" if cut else "")
+            + f"; {tokens:,} tokens in {len(rows):,} rows of <= {recipe.max_seq_length}"
+            + (f", {tokens / (len(rows) * recipe.max_seq_length):.0%} full" if recipe.packing else ", one pair each"))
+        return rows
+
+    return finish(train, "train"), finish(eval_raw, "eval") if eval_raw is not None else None
+
+
 def common_prefix(ids: list[int], other: list[int]) -> int:
     n = 0
     for a, b in zip(ids, other):
@@ -110,8 +176,8 @@ def pack_pairs(ds, width: int, packing: bool = True):
 
 class PairCollator:
     """Pad rows of packed pairs to the longest (right padding, its own document of position ids); documents numbered
-    across the micro batch: document 2k is pair k's chosen, 2k + 1 its rejected. Keeps `ref_logps` when the rows
-    carry them (a precomputed reference)."""
+    across the micro batch: document 2k is pair k's chosen, 2k + 1 its rejected, in row `pair_row[k]`. Keeps
+    `ref_logps` when the rows carry them (a precomputed reference)."""
 
     def __init__(self, pad_token_id: int, multiple: int = 1):
         self.pad, self.multiple = pad_token_id, multiple
@@ -131,6 +197,7 @@ class PairCollator:
         batch = {key: torch.tensor(value) for key, value in out.items()}
         batch["completion_tokens"] = torch.tensor([n for r in rows for n in r["completion_tokens"]])
         batch["index"] = torch.tensor([i for r in rows for i in r["index"]])
+        batch["pair_row"] = torch.tensor([n for n, r in enumerate(rows) for _ in r["index"]])  # each pair's row
         if "ref_logps" in rows[0]:
             batch["ref_logps"] = torch.tensor([x for r in rows for x in r["ref_logps"]], dtype=torch.float64)
         return batch
@@ -168,29 +235,39 @@ def pair_losses(loss_type: str, chosen: torch.Tensor, rejected: torch.Tensor, le
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")  # TRL's names
+
+
+def pair_values(policy: torch.Tensor, reference: torch.Tensor, batch, dpo) -> dict:
+    """Per pair of the micro batch: `loss` (the weighted objectives other than sft), `sft` (the weighted -log p of
+    the chosen completion, for loss_type sft), `chosen_targets`, and TRL's metrics (METRICS). policy, reference:
+    sequence_logps, one per document (chosen, rejected alternating)."""
+    chosen, rejected = policy[0::2], policy[1::2]
+    ratio_chosen, ratio_rejected = chosen - reference[0::2].to(policy.dtype), rejected - reference[1::2].to(policy.dtype)
+    lengths = batch["completion_tokens"].view(-1, 2).to(policy.dtype)
+    loss, sft = torch.zeros_like(chosen), torch.zeros_like(chosen)
+    for loss_type, weight in zip(dpo.losses, dpo.weights):
+        if loss_type == "sft":
+            sft = sft + weight * -chosen
+        else:
+            loss = loss + weight * pair_losses(loss_type, ratio_chosen, ratio_rejected, lengths, dpo)
+    with torch.no_grad():
+        rewards_chosen, rewards_rejected = dpo.beta * ratio_chosen, dpo.beta * ratio_rejected
+        metrics = dict(zip(METRICS, (rewards_chosen, rewards_rejected, (rewards_chosen > rewards_rejected).float(),
+                                     rewards_chosen - rewards_rejected, chosen, rejected)))
+    return {"loss": loss, "sft": sft, "chosen_targets": target_counts(batch)[0::2], **metrics}
+
+
 def preference_sums(policy: torch.Tensor, reference: torch.Tensor, batch, dpo) -> dict:
     """A micro batch's contribution to its window, as sums (the loop divides by the window's pairs, over every
     process): `pair_loss` (the weighted objectives, summed over pairs), `sft` (the chosen completions' summed
     -log p, for loss_type sft; divided by the window's chosen target tokens), the counts, and TRL's metrics summed
-    over pairs (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected).
-    policy, reference: sequence_logps, one per document."""
-    chosen, rejected = policy[0::2], policy[1::2]
-    ratio_chosen, ratio_rejected = chosen - reference[0::2].to(policy.dtype), rejected - reference[1::2].to(policy.dtype)
-    lengths = batch["completion_tokens"].view(-1, 2).to(policy.dtype)
-    pair_loss, sft = policy.new_zeros(()), policy.new_zeros(())
-    for loss_type, weight in zip(dpo.losses, dpo.weights):
-        if loss_type == "sft":
-            sft = sft + weight * -chosen.sum()
-        else:
-            pair_loss = pair_loss + weight * pair_losses(loss_type, ratio_chosen, ratio_rejected, lengths, dpo).sum()
-    with torch.no_grad():
-        rewards_chosen, rewards_rejected = dpo.beta * ratio_chosen, dpo.beta * ratio_rejected
-        metrics = {"rewards/chosen": rewards_chosen.sum(), "rewards/rejected": rewards_rejected.sum(),
-                   "rewards/accuracies": (rewards_chosen > rewards_rejected).float().sum(),
-                   "rewards/margins": (rewards_chosen - rewards_rejected).sum(),
-                   "logps/chosen": chosen.sum(), "logps/rejected": rejected.sum()}
-    return {"pair_loss": pair_loss, "sft": sft, "pairs": chosen.numel(),
-            "chosen_targets": int(target_counts(batch)[0::2].sum()), "metrics": metrics}
+    over pairs."""
+    values = pair_values(policy, reference, batch, dpo)
+    return {"pair_loss": values["loss"].sum(), "sft": values["sft"].sum(), "pairs": values["loss"].numel(),
+            "chosen_targets": int(values["chosen_targets"].sum()),
+            "metrics": {name: values[name].sum() for name in METRICS}}
 
 
 def window_loss(sums: dict, pairs: int, chosen_targets: int) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""Preference tuning (DPO and its family) with a memrecipe LoRA recipe: sft.py's loop and setup steps, another
+objective.
+
+    memrecipe run dpo --recipe single-gpu-lora
+    accelerate launch --config_file accelerate_configs/single_gpu_lora_cpu1.yaml \
+        recipes/dpo.py --recipe recipes/single-gpu-lora.yaml [--output-dir DIR] [key=value ...]
+
+The recipe's `dpo:` section holds TRL's keys (beta, loss_type, loss_weights, label_smoothing); the data is TRL's
+preference formats (prompt / chosen / rejected, as text or messages, or chosen / rejected with the prompt shared).
+What differs from sft.py is here: the data (each pair's chosen and rejected packed as two documents of one row,
+never split), the reference (the same weights with the adapters off: no second model), and the objective's
+window (`Preference`); the run, the model, the optimizer, the schedule, the loop and the report are sft.py's own
+steps, imported from it (keep the two files side by side).
+
+Accumulation is exact by pairs: every micro batch's loss is its pairs' summed objective divided by the number
+of pairs in the whole window over all processes (the sft term, by the window's chosen target tokens), so the
+step's gradient is the mean over the window's pairs, however they fall into packed rows and processes.
+"""
+
+# first: importing memrecipe quiets library notices that say nothing about the run
+from memrecipe.loop import (METRICS, PairCollator, pair_values, prepare_pairs, sequence_logps,  # isort: skip
+                            target_counts, window_loss)
+import torch
+from torch.utils.data import DataLoader
+
+import sft  # the setup steps, the loop and the finish: recipes/sft.py, beside this file
+
+
+def setup_pairs(recipe, tokenizer, accelerator, say):
+    """Train and eval loaders of packed pairs: tokenized once (main process first), a new seeded shuffle of the rows
+    each epoch, whole windows only (as sft.train_loader)."""
+    with accelerator.main_process_first():
+        train_set, eval_set = prepare_pairs(recipe, tokenizer, say)  # logs pairs kept, dropped, truncated
+    collate = PairCollator(tokenizer.pad_token_id)
+    train_loader = DataLoader(train_set, batch_size=recipe.per_device_train_batch_size, shuffle=True, drop_last=True,
+                              collate_fn=collate, generator=torch.Generator().manual_seed(recipe.seed))
+    eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_train_batch_size, collate_fn=collate) \
+        if eval_set is not None else None
+    return train_loader, eval_loader
+
+
+class Preference(sft.Objective):
+    """The DPO family's objective for sft.train: a window's forward and backward, and an eval, with TRL's metrics.
+    The reference's log-probabilities are the model's own with its LoRA adapters off, under no_grad."""
+
+    def __init__(self, recipe):
+        super().__init__(recipe)
+        self.dpo = recipe.dpo
+
+    def describe(self) -> str:
+        d = self.dpo
+        return (f"dpo: {' + '.join(f'{w:g} x {t}' for t, w in zip(d.losses, d.weights))}, beta {d.beta:g}"
+                + (f", label_smoothing {d.label_smoothing:g}" if d.label_smoothing else "")
+                + "; reference: the base with the adapters off")
+
+    @torch.no_grad()
+    def reference(self, model, batch, accelerator):
+        with accelerator.unwrap_model(model).disable_adapter():
+            return sequence_logps(model, batch)
+
+    def window(self, model, window, accelerator) -> dict:
+        """Forward and backward over the window's micro batches; returns the window's mean loss per pair, its target
+        tokens, pairs, and TRL's metrics averaged over its pairs (all processes)."""
+        counts = [target_counts(b) for b in window]  # each document's target tokens
+        local = torch.tensor([[b["completion_tokens"].numel() // 2, int(c[0::2].sum()), int(c.sum())]
+                              for b, c in zip(window, counts)]).sum(0)
+        pairs, chosen_targets, targets = accelerator.reduce(local.to(accelerator.device), "sum").tolist()
+        # accelerate divides each micro batch's loss by the accumulation steps and DDP averages over processes
+        scale = accelerator.num_processes * accelerator.gradient_accumulation_steps
+        totals = {}
+        for batch in window:
+            reference = self.reference(model, batch, accelerator)
+            with accelerator.accumulate(model):  # no gradient sync until the window's last micro batch
+                values = pair_values(sequence_logps(model, batch), reference, batch, self.dpo)
+                sums = {"pair_loss": values["loss"].sum(), "sft": values["sft"].sum()}
+                loss = window_loss(sums, pairs, chosen_targets)
+                accelerator.backward(loss * scale)
+            for name, value in [("loss", loss.detach()), *((k, values[k].sum()) for k in METRICS)]:
+                totals[name] = totals.get(name, 0) + value
+        names = list(totals)
+        summed = accelerator.reduce(torch.stack([totals[n].float() for n in names]), "sum").tolist()
+        out = dict(zip(names, summed))
+        return {"loss": out.pop("loss"), "targets": targets, "pairs": pairs,
+                **{name: value / pairs for name, value in out.items()}}
+
+    @torch.no_grad()
+    def evaluate(self, model, dataloader, accelerator) -> dict:
+        """The eval pairs' mean loss and TRL's metrics as eval_*, each pair once over all processes: summed per row,
+        the rows gathered (gather_for_metrics drops the rows that even out the last batch across processes)."""
+        names = ("loss", "sft", "chosen_targets", *METRICS)
+        model.eval()
+        totals = 0
+        for batch in dataloader:
+            values = pair_values(sequence_logps(model, batch), self.reference(model, batch, accelerator), batch,
+                                 self.dpo)
+            pairs = torch.stack([values[name].float() for name in names] + [torch.ones_like(values["loss"])], 1)
+            rows = pairs.new_zeros(batch["input_ids"].shape[0], pairs.shape[1]).index_add_(0, batch["pair_row"], pairs)
+            totals = totals + accelerator.gather_for_metrics(rows).sum(0)
+        model.train()
+        total = dict(zip((*names, "pairs"), totals.tolist()))
+        loss = window_loss({"pair_loss": total["loss"], "sft": total["sft"]}, total["pairs"], total["chosen_targets"])
+        return {"eval_loss": float(loss), **{f"eval_{name}": total[name] / total["pairs"] for name in METRICS}}
+
+
+def main(argv=None):
+    sft.main(argv, script="dpo", setup_data=setup_pairs, objective=Preference)  # sft.py's steps, this data and loss
+
+
+if __name__ == "__main__":
+    sft.entry(main)

@@ -1,0 +1,132 @@
+"""`memrecipe run dpo` end to end on CPU: the embedded preference set trains (reward accuracy, margins), a stopped
+run resumes exactly, 2 DDP processes train as one, and the run folder, log, report and card say it was DPO.
+
+One uninterrupted run (the README's DPO command, in fp32 with a checkpoint half-way) serves every test."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+EXACT = ["mixed_precision=no", "lora.dropout=0", "save_steps=6"]  # fp32 and no dropout: runs compare exactly
+
+
+def run_dpo(folder, *words):
+    done = launch(["memrecipe", "run", "dpo", "--output-dir", str(folder), *words])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (folder.parent / f"{folder.name}.log").write_text(done.stdout + done.stderr)
+    return json.loads((folder / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dpo") / "whole"
+    return folder, run_dpo(folder, "--recipe", "single-gpu-lora", *EXACT)
+
+
+def test_the_embedded_preferences_train(whole):
+    folder, report = whole
+    history = report["history"]
+    quarter = max(1, len(history) // 4)
+    last = history[-quarter:]
+    assert len(history) >= 8 and history[0]["rewards/accuracies"] == 0  # policy = reference at step 1: no margin
+    assert sum(h["rewards/accuracies"] for h in last) / quarter >= 0.8, [h["rewards/accuracies"] for h in history]
+    first_margins = sum(h["rewards/margins"] for h in history[:quarter]) / quarter
+    assert sum(h["rewards/margins"] for h in last) / quarter > first_margins + 0.2
+    assert history[-1]["loss"] < 0.9 * history[0]["loss"]  # (ln 2 at step 1)
+    assert all(h["pairs"] > 0 and 0 < h["targets"] < h["tokens"] for h in history)  # prompts are no targets
+    metrics = report["final_eval_metrics"]
+    assert set(metrics) == {f"eval_{m}" for m in ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                                                  "rewards/margins", "logps/chosen", "logps/rejected")}
+    assert report["recipe"]["dpo"]["loss_type"] == "sigmoid"  # TRL's defaults, written into the run's recipe
+
+
+def test_the_log_folder_and_card_say_it_is_dpo(whole):
+    from memrecipe.report import card
+
+    folder, report = whole
+    log = (folder.parent / "whole.log").read_text()
+    assert "memrecipe dpo: recipe single-gpu-lora" in log and "dpo: 1 x sigmoid, beta 0.1" in log
+    assert "data: train: 304 pairs kept" in log
+    assert "Continue it: memrecipe run dpo --resume" in (folder / "accelerate_config.yaml").read_text()
+    assert any(line.startswith("preferences: rewards/accuracies 0.000 -> ") for line in card(report).splitlines())
+
+
+def test_the_trained_adapter_reloads_and_prefers_the_chosen_answers(whole):
+    """The saved adapter is the trained one: on the training pairs it gives the chosen completions a higher
+    log-probability margin over the rejected than the base does (what the last step's metrics say)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memrecipe.planning.registry import EMBEDDED_PREFERENCES
+    from memrecipe.training.preference import PairCollator, pack_pairs, sequence_logps, tokenize_pair
+
+    folder, report = whole
+    base_path = json.loads((folder / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    tokenizer = AutoTokenizer.from_pretrained(folder / "final")
+    rows = [json.loads(line) for line in open(EMBEDDED_PREFERENCES)][:32]
+    from datasets import Dataset
+
+    batch = PairCollator(tokenizer.pad_token_id)(list(pack_pairs(Dataset.from_list(
+        [tokenize_pair(r, tokenizer, 128) for r in rows]), 256)))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
+                                      folder / "final").eval()
+    with torch.no_grad():
+        trained = sequence_logps(model, batch).view(-1, 2)
+        with model.disable_adapter():
+            base = sequence_logps(model, batch).view(-1, 2)
+    margins = (trained[:, 0] - base[:, 0]) - (trained[:, 1] - base[:, 1])
+    assert (margins > 0).float().mean() >= 0.75, margins
+
+
+def test_a_stopped_run_resumes_exactly(whole, tmp_path):
+    """The run as a stop at its half-way checkpoint leaves it (no later checkpoint, no final, no report), resumed:
+    its steps, losses, rates and preference metrics equal the uninterrupted run's."""
+    folder, report = whole
+    cut = tmp_path / "cut"
+    shutil.copytree(folder, cut)
+    for later in [cut / "checkpoints" / f"step-{len(report['history'])}", cut / "final", cut / "report.json"]:
+        shutil.rmtree(later) if later.is_dir() else later.unlink()
+    assert (cut / "checkpoints" / "step-6").is_dir()
+    resumed = run_dpo(cut, "--resume")
+    assert "resumed from" in (tmp_path / "cut.log").read_text()
+    for key in ("loss", "lr", "rewards/margins", "rewards/accuracies", "pairs"):
+        assert [h[key] for h in resumed["history"]] == pytest.approx([h[key] for h in report["history"]], abs=1e-5), key
+
+
+def test_two_ddp_processes_train_as_one(whole, tmp_path):
+    """The same global batch (4 rows x 2 micro batches x 2 processes = 4 x 4 x 1), pairs falling unevenly into
+    rows and processes: each step's loss (a mean over the window's pairs) and metrics equal the one-process run's."""
+    folder, report = whole
+    ddp = run_dpo(tmp_path / "ddp", "--recipe", "single-gpu-lora", "--num-processes", "2", "distributed_type=ddp",
+                  "supports.max_processes=null", "gradient_accumulation_steps=2", *EXACT)
+    assert ddp["setup"]["num_processes"] == 2
+    for key in ("loss", "pairs", "rewards/margins", "rewards/accuracies"):
+        assert [h[key] for h in ddp["history"]] == pytest.approx([h[key] for h in report["history"]], abs=1e-5), key
+
+
+@pytest.mark.parametrize("words, says", [
+    (["--recipe", "single-gpu-full"], "run dpo trains LoRA recipes"),
+    (["--recipe", "single-gpu-lora", "lora.init_lora_weights=pissa"], "rewrites the base"),
+    (["--recipe", "fsdp-lora", "--num-processes", "2"], "run dpo runs one process or DDP")])
+def test_what_run_dpo_does_not_run_yet_is_refused_in_one_line(cli, tmp_path, words, says):
+    out = cli("run", "dpo", "--output-dir", str(tmp_path / "run"), *words)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_preference_data_is_one_line_and_writes_nothing(cli, tmp_path):
+    rows = [{"prompt": "Hi", "chosen": " a.", "rejected": " b."}, {"prompt": "Yo", "chosen": " c."}]
+    (tmp_path / "missing.jsonl").write_text("\n".join(json.dumps(r) for r in rows))  # its second row: no rejected
+    (tmp_path / "same.jsonl").write_text("\n".join(json.dumps({"prompt": "Hi", "chosen": " a.", "rejected": " a."})
+                                                   for _ in range(3)))
+    for name, says in (("missing", "row 2 has no rejected"), ("same", "chosen equals rejected in every row")):
+        out = cli("run", "dpo", "--recipe", "single-gpu-lora", "--dataset", str(tmp_path / f"{name}.jsonl"),
+                  "--output-dir", str(tmp_path / name))
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert not Path(tmp_path / name).exists()
