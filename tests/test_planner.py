@@ -350,6 +350,54 @@ def test_the_steps_peak_is_what_the_planner_calls_working_memory(models, recipe,
     assert est.working < est.activations + est.logits or not r.gradient_checkpointing
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [[], ["gradient_checkpointing=false"]])
+def test_a_dpo_steps_peak_is_what_the_planner_plans_for_its_rows(models, overrides):
+    """A preference micro batch as recipes/dpo.py runs it (the reference pass with the adapters off, under no_grad,
+    then the policy's sequence log-probs, the loss, backward) over 2 packed rows of the embedded pairs, every
+    allocation profiled: the reference's forward is over before the policy's starts, so the step holds what an
+    SFT step over the same rows holds, and the planner plans it so. (Chunks of 64 target tokens: the pairs' targets
+    are their completions, fewer than the plan's every-token-a-target, and the chunk is then the same size.)"""
+    import gc
+    import json
+    import sys
+
+    from datasets import Dataset
+
+    from helpers import REPO
+
+    from memrecipe.planning.registry import EMBEDDED_PREFERENCES
+    from memrecipe.training.measure import allocation_peak
+    from memrecipe.training.modeling import embedded_model, load_tokenizer
+    from memrecipe.training.preference import (PairCollator, pack_pairs, pair_values, sequence_logps, tokenize_pair,
+                                               window_loss)
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    from dpo import Preference  # the loop's own reference pass
+
+    B, S = 2, 256
+    r = load_recipe("single-gpu-lora", [*overrides, f"per_device_train_batch_size={B}", f"max_seq_length={S}",
+                                        "loss_chunk_tokens=64", "lora.dropout=0"], script="dpo")
+    model, _ = loop_model(r, models["medium"], "bf16")  # the loop's setup: its head fused, in chunks of 64 targets
+    model.train()
+    tokenizer = load_tokenizer(embedded_model())
+    pairs = [tokenize_pair(json.loads(line), tokenizer, S // 2) for line in open(EMBEDDED_PREFERENCES)][:40]
+    rows = list(pack_pairs(Dataset.from_list(pairs), S))[:B]
+    batch = PairCollator(tokenizer.pad_token_id, multiple=S)(rows)  # rows of S tokens, as the planner plans them
+    assert batch["input_ids"].shape == (B, S) and batch["attention_mask"].float().mean() > 0.8
+    assert (batch["labels"][:, 1:] != -100).sum() > 64
+    dpo = r.dpo
+    gc.collect()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            reference = Preference(r).reference(model, batch, SimpleNamespace(unwrap_model=lambda m: m))
+            values = pair_values(sequence_logps(model, batch), reference, batch, dpo)
+            loss = window_loss({"pair_loss": values["loss"].sum(), "sft": values["sft"].sum()}, len(values["loss"]), 0)
+        loss.backward()
+    est = estimate(r, structure(read_config(models["medium"])), CPU1)
+    assert est.working + est.gradients == pytest.approx(allocation_peak(profile), rel=0.1)
+
+
 
 
 
