@@ -1,6 +1,7 @@
 """The first command on a GPU box: every recipe the machine can hold, a few steps each through `memrecipe run`,
 on real-shaped models with random weights built from the config.json files beside this script (no hub), then
-one run stopped and resumed; one table of what the plan said against what the runs measured.
+one run stopped and resumed, and preference tuning (`memrecipe run dpo`) on the embedded pairs; one table of what
+the plan said against what the runs measured.
 
     python benchmarks/gpu_acceptance.py                        # the 1B shape, every recipe this box can hold
     python benchmarks/gpu_acceptance.py --shapes 1b,moe,8b     # the larger shapes too (opt-in)
@@ -34,6 +35,7 @@ ONE_GPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation
 SEVERAL_GPUS = [("ddp", [], 0), ("fsdp", [], 0), ("fsdp-lora", [], 0), ("fsdp-qlora", [], 0), ("zero2", [], 0),
                 ("tp", [], 4)]  # 0: every GPU
 CPU = [("single-gpu-lora", [], 1), ("ddp", [], 2), ("single-gpu-lora", ["attn_implementation=sdpa"], 1)]
+PREFERENCES = [("single-gpu-lora", [], 1), ("qlora", [], 1)]  # `memrecipe run dpo` on the embedded pairs (--cpu: the first)
 LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit": "bitsandbytes",
              "single-gpu-full": "torchao", "apollo_adamw": "apollo_torch", "zero3-offload": "deepspeed",
              "zero2": "deepspeed"}
@@ -90,9 +92,10 @@ def skip_reason(recipe: str, overrides: list, processes: int, model: str | None,
     return None
 
 
-def run(folder: Path, recipe: str, words: list, processes: int, cpu: bool, timeout: float) -> tuple[dict | None, str]:
-    """One `memrecipe run`; (its report.json, '') or (None, why it failed)."""
-    cmd = [sys.executable, "-m", "memrecipe", "run", "sft", "--recipe", recipe, "--output-dir", str(folder),
+def run(folder: Path, recipe: str, words: list, processes: int, cpu: bool, timeout: float, script: str = "sft"
+        ) -> tuple[dict | None, str]:
+    """One `memrecipe run SCRIPT`; (its report.json, '') or (None, why it failed)."""
+    cmd = [sys.executable, "-m", "memrecipe", "run", script, "--recipe", recipe, "--output-dir", str(folder),
            "--num-processes", str(processes), *(["--cpu"] if cpu else ["--memory-snapshot"]), *words]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -117,7 +120,9 @@ def row(name: str, shape: str, processes: int, report: dict) -> dict:
             "measured_minus_planned_total": None if peak is None else peak - plan["total"],
             "tokens_per_second": tput["tokens_per_second"], "mfu": tput.get("mfu"),
             "loss_first": history[0]["loss"], "loss_last": report["final_train_loss"],
-            "loss_fell": report["final_train_loss"] < history[0]["loss"]}
+            "loss_fell": report["final_train_loss"] < history[0]["loss"],
+            # preference tuning: the last step's reward accuracy on its training pairs
+            "reward_accuracy": history[-1].get("rewards/accuracies")}
 
 
 def resume_check(whole_folder: Path, processes: int, cpu: bool, timeout: float, steps: int, whole: dict) -> dict:
@@ -170,7 +175,8 @@ def markdown(rows: list[dict]) -> str:
             continue
         cells = [f"{gib(r['planned'][c])} / {gib(r['measured'][c])}" for c in (*CATEGORIES, "total")]
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} ({'falls' if r['loss_fell'] else 'FAIL'})"
+        loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} ({'falls' if r['loss_fell'] else 'FAIL'})" + (
+            f", reward accuracy {r['reward_accuracy']:.2f}" if r.get("reward_accuracy") is not None else "")
         resume = {True: "exact", False: "FAIL", None: "-"}[r.get("resume_exact")]
         if "kernels_agree" in r:
             resume = ("agree: " if r["kernels_agree"] else "FAIL: ") + r["kernel_note"]
@@ -191,7 +197,7 @@ def main():
     steps, timeout = args.steps or (4 if args.cpu else 10), args.timeout or (120 if args.cpu else 900)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cpu:
-        shapes, gpus, cases = {"embedded": None}, 2, CPU
+        shapes, gpus, cases = {"embedded": None}, 2, [("sft", *c) for c in CPU] + [("dpo", *PREFERENCES[0])]
     else:
         import torch
 
@@ -199,13 +205,14 @@ def main():
             sys.exit("gpu_acceptance: no CUDA device here (--cpu runs the smoke mode)")
         gpus = torch.cuda.device_count()
         shapes = {s: None for s in args.shapes.split(",")}
-        cases = ONE_GPU + ([(r, o, n or gpus) for r, o, n in SEVERAL_GPUS] if gpus > 1 else [])
+        cases = [("sft", *c) for c in ONE_GPU + ([(r, o, n or gpus) for r, o, n in SEVERAL_GPUS] if gpus > 1 else [])]
+        cases += [("dpo", *c) for c in PREFERENCES]
     rows = []
     for shape in shapes:
         model = None if args.cpu else str(build_model(HERE / "gpu_configs" / SHAPES[shape], args.out / "models" / shape))
         extra = ["lora.dropout=0"] if shape == "moe" else []  # peft's fused-expert adapters take no dropout
-        for index, (recipe, overrides, processes) in enumerate(cases):
-            name = " ".join([recipe, *overrides])
+        for index, (script, recipe, overrides, processes) in enumerate(cases):
+            name = " ".join(["dpo"] * (script == "dpo") + [recipe, *overrides])
             words = [*overrides, *extra, f"max_steps={steps}", "save_steps=null", "eval_steps=null",
                      *([] if model is None else ["--model", model])]
             reason = skip_reason(recipe, [*overrides, *extra], processes, model, args.cpu)
@@ -214,10 +221,10 @@ def main():
                              "reason": reason})
                 print(f"{name} ({shape}): skipped: {reason}", flush=True)
                 continue
-            tag = f"{shape}-{index}-{recipe}"
+            tag = f"{shape}-{index}-{script}-{recipe}"
             if index == 0:  # a checkpoint half-way, to stop at and resume from
                 words.append(f"save_steps={steps // 2}")
-            report, why = run(args.out / tag, recipe, words, processes, args.cpu, timeout)
+            report, why = run(args.out / tag, recipe, words, processes, args.cpu, timeout, script)
             if report is None:
                 rows.append({"recipe": name, "shape": shape, "processes": processes, "status": "failed",
                              "reason": why})

@@ -1,4 +1,4 @@
-"""Preference tuning (DPO and its family) with a memrecipe LoRA recipe: sft.py's loop and setup steps, another
+"""Preference tuning (DPO and its family) with a memrecipe recipe: sft.py's loop and setup steps, another
 objective.
 
     memrecipe run dpo --recipe single-gpu-lora
@@ -8,7 +8,8 @@ objective.
 The recipe's `dpo:` section holds TRL's keys (beta, loss_type, loss_weights, label_smoothing); the data is TRL's
 preference formats (prompt / chosen / rejected, as text or messages, or chosen / rejected with the prompt shared).
 What differs from sft.py is here: the data (each pair's chosen and rejected packed as two documents of one row,
-never split), the reference (the same weights with the adapters off: no second model), and the objective's
+never split), the reference (never a second model: under LoRA the same weights with the adapters off; for a full
+fine-tune the initial model's log-probs, computed before step 1 and kept in the run folder), and the objective's
 window (`Preference`); the run, the model, the optimizer, the schedule, the loop and the report are sft.py's own
 steps, imported from it (keep the two files side by side).
 
@@ -17,9 +18,12 @@ of pairs in the whole window over all processes (the sft term, by the window's c
 step's gradient is the mean over the window's pairs, however they fall into packed rows and processes.
 """
 
+import contextlib
+import time
+
 # first: importing memrecipe quiets library notices that say nothing about the run
-from memrecipe.loop import (METRICS, PairCollator, pair_values, prepare_pairs, sequence_logps,  # isort: skip
-                            target_counts, window_loss)
+from memrecipe.loop import (METRICS, REFERENCE_STORE, PairCollator, pair_values, prepare_pairs,  # isort: skip
+                            reference_store, rows_key, sequence_logps, target_counts, window_loss)
 import torch
 from torch.utils.data import DataLoader
 
@@ -46,16 +50,55 @@ class Preference(sft.Objective):
     def __init__(self, recipe):
         super().__init__(recipe)
         self.dpo = recipe.dpo
+        # the reference's log-probs computed once before training (a full fine-tune's default: no frozen copy of the
+        # model), or beside each micro batch with the adapters off (LoRA's default)
+        self.precompute = self.dpo.precompute_ref_log_probs if self.dpo.precompute_ref_log_probs is not None \
+            else recipe.lora is None
+        self.store = None  # [pairs, 2]: chosen, rejected
+
+    def start(self, model, train_loader, eval_loader, accelerator, run, say):
+        """Before the first step (and before a resumed run loads its checkpoint, so `model` is the initial one):
+        the precomputed reference, read from the run folder when it was computed from these rows, else computed
+        now and written there."""
+        if not self.precompute:
+            return
+        datasets = [train_loader.dataset, eval_loader.dataset if eval_loader is not None else None]
+        key = rows_key(*datasets, model=self.recipe.model_name_or_path or "embedded",
+                       precision=accelerator.mixed_precision)
+        path = run.path / REFERENCE_STORE
+        saved = torch.load(path, weights_only=True) if path.is_file() else None
+        if saved is not None and saved["key"] == key:
+            self.store = saved["logps"]
+            say(f"reference: {len(self.store):,} pairs' log-probs read from {path.name} (computed for these rows)")
+            return
+        tick = time.perf_counter()
+        with self.adapters_off(model, accelerator):
+            self.store = reference_store(model, datasets, train_loader.collate_fn, accelerator,
+                                         self.recipe.per_device_train_batch_size)
+        if accelerator.is_main_process:
+            torch.save({"key": key, "logps": self.store}, path)
+        accelerator.wait_for_everyone()
+        say(f"reference: {len(self.store):,} pairs' log-probs computed in {time.perf_counter() - tick:.1f} s"
+            + (" (the rows changed since the run folder's were computed)" if saved is not None else "")
+            + f", kept in {path.name}")
+
+    @staticmethod
+    def adapters_off(model, accelerator):
+        unwrapped = accelerator.unwrap_model(model)
+        return unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else contextlib.nullcontext()
 
     def describe(self) -> str:
         d = self.dpo
         return (f"dpo: {' + '.join(f'{w:g} x {t}' for t, w in zip(d.losses, d.weights))}, beta {d.beta:g}"
                 + (f", label_smoothing {d.label_smoothing:g}" if d.label_smoothing else "")
-                + "; reference: the base with the adapters off")
+                + "; reference: " + ("its log-probs precomputed before the first step" if self.precompute else
+                                     "the base with the adapters off, beside each micro batch"))
 
     @torch.no_grad()
     def reference(self, model, batch, accelerator):
-        with accelerator.unwrap_model(model).disable_adapter():
+        if self.store is not None:  # precomputed: looked up by the pairs' index
+            return self.store[batch["index"].cpu()].flatten().to(accelerator.device)
+        with self.adapters_off(model, accelerator):
             return sequence_logps(model, batch)
 
     def window(self, model, window, accelerator) -> dict:

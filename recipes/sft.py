@@ -94,6 +94,9 @@ class Objective:
         """A start-up line about the objective (None: nothing to say)."""
         return None
 
+    def start(self, model, train_loader, eval_loader, accelerator, run, say) -> None:
+        """Before the first step (and before a resume loads its checkpoint): nothing, for SFT."""
+
     def window(self, model, window, accelerator) -> dict:
         loss, targets = accumulate_window(model, window, accelerator)
         return {"loss": loss, "targets": targets}
@@ -251,6 +254,7 @@ def main(argv=None, script="sft", setup_data=setup_data, objective=Objective):
     objective = objective(recipe)
     if objective.describe():
         say(objective.describe())
+    objective.start(model, train_loader, eval_loader, accelerator, run, say)
     train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, checkpoints, meter,
           total_steps, run, say, objective)
     finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapter, eval_loader, meter, say, objective)

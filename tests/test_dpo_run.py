@@ -1,5 +1,6 @@
-"""`memrecipe run dpo` end to end on CPU: the embedded preference set trains (reward accuracy, margins), a stopped
-run resumes exactly, 2 DDP processes train as one, and the run folder, log, report and card say it was DPO.
+"""`memrecipe run dpo` end to end on CPU: the embedded preference set trains (reward accuracy, margins), 2 DDP
+processes with a precomputed reference train as one and resume exactly, a full fine-tune trains against its
+precomputed reference, and the run folder, log, report and card say it was DPO.
 
 One uninterrupted run (the README's DPO command, in fp32 with a checkpoint half-way) serves every test."""
 
@@ -84,34 +85,47 @@ def test_the_trained_adapter_reloads_and_prefers_the_chosen_answers(whole):
     assert (margins > 0).float().mean() >= 0.75, margins
 
 
-def test_a_stopped_run_resumes_exactly(whole, tmp_path):
-    """The run as a stop at its half-way checkpoint leaves it (no later checkpoint, no final, no report), resumed:
-    its steps, losses, rates and preference metrics equal the uninterrupted run's."""
+def test_two_ddp_processes_with_a_precomputed_reference_train_as_one_and_resume_exactly(whole, tmp_path):
+    """The same global batch (4 rows x 2 micro batches x 2 processes = 4 x 4 x 1), pairs falling unevenly into rows
+    and processes, the reference's log-probs precomputed (each process a share of the rows, gathered) instead of
+    computed beside each step: every step's loss (a mean over the window's pairs) and metrics equal the
+    one-process run's. Stopped at its half-way checkpoint and resumed, the run reads its stored reference instead
+    of computing it again, and gives the same steps."""
     folder, report = whole
-    cut = tmp_path / "cut"
-    shutil.copytree(folder, cut)
-    for later in [cut / "checkpoints" / f"step-{len(report['history'])}", cut / "final", cut / "report.json"]:
+    ddp = tmp_path / "ddp"
+    first = run_dpo(ddp, "--recipe", "single-gpu-lora", "--num-processes", "2", "distributed_type=ddp",
+                    "supports.max_processes=null", "gradient_accumulation_steps=2", "dpo.precompute_ref_log_probs=true",
+                    *EXACT)
+    assert first["setup"]["num_processes"] == 2
+    assert "reference: 338 pairs' log-probs computed in" in (tmp_path / "ddp.log").read_text()
+    store = torch.load(ddp / "reference_logps.pt", weights_only=True)["logps"]
+    assert store.shape == (338, 2) and bool((store < 0).all())  # every train and eval pair, log-probabilities
+    # (the store's batches differ: 1e-4; not the accuracy, which counts margins > 0 while policy = reference)
+    for key in ("loss", "pairs", "rewards/margins", "rewards/chosen", "logps/rejected"):
+        assert [h[key] for h in first["history"]] == pytest.approx([h[key] for h in report["history"]], abs=1e-4), key
+    for later in [ddp / "checkpoints" / f"step-{len(first['history'])}", ddp / "final", ddp / "report.json"]:
         shutil.rmtree(later) if later.is_dir() else later.unlink()
-    assert (cut / "checkpoints" / "step-6").is_dir()
-    resumed = run_dpo(cut, "--resume")
-    assert "resumed from" in (tmp_path / "cut.log").read_text()
-    for key in ("loss", "lr", "rewards/margins", "rewards/accuracies", "pairs"):
-        assert [h[key] for h in resumed["history"]] == pytest.approx([h[key] for h in report["history"]], abs=1e-5), key
+    assert (ddp / "checkpoints" / "step-6").is_dir()
+    resumed = run_dpo(ddp, "--resume")
+    log = (tmp_path / "ddp.log").read_text()
+    assert "resumed from" in log and "reference: 338 pairs' log-probs read from reference_logps.pt" in log
+    for key in ("loss", "lr", "rewards/margins", "pairs"):
+        assert [h[key] for h in resumed["history"]] == pytest.approx([h[key] for h in first["history"]], abs=1e-6), key
 
 
-def test_two_ddp_processes_train_as_one(whole, tmp_path):
-    """The same global batch (4 rows x 2 micro batches x 2 processes = 4 x 4 x 1), pairs falling unevenly into
-    rows and processes: each step's loss (a mean over the window's pairs) and metrics equal the one-process run's."""
-    folder, report = whole
-    ddp = run_dpo(tmp_path / "ddp", "--recipe", "single-gpu-lora", "--num-processes", "2", "distributed_type=ddp",
-                  "supports.max_processes=null", "gradient_accumulation_steps=2", *EXACT)
-    assert ddp["setup"]["num_processes"] == 2
-    for key in ("loss", "pairs", "rewards/margins", "rewards/accuracies"):
-        assert [h[key] for h in ddp["history"]] == pytest.approx([h[key] for h in report["history"]], abs=1e-5), key
+def test_a_full_fine_tune_trains_against_its_precomputed_reference(tmp_path):
+    """No LoRA: the reference is the initial model's log-probs, precomputed (no frozen copy held beside it)."""
+    report = run_dpo(tmp_path / "full", "--recipe", "adamw-8bit", "--num-processes", "1", "max_steps=8")
+    assert "reference: its log-probs precomputed before the first step" in (tmp_path / "full.log").read_text()
+    assert report["setup"]["trainable_params"] == report["setup"]["params"]
+    first, last = report["history"][0], report["history"][-1]
+    assert last["rewards/accuracies"] > 0.6 and last["rewards/margins"] > first["rewards/margins"] + 0.2
+    assert last["loss"] < 0.9 * first["loss"]
 
 
 @pytest.mark.parametrize("words, says", [
-    (["--recipe", "single-gpu-full"], "run dpo trains LoRA recipes"),
+    (["--recipe", "single-gpu-full", "dpo.precompute_ref_log_probs=false"], "a full fine-tune's reference is its "
+                                                                              "log-probs precomputed"),
     (["--recipe", "single-gpu-lora", "lora.init_lora_weights=pissa"], "rewrites the base"),
     (["--recipe", "fsdp-lora", "--num-processes", "2"], "run dpo runs one process or DDP")])
 def test_what_run_dpo_does_not_run_yet_is_refused_in_one_line(cli, tmp_path, words, says):

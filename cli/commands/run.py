@@ -31,7 +31,7 @@ from ..planning.registry import flag_overrides
 def command(script, recipe, model, dataset, output_dir, num_processes, num_machines, machine_rank, main_process_ip,
             main_process_port, cpu, report_to, resume, overwrite, dry_run, force, memory_snapshot, overrides):
     """Train with a recipe, checked and launched with accelerate: SCRIPT is sft (supervised fine-tuning) or dpo
-    (preference pairs, LoRA recipes).
+    (preference pairs).
 
     \b
     memrecipe run sft --recipe single-gpu-lora               # the embedded tiny model and data

@@ -391,16 +391,15 @@ def for_script(r: Recipe, script: str) -> Recipe:
     if script != "dpo":
         return r
     r = r if r.dpo is not None else replace(r, dpo=Dpo())
-    if r.lora is None or r.dpo.precompute_ref_log_probs:
-        raise RecipeError("run dpo trains LoRA recipes (single-gpu-lora, qlora, ddp with lora:) in this release, the "
-                          "reference being the base with the adapters off; a full fine-tune's precomputed reference "
-                          "(dpo.precompute_ref_log_probs) is not implemented yet")
-    if r.lora.init_lora_weights in ("pissa", "olora"):
+    if r.lora is None and r.dpo.precompute_ref_log_probs is False:
+        raise RecipeError("a full fine-tune's reference is its log-probs precomputed before training (a frozen copy "
+                          "of the model beside it is not implemented): leave dpo.precompute_ref_log_probs unset or true")
+    if r.lora is not None and r.lora.init_lora_weights in ("pissa", "olora"):
         raise RecipeError(f"lora.init_lora_weights {r.lora.init_lora_weights} rewrites the base, so the adapters off "
                           "are not the reference model: use init_lora_weights true under run dpo")
     if r.distributed_type not in ("no", "ddp"):
         raise RecipeError(f"run dpo runs one process or DDP in this release, not {r.distributed_type}: use "
-                          "single-gpu-lora, qlora, or ddp with a lora: section")
+                          "single-gpu-lora, qlora, adamw-8bit, single-gpu-full or ddp")
     return r
 
 

@@ -136,8 +136,9 @@ class Checkpoints:
         if load_kwargs and saved.is_file():  # loaded non-strictly: every trainable tensor must have been there
             from safetensors import safe_open
 
-            with safe_open(str(saved), framework="pt") as f:
-                missing = {n for n, p in self.model.named_parameters() if p.requires_grad} - set(f.keys())
+            with safe_open(str(saved), framework="pt") as f:  # (saved unwrapped: no DDP "module." in the names)
+                trained = accelerator.unwrap_model(self.model).named_parameters()
+                missing = {n for n, p in trained if p.requires_grad} - set(f.keys())
             if missing:
                 raise RecipeError(f"{newest.name} lacks {len(missing)} trained tensor(s) of this model, e.g. "
                                   f"{sorted(missing)[0]}: it was written by another recipe or LoRA setting")

@@ -79,7 +79,7 @@ def prepare_pairs(recipe, tokenizer, say=None):
         split = train.train_test_split(test_size=recipe.eval_size, seed=recipe.seed)
         train, eval_raw = split["train"], split["test"]
 
-    def finish(raw, name):
+    def finish(raw, name, first=0):
         options = {"tokenizer": tokenizer, "max_length": max_length}
         ds = raw.map(tokenize_pair, fn_kwargs=options, remove_columns=raw.column_names,
                      new_fingerprint=fingerprint(raw, options, tokenize_pair, split_prompt))
@@ -88,7 +88,7 @@ def prepare_pairs(recipe, tokenizer, say=None):
             raise RecipeError(f"no {name} pair keeps a completion token within dpo.max_length={max_length} (all "
                               f"{len(ds)} dropped): raise max_length (and max_seq_length), or shorten the prompts")
         cut = [n for n in kept["cut"] if n]
-        rows = pack_pairs(kept.remove_columns("cut"), recipe.max_seq_length, recipe.packing)
+        rows = pack_pairs(kept.remove_columns("cut"), recipe.max_seq_length, recipe.packing, first)
         tokens = sum(len(ids) for ids in rows["input_ids"])
         say(f"data: {name}: {len(kept):,} pairs kept"
             + (f", {len(ds) - len(kept)} dropped (the prompt fills dpo.max_length={max_length})" if len(kept) < len(ds)
@@ -97,7 +97,55 @@ def prepare_pairs(recipe, tokenizer, say=None):
             + (f", {tokens / (len(rows) * recipe.max_seq_length):.0%} full" if recipe.packing else ", one pair each"))
         return rows
 
-    return finish(train, "train"), finish(eval_raw, "eval") if eval_raw is not None else None
+    train_rows = finish(train, "train")
+    pairs = sum(len(index) for index in train_rows["index"])
+    return train_rows, finish(eval_raw, "eval", pairs) if eval_raw is not None else None
+
+
+REFERENCE_STORE = "reference_logps.pt"  # in the run folder: the reference's log-probs, one [chosen, rejected] per pair
+
+
+def rows_key(*datasets, **inputs) -> str:
+    """What a store of reference log-probs was computed from: the packed rows' tokens and pair indices, and `inputs`
+    (the model, the precision)."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256(repr(sorted(inputs.items())).encode())
+    for ds in datasets:
+        if ds is not None:
+            for column in ("input_ids", "index"):
+                digest.update(np.concatenate([np.asarray(x, dtype=np.int64) for x in ds[column]]).tobytes())
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def reference_store(model, datasets, collate, accelerator, batch_size: int) -> torch.Tensor:
+    """The reference's log-probabilities of every pair of `datasets` (packed rows), [pairs, 2] in fp64, computed once
+    by `model` as it is now (before training; under LoRA with the adapters off), each process a share of the rows,
+    gathered on every process."""
+    from torch.utils.data import DataLoader
+
+    pairs = sum(len(index) for ds in datasets if ds is not None for index in ds["index"])
+    store = torch.full((pairs, 2), float("nan"), dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for ds in datasets:
+        if ds is None:
+            continue
+        loader = accelerator.prepare_data_loader(DataLoader(ds, batch_size=batch_size, collate_fn=collate))
+        for batch in loader:
+            logps = sequence_logps(model, batch).view(-1, 2).double()
+            # the processes' batches differ in pairs: padded to the most, then gathered (the copies that even out the
+            # last batch across processes write the same values again)
+            index = accelerator.pad_across_processes(batch["index"], dim=0, pad_index=-1)
+            logps = accelerator.pad_across_processes(logps, dim=0)
+            index, logps = accelerator.gather(index).cpu(), accelerator.gather(logps).cpu()
+            store[index[index >= 0]] = logps[index >= 0]
+    model.train(was_training)
+    assert not store.isnan().any(), "a pair's reference log-probs were not computed"
+    return store
 
 
 def common_prefix(ids: list[int], other: list[int]) -> int:
@@ -152,11 +200,11 @@ def pair_documents(example: dict) -> list[tuple[list[int], list[int]]]:
     return docs
 
 
-def pack_pairs(ds, width: int, packing: bool = True):
+def pack_pairs(ds, width: int, packing: bool = True, first: int = 0):
     """Rows of whole pairs (bins of their two documents' lengths): input_ids, labels, position_ids (restarting at each
     document), `document` (each token's document in its row, chosen = even, its rejected = the next), the
-    documents' completion lengths, and the pairs' `index` in `ds` (their key in a store of reference log-probs).
-    packing false: one pair per row."""
+    documents' completion lengths, and the pairs' `index` in `ds` plus `first` (their key in a store of reference
+    log-probs: the eval pairs' follow the train pairs'). packing false: one pair per row."""
     from datasets import Dataset
 
     pairs = [pair_documents(ex) for ex in ds]
@@ -170,7 +218,7 @@ def pack_pairs(ds, width: int, packing: bool = True):
         out["position_ids"].append([p for ids, _ in docs for p in range(len(ids))])
         out["document"].append([d for d, (ids, _) in enumerate(docs) for _ in ids])
         out["completion_tokens"].append([len(ds[i][key]) for i in row for key in ("chosen_ids", "rejected_ids")])
-        out["index"].append(list(row))
+        out["index"].append([first + i for i in row])
     return Dataset.from_dict(out)
 
 
