@@ -29,8 +29,8 @@ from memrecipe.planning.registry import EMBEDDED_PREFERENCES
 from memrecipe.training.loss import fuse_head
 from memrecipe.training.measure import allocation_peak
 from memrecipe.training.modeling import embedded_model, load_tokenizer
-from memrecipe.training.preference import (PairCollator, pack_pairs, pair_values, reference_store, sequence_logps,
-                                           tokenize_pair, window_loss)
+from memrecipe.training.preference import (PairCollator, pack_pairs, preference_sums, reference_store,
+                                           sequence_logps, tokenize_pair, window_loss)
 
 MODEL = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
          "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 1024,
@@ -78,8 +78,8 @@ class Ours:
             else:
                 with torch.no_grad(), self.model.disable_adapter():
                     reference = sequence_logps(self.model, b)
-            values = pair_values(sequence_logps(self.model, b), reference, b, self.dpo)
-            loss = window_loss({"pair_loss": values["loss"].sum(), "sft": values["sft"].sum()}, len(values["loss"]), 0)
+            sums = preference_sums(sequence_logps(self.model, b), reference, b, self.dpo)
+            loss = window_loss(sums, sums["pairs"], 0)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -22,8 +22,8 @@ import contextlib
 import time
 
 # first: importing memrecipe quiets library notices that say nothing about the run
-from memrecipe.loop import (METRICS, REFERENCE_STORE, PairCollator, pair_values, prepare_pairs,  # isort: skip
-                            reference_store, rows_key, sequence_logps, target_counts, window_loss)
+from memrecipe.loop import (METRICS, REFERENCE_STORE, PairCollator, pair_values, preference_sums,  # isort: skip
+                            prepare_pairs, reference_store, rows_key, sequence_logps, target_counts, window_loss)
 import torch
 from torch.utils.data import DataLoader
 
@@ -114,11 +114,10 @@ class Preference(sft.Objective):
         for batch in window:
             reference = self.reference(model, batch, accelerator)
             with accelerator.accumulate(model):  # no gradient sync until the window's last micro batch
-                values = pair_values(sequence_logps(model, batch), reference, batch, self.dpo)
-                sums = {"pair_loss": values["loss"].sum(), "sft": values["sft"].sum()}
+                sums = preference_sums(sequence_logps(model, batch), reference, batch, self.dpo)
                 loss = window_loss(sums, pairs, chosen_targets)
                 accelerator.backward(loss * scale)
-            for name, value in [("loss", loss.detach()), *((k, values[k].sum()) for k in METRICS)]:
+            for name, value in [("loss", loss.detach()), *sums["metrics"].items()]:
                 totals[name] = totals.get(name, 0) + value
         names = list(totals)
         summed = accelerator.reduce(torch.stack([totals[n].float() for n in names]), "sum").tolist()

@@ -369,8 +369,8 @@ def test_a_dpo_steps_peak_is_what_the_planner_plans_for_its_rows(models, overrid
     from memrecipe.planning.registry import EMBEDDED_PREFERENCES
     from memrecipe.training.measure import allocation_peak
     from memrecipe.training.modeling import embedded_model, load_tokenizer
-    from memrecipe.training.preference import (PairCollator, pack_pairs, pair_values, sequence_logps, tokenize_pair,
-                                               window_loss)
+    from memrecipe.training.preference import (PairCollator, pack_pairs, preference_sums, sequence_logps,
+                                               tokenize_pair, window_loss)
 
     sys.path.insert(0, str(REPO / "recipes"))
     from dpo import Preference  # the loop's own reference pass
@@ -391,8 +391,8 @@ def test_a_dpo_steps_peak_is_what_the_planner_plans_for_its_rows(models, overrid
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             reference = Preference(r).reference(model, batch, SimpleNamespace(unwrap_model=lambda m: m))
-            values = pair_values(sequence_logps(model, batch), reference, batch, dpo)
-            loss = window_loss({"pair_loss": values["loss"].sum(), "sft": values["sft"].sum()}, len(values["loss"]), 0)
+            sums = preference_sums(sequence_logps(model, batch), reference, batch, dpo)
+            loss = window_loss(sums, sums["pairs"], 0)
         loss.backward()
     est = estimate(r, structure(read_config(models["medium"])), CPU1)
     assert est.working + est.gradients == pytest.approx(allocation_peak(profile), rel=0.1)

@@ -224,8 +224,7 @@ def pack_pairs(ds, width: int, packing: bool = True, first: int = 0):
 
 class PairCollator:
     """Pad rows of packed pairs to the longest (right padding, its own document of position ids); documents numbered
-    across the micro batch: document 2k is pair k's chosen, 2k + 1 its rejected, in row `pair_row[k]`. Keeps
-    `ref_logps` when the rows carry them (a precomputed reference)."""
+    across the micro batch: document 2k is pair k's chosen, 2k + 1 its rejected, in row `pair_row[k]`."""
 
     def __init__(self, pad_token_id: int, multiple: int = 1):
         self.pad, self.multiple = pad_token_id, multiple
@@ -246,8 +245,6 @@ class PairCollator:
         batch["completion_tokens"] = torch.tensor([n for r in rows for n in r["completion_tokens"]])
         batch["index"] = torch.tensor([i for r in rows for i in r["index"]])
         batch["pair_row"] = torch.tensor([n for n, r in enumerate(rows) for _ in r["index"]])  # each pair's row
-        if "ref_logps" in rows[0]:
-            batch["ref_logps"] = torch.tensor([x for r in rows for x in r["ref_logps"]], dtype=torch.float64)
         return batch
 
 
