@@ -6,6 +6,7 @@ and the epoch, and a resumed epoch skips the micro batches it had consumed), a l
 generator (starting an iterator must not draw from the RNG that dropout uses), and accelerate's
 save_state / load_state restoring every process's RNG states."""
 
+import contextlib
 import json
 import os
 import re
@@ -16,20 +17,27 @@ import time
 
 import pytest
 import torch
-
+from helpers import REPO, child_env, free_port
 from safetensors.torch import load_file
-
-from helpers import REPO, child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXACT = ["mixed_precision=no", "max_steps=6", "save_steps=2", "eval_steps=null", "logging_steps=1", "max_seq_length=64"]
 
 
-def start(args, folder):
-    """`memrecipe run sft ...` in its own process group, output to folder.log."""
+def start(args, folder, core=None):
+    """`memrecipe run sft ...` in its own process group, output to folder.log, with a free rendezvous port of its own
+    (two launchers probing accelerate's default port at once both take it); `core`: pinned to that core."""
     log = open(f"{folder}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "memrecipe", "run", "sft", "--output-dir", str(folder), *args],
-                            env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "memrecipe", "run", "sft", "--output-dir", str(folder),
+                             "--main-process-port", str(free_port()), *args], env=child_env(), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin(core))
+
+
+def pin(core):
+    """Runs side by side on this 2-core machine: a 1-process run pinned to a core of its own takes 1 thread (its
+    launcher reads the cores it may use), where two of 2 threads each would thrash; every run of a test pinned,
+    so each trains with the same threads (a 2-process run takes 1 thread per process anyway: not pinned)."""
+    return None if core is None else lambda: os.sched_setaffinity(0, {core % (os.cpu_count() or 1)})
 
 
 def wait_for(predicate, proc, timeout=300):
@@ -40,9 +48,10 @@ def wait_for(predicate, proc, timeout=300):
         time.sleep(0.2)
 
 
-def finish(args, folder):
-    proc = start(args, folder)
-    assert proc.wait(timeout=600) == 0, open(f"{folder}.log").read()[-3000:]
+def finish(*procs):
+    """Wait for runs started side by side (a launch is mostly start-up, one core's work: two share the machine)."""
+    for proc in procs:
+        assert proc.wait(timeout=600) == 0, open(f"{proc.args[proc.args.index('--output-dir') + 1]}.log").read()[-3000:]
 
 
 def losses(folder, key="loss"):
@@ -55,16 +64,18 @@ def final_weights(folder):
     return load_file(final / name)
 
 
-def plain_launch(recipe, folder, *extra):
+def plain_launch(recipe, folder, *extra, core=None):
     """`accelerate launch --config_file <its shipped CPU config> recipes/sft.py` in its own process group, no
     `memrecipe run` (its config's header says ACCELERATE_USE_CPU for a 2-process CPU run)."""
     config = "single_gpu_lora_cpu1" if recipe == "single-gpu-lora" else f"{recipe.replace('-', '_')}_cpu2"
     line = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "accelerate_configs" / f"{config}.yaml"), str(REPO / "recipes" / "sft.py"), "--recipe", recipe,
+            str(REPO / "accelerate_configs" / f"{config}.yaml"), "--main_process_port", str(free_port()),
+            *(["--num_cpu_threads_per_process", "1"] if core is not None else []),  # (it counts all cores)
+            str(REPO / "recipes" / "sft.py"), "--recipe", recipe,
             *EXACT, "--output-dir", str(folder), *extra]
     log = open(f"{folder}.log", "w")
     return subprocess.Popen(line, env=child_env(**({"ACCELERATE_USE_CPU": "true"} if config.endswith("cpu2") else {})),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin(core))
 
 
 def stop_at_a_checkpoint(proc, folder) -> int:
@@ -74,11 +85,22 @@ def stop_at_a_checkpoint(proc, folder) -> int:
     from memrecipe.launching.run_folder import NAME, complete_checkpoints
 
     wait_for(lambda: complete_checkpoints(folder), proc)
-    os.killpg(proc.pid, signal.SIGSTOP)
+    signal_tree(proc, signal.SIGSTOP)
     step = int(NAME.match(complete_checkpoints(folder)[-1].name).group(1))
-    os.killpg(proc.pid, signal.SIGKILL)
+    signal_tree(proc, signal.SIGKILL)
     proc.wait()
     return step
+
+
+def signal_tree(proc, sig):
+    """`sig` to the run's every process, as a scheduler's kill or a lost machine: torch's elastic agent starts each
+    worker in a session of its own, out of reach of the launcher's process group (a SIGKILL to that group alone
+    leaves the workers training)."""
+    import psutil
+
+    for pid in [proc.pid, *(child.pid for child in psutil.Process(proc.pid).children(recursive=True))]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(pid), sig)
 
 
 # each checkpoint holds something the others do not: an adapter on a bf16 base, FSDP shards, ZeRO partitions
@@ -103,14 +125,17 @@ def stop_at_a_checkpoint(proc, folder) -> int:
     ("single-gpu-full", "memrecipe", "extend", [])])
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched_by, mode, words):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    launch = (lambda folder, *extra: plain_launch(recipe, folder, *words, *extra)) if launched_by == "accelerate" else \
-        (lambda folder, *extra: start(["--recipe", recipe, *EXACT, *words, *extra], folder))  # (a shipped config's precision wins)
-    assert launch(whole).wait(timeout=600) == 0, open(f"{whole}.log").read()[-3000:]
+    one = recipe in ("single-gpu-lora", "qlora", "single-gpu-full")  # 1-process recipes: each run pinned to a core
+    launch = (lambda folder, *extra, core: plain_launch(recipe, folder, *words, *extra, core=core if one else None)) \
+        if launched_by == "accelerate" else (lambda folder, *extra, core: start(
+            ["--recipe", recipe, *EXACT, *words, *extra], folder, core if one else None))  # (a shipped config's precision wins)
+    uninterrupted = launch(whole, core=0)  # beside the cut run
     if mode == "kill":
-        resumed_at = stop_at_a_checkpoint(launch(cut), cut)
+        resumed_at = stop_at_a_checkpoint(launch(cut, core=1), cut)
         assert resumed_at < 6 and not (cut / "final").exists()
+        finish(uninterrupted)
     else:
-        assert launch(cut, "max_steps=2").wait(timeout=600) == 0, open(f"{cut}.log").read()[-3000:]
+        finish(uninterrupted, launch(cut, "max_steps=2", core=1))
         resumed_at = 2
     assert {"recipe.yaml", "accelerate_config.yaml"} <= {p.name for p in cut.iterdir()}  # however it was launched
     partial = cut / "checkpoints" / ".tmp-step-5"  # a save cut off by a kill: never taken for a checkpoint
@@ -121,10 +146,11 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched
         resumed.append(tmp_path / "twin")
         subprocess.run(["cp", "-r", str(cut), str(resumed[1])], check=True)
     cut.rename(resumed[0])  # a moved run folder still resumes
-    finish(["--resume", "max_steps=6"], resumed[0])
+    runs = [start(["--resume", "max_steps=6"], resumed[0], 0 if one else None)]
     if launched_by == "accelerate":
-        again = plain_launch(recipe, resumed[1], *words, "--resume")
-        assert again.wait(timeout=600) == 0, open(f"{resumed[1]}.log").read()[-3000:]
+        runs.append(launch(resumed[1], "--resume", core=1))
+    finish(*runs)
+    if launched_by == "accelerate":
         assert cli("report", str(resumed[1])).returncode == 0
     elif mode == "kill":
         assert "taken over" in open(f"{resumed[0]}.log").read()  # the dead run's lock was stale
@@ -208,7 +234,7 @@ def test_a_signal_checkpoints_and_names_the_resume_command(tmp_path, recipe, pro
 
 def test_resume_keeps_the_recipe_and_the_process_count(tmp_path, cli):
     folder = tmp_path / "run"
-    finish(["--recipe", "fsdp", "max_steps=2", "save_steps=1", "save_total_limit=10"], folder)
+    finish(start(["--recipe", "fsdp", "max_steps=2", "save_steps=1", "save_total_limit=10"], folder))
     changed = cli("run", "sft", "--resume", "--output-dir", str(folder), "learning_rate=1e-2")
     assert changed.returncode == 2 and "learning_rate cannot change on --resume" in changed.stderr
     changed = cli("run", "sft", "--resume", "--output-dir", str(folder), "fsdp.activation_checkpointing=false")
@@ -238,14 +264,13 @@ def test_a_running_folder_is_locked(tmp_path, cli):
     assert second.returncode == 2 and f"in use by process {proc.pid}" in second.stderr
     resumed = cli("run", "sft", "--resume", "--output-dir", str(folder))  # not "no complete checkpoint"
     assert resumed.returncode == 2 and f"in use by process {proc.pid}" in resumed.stderr
-    os.killpg(proc.pid, signal.SIGKILL)
+    signal_tree(proc, signal.SIGKILL)
     proc.wait()
 
 
 def test_a_non_finite_loss_stops_in_one_line_naming_the_step(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from memrecipe.training.modeling import embedded_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     poisoned = tmp_path / "poisoned-model"  # one NaN weight: the very first loss is NaN
     model = AutoModelForCausalLM.from_pretrained(embedded_model())

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from memrecipe.errors import RecipeError
 from memrecipe.launching.runner import plan_run
 from memrecipe.planning.hardware import Machine
@@ -40,6 +39,20 @@ def test_deepspeed_on_cpu_picks_its_own_accelerator_and_gpus_get_their_share_of_
     gpu = plan_run("sft", "zero3-offload", [], tmp_path / "b", {"num_processes": 8}, dry_run=True, machine=NODE)
     assert gpu.env["OMP_NUM_THREADS"] == "12" and "--num_cpu_threads_per_process" not in gpu.command
     assert "per GPU" in gpu.banner
+
+
+def test_a_process_pinned_to_one_core_launches_one_thread(tmp_path):
+    """Slurm's cpus-per-task, taskset and container cpusets limit the cores a run may use: its thread share is
+    taken from them, not from the machine's count (2 threads on 1 core thrash)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "memrecipe", "run", "sft", "--recipe", "single-gpu-lora",
+                           "--dry-run", "--output-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {0}), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--num_cpu_threads_per_process 1 " in done.stdout + done.stderr
 
 
 def test_a_dry_run_names_what_a_run_would_be_refused_for(tmp_path):

@@ -26,7 +26,13 @@ class Machine:
             count, memory = len(out), int(float(out[0]) * 2**20) if out else None
             cap = _smi("compute_cap")  # older drivers do not know the field: bf16 stays unknown
             bf16 = float(cap[0]) >= 8 if cap else None  # Ampere or newer
-        return cls(count, memory, bf16, os.cpu_count() or 1, host_memory())
+        return cls(count, memory, bf16, usable_cores(), host_memory())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: a Slurm allocation, taskset or a container's cpuset, not the machine's
+    count (each launched process's thread share is taken from it; more threads than cores thrash)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _smi(field: str) -> list[str]:

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ..planning.hardware import Machine, host_memory
+from ..planning.hardware import Machine, host_memory, usable_cores
 
 
 def detect_machine() -> Machine:
@@ -16,7 +16,7 @@ def detect_machine() -> Machine:
     # natively: torch counts emulated bf16 too (torch/cuda/__init__.py, is_bf16_supported), which is
     # slow on compute capability 7.x (V100, T4), where `auto` must mean fp16 with loss scaling
     bf16 = torch.cuda.is_bf16_supported(including_emulation=False) if gpus else None
-    return Machine(gpus, memory, bf16, os.cpu_count() or 1, host_memory())
+    return Machine(gpus, memory, bf16, usable_cores(), host_memory())
 
 
 def quiet_deepspeed() -> None:
