@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,12 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched
         assert expected.keys() == got.keys() and expected
         for name, tensor in expected.items():
             torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
+    if recipe == "single-gpu-lora":  # killed after its last checkpoint, in the final save: the resume trains no step
+        shutil.rmtree(resumed[0] / "final")
+        (resumed[0] / "report.json").unlink()
+        finish(start(["--resume"], resumed[0], 0))
+        assert losses(resumed[0]) == pytest.approx(losses(whole), abs=1e-5)
+        assert final_weights(resumed[0]).keys() == final_weights(whole).keys()
     moved = resumed[-1]  # the export checks: on the folder resumed by its own launch line when there is one
     if recipe in ("single-gpu-lora", "qlora"):  # a checkpoint keeps the adapters, not the base again
         assert all("lora_" in name for name in load_file(moved / "checkpoints" / "step-6" / "model.safetensors"))

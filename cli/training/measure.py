@@ -371,6 +371,8 @@ class Meter:
         """Every process's figures, gathered (a collective: every process calls it), after the final save."""
         from accelerate.utils import gather_object
 
+        if self.held is None:  # a resume from the last step's checkpoint trains no step: held as it was loaded
+            self.held = held_bytes(self.model, self.optimizer) | {"logits": None}
         processes = gather_object([{"process_index": self.accelerator.process_index,
                                     "num_processes": self.accelerator.num_processes, "held": self.held,
                                     "tokens": self.tokens, **peak_memory(self.accelerator.device)}])
