@@ -1,27 +1,28 @@
-"""`memrecipe run dpo` end to end on CPU: the embedded preference set trains (reward accuracy, margins), 2 DDP
-processes with a precomputed reference train as one and resume exactly, a full fine-tune trains against its
-precomputed reference, and the run folder, log, report and card say it was DPO.
+"""`memrecipe run dpo` end to end on CPU: the embedded preference set trains (reward accuracy, margins); 2 DDP
+processes with a precomputed reference, killed and resumed, 2 FSDP-LoRA processes with the adapters off as the
+reference, and a ZeRO-3 full fine-tune against its precomputed reference each train as one process; the run
+folder, log, report and card say it was DPO.
 
 One uninterrupted run (the README's DPO command, in fp32 with a checkpoint half-way) serves every test."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import launch
+from helpers import finish, start, stop_at_a_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXACT = ["mixed_precision=no", "lora.dropout=0", "save_steps=6"]  # fp32 and no dropout: runs compare exactly
 
 
 def run_dpo(folder, *words):
-    done = launch(["memrecipe", "run", "dpo", "--output-dir", str(folder), *words])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (folder.parent / f"{folder.name}.log").write_text(done.stdout + done.stderr)
+    finish(start(list(words), folder, script="dpo"))
     return json.loads((folder / "report.json").read_text())
+
+
+def history(report, key):
+    return [h[key] for h in report["history"]]
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +62,10 @@ def test_the_log_folder_and_card_say_it_is_dpo(whole):
 def test_the_trained_adapter_reloads_and_prefers_the_chosen_answers(whole):
     """The saved adapter is the trained one: on the training pairs it gives the chosen completions a higher
     log-probability margin over the rejected than the base does (what the last step's metrics say)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from memrecipe.planning.registry import EMBEDDED_PREFERENCES
     from memrecipe.training.preference import PairCollator, pack_pairs, sequence_logps, tokenize_pair
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, report = whole
     base_path = json.loads((folder / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -85,40 +85,61 @@ def test_the_trained_adapter_reloads_and_prefers_the_chosen_answers(whole):
     assert (margins > 0).float().mean() >= 0.75, margins
 
 
-def test_two_ddp_processes_with_a_precomputed_reference_train_as_one_and_resume_exactly(whole, tmp_path):
+def test_two_ddp_processes_with_a_precomputed_reference_killed_and_resumed_train_as_one(whole, tmp_path):
     """The same global batch (4 rows x 2 micro batches x 2 processes = 4 x 4 x 1), pairs falling unevenly into rows
     and processes, the reference's log-probs precomputed (each process a share of the rows, gathered) instead of
-    computed beside each step: every step's loss (a mean over the window's pairs) and metrics equal the
-    one-process run's. Stopped at its half-way checkpoint and resumed, the run reads its stored reference instead
-    of computing it again, and gives the same steps."""
+    computed beside each step. SIGKILLed at its checkpoint and resumed, the run reads its stored reference instead
+    of computing it again: every step's loss (a mean over the window's pairs) and metrics equal the uninterrupted
+    one-process run's (the README's command)."""
     folder, report = whole
     ddp = tmp_path / "ddp"
-    first = run_dpo(ddp, "--recipe", "single-gpu-lora", "--num-processes", "2", "distributed_type=ddp",
-                    "supports.max_processes=null", "gradient_accumulation_steps=2", "dpo.precompute_ref_log_probs=true",
-                    *EXACT)
-    assert first["setup"]["num_processes"] == 2
+    words = ["--recipe", "single-gpu-lora", "--num-processes", "2", "distributed_type=ddp",
+             "supports.max_processes=null", "gradient_accumulation_steps=2", "dpo.precompute_ref_log_probs=true", *EXACT]
+    killed_at = stop_at_a_checkpoint(start(words, ddp, script="dpo"), ddp)
     assert "reference: 338 pairs' log-probs computed in" in (tmp_path / "ddp.log").read_text()
     store = torch.load(ddp / "reference_logps.pt", weights_only=True)["logps"]
     assert store.shape == (338, 2) and bool((store < 0).all())  # every train and eval pair, log-probabilities
-    # (the store's batches differ: 1e-4; not the accuracy, which counts margins > 0 while policy = reference)
-    for key in ("loss", "pairs", "rewards/margins", "rewards/chosen", "logps/rejected"):
-        assert [h[key] for h in first["history"]] == pytest.approx([h[key] for h in report["history"]], abs=1e-4), key
-    for later in [ddp / "checkpoints" / f"step-{len(first['history'])}", ddp / "final", ddp / "report.json"]:
-        shutil.rmtree(later) if later.is_dir() else later.unlink()
-    assert (ddp / "checkpoints" / "step-6").is_dir()
+    assert killed_at == 6 and not (ddp / "final").exists()
     resumed = run_dpo(ddp, "--resume")
     log = (tmp_path / "ddp.log").read_text()
-    assert "resumed from" in log and "reference: 338 pairs' log-probs read from reference_logps.pt" in log
-    for key in ("loss", "lr", "rewards/margins", "pairs"):
-        assert [h[key] for h in resumed["history"]] == pytest.approx([h[key] for h in first["history"]], abs=1e-6), key
+    assert "resumed from checkpoints/step-6" in log and "taken over" in log  # the killed run's lock was stale
+    assert "reference: 338 pairs' log-probs read from reference_logps.pt" in log
+    assert resumed["setup"]["num_processes"] == 2
+    # (the store's batches differ from each step's: 1e-4; not the accuracy, which counts margins > 0 while policy =
+    # reference)
+    for key in ("loss", "lr", "pairs", "rewards/margins", "rewards/chosen", "logps/rejected"):
+        assert history(resumed, key) == pytest.approx(history(report, key), abs=1e-4), key
 
 
-def test_a_full_fine_tune_trains_against_its_precomputed_reference(tmp_path):
-    """No LoRA: the reference is the initial model's log-probs, precomputed (no frozen copy held beside it)."""
-    report = run_dpo(tmp_path / "full", "--recipe", "adamw-8bit", "--num-processes", "1", "max_steps=8")
-    assert "reference: its log-probs precomputed before the first step" in (tmp_path / "full.log").read_text()
-    assert report["setup"]["trainable_params"] == report["setup"]["params"]
-    first, last = report["history"][0], report["history"][-1]
+def test_fsdp_lora_with_the_adapters_off_as_reference_trains_as_one_process(whole, tmp_path):
+    """FSDP2 over 2 processes, the reference its sharded base with the adapters off beside each micro batch: the
+    same global batch's steps equal the one-process run's."""
+    folder, report = whole
+    fsdp = run_dpo(tmp_path / "fsdp", "--recipe", "fsdp-lora", "--num-processes", "2", *EXACT)
+    assert fsdp["setup"]["distributed_type"] == "FSDP" and "the base with the adapters off" in \
+        (tmp_path / "fsdp.log").read_text()
+    for key in ("loss", "lr", "pairs", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert history(fsdp, key) == pytest.approx(history(report, key), abs=1e-5), key
+    assert fsdp["final_eval_metrics"] == pytest.approx(report["final_eval_metrics"], abs=1e-5)
+
+
+def test_zero3_full_fine_tune_against_its_precomputed_reference_trains_as_one_process(tmp_path):
+    """No LoRA: the reference is the initial model's log-probs, precomputed (no frozen copy held beside it), under
+    DeepSpeed ZeRO-3 with offload on 2 processes (the store's forward passes gather the partitioned weights) as
+    on one plain process: the same steps, and the model learns to prefer the chosen answers."""
+    same = ["mixed_precision=no", "max_steps=8", "eval_steps=null", "gradient_checkpointing=true"]
+    zero3, one = tmp_path / "zero3", tmp_path / "one"
+    finish(start(["--recipe", "zero3-offload", "--num-processes", "2", "gradient_accumulation_steps=2", *same], zero3,
+                 script="dpo"),
+           start(["--recipe", "ddp", "--num-processes", "1", "gradient_accumulation_steps=4", *same], one, core=0,
+                 script="dpo"))
+    sharded, plain = (json.loads((f / "report.json").read_text()) for f in (zero3, one))
+    assert sharded["setup"]["distributed_type"] == "DEEPSPEED" and sharded["setup"]["num_processes"] == 2
+    assert "reference: its log-probs precomputed before the first step" in (tmp_path / "zero3.log").read_text()
+    assert plain["setup"]["trainable_params"] == plain["setup"]["params"]
+    for key in ("loss", "pairs", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert history(sharded, key) == pytest.approx(history(plain, key), abs=1e-4), key
+    first, last = plain["history"][0], plain["history"][-1]
     assert last["rewards/accuracies"] > 0.6 and last["rewards/margins"] > first["rewards/margins"] + 0.2
     assert last["loss"] < 0.9 * first["loss"]
 
@@ -127,7 +148,7 @@ def test_a_full_fine_tune_trains_against_its_precomputed_reference(tmp_path):
     (["--recipe", "single-gpu-full", "dpo.precompute_ref_log_probs=false"], "a full fine-tune's reference is its "
                                                                               "log-probs precomputed"),
     (["--recipe", "single-gpu-lora", "lora.init_lora_weights=pissa"], "rewrites the base"),
-    (["--recipe", "fsdp-lora", "--num-processes", "2"], "run dpo runs one process or DDP")])
+    (["--recipe", "tp"], "run dpo does not run tensor parallelism")])
 def test_what_run_dpo_does_not_run_yet_is_refused_in_one_line(cli, tmp_path, words, says):
     out = cli("run", "dpo", "--output-dir", str(tmp_path / "run"), *words)
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr

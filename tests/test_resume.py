@@ -6,53 +6,20 @@ and the epoch, and a resumed epoch skips the micro batches it had consumed), a l
 generator (starting an iterator must not draw from the RNG that dropout uses), and accelerate's
 save_state / load_state restoring every process's RNG states."""
 
-import contextlib
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from helpers import REPO, child_env, free_port
+from helpers import REPO, child_env, finish, free_port, pin, signal_tree, start, stop_at_a_checkpoint, wait_for
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXACT = ["mixed_precision=no", "max_steps=6", "save_steps=2", "eval_steps=null", "logging_steps=1", "max_seq_length=64"]
-
-
-def start(args, folder, core=None):
-    """`memrecipe run sft ...` in its own process group, output to folder.log, with a free rendezvous port of its own
-    (two launchers probing accelerate's default port at once both take it); `core`: pinned to that core."""
-    log = open(f"{folder}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "memrecipe", "run", "sft", "--output-dir", str(folder),
-                             "--main-process-port", str(free_port()), *args], env=child_env(), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin(core))
-
-
-def pin(core):
-    """Runs side by side on this 2-core machine: a 1-process run pinned to a core of its own takes 1 thread (its
-    launcher reads the cores it may use), where two of 2 threads each would thrash; every run of a test pinned,
-    so each trains with the same threads (a 2-process run takes 1 thread per process anyway: not pinned)."""
-    return None if core is None else lambda: os.sched_setaffinity(0, {core % (os.cpu_count() or 1)})
-
-
-def wait_for(predicate, proc, timeout=300):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, f"the run ended early ({proc.returncode})"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
-
-
-def finish(*procs):
-    """Wait for runs started side by side (a launch is mostly start-up, one core's work: two share the machine)."""
-    for proc in procs:
-        assert proc.wait(timeout=600) == 0, open(f"{proc.args[proc.args.index('--output-dir') + 1]}.log").read()[-3000:]
 
 
 def losses(folder, key="loss"):
@@ -77,31 +44,6 @@ def plain_launch(recipe, folder, *extra, core=None):
     log = open(f"{folder}.log", "w")
     return subprocess.Popen(line, env=child_env(**({"ACCELERATE_USE_CPU": "true"} if config.endswith("cpu2") else {})),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin(core))
-
-
-def stop_at_a_checkpoint(proc, folder) -> int:
-    """SIGSTOP the run's process group as soon as a checkpoint is complete, then SIGKILL it: no chance to clean up
-    (the lock and maybe a .tmp checkpoint stay). Returns the newest complete checkpoint's step, the one a resume
-    must start from: pinned, not guessed, however far the run got before the stop."""
-    from memrecipe.launching.run_folder import NAME, complete_checkpoints
-
-    wait_for(lambda: complete_checkpoints(folder), proc)
-    signal_tree(proc, signal.SIGSTOP)
-    step = int(NAME.match(complete_checkpoints(folder)[-1].name).group(1))
-    signal_tree(proc, signal.SIGKILL)
-    proc.wait()
-    return step
-
-
-def signal_tree(proc, sig):
-    """`sig` to the run's every process, as a scheduler's kill or a lost machine: torch's elastic agent starts each
-    worker in a session of its own, out of reach of the launcher's process group (a SIGKILL to that group alone
-    leaves the workers training)."""
-    import psutil
-
-    for pid in [proc.pid, *(child.pid for child in psutil.Process(proc.pid).children(recursive=True))]:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(os.getpgid(pid), sig)
 
 
 # each checkpoint holds something the others do not: an adapter on a bf16 base, FSDP shards, ZeRO partitions

@@ -397,9 +397,9 @@ def for_script(r: Recipe, script: str) -> Recipe:
     if r.lora is not None and r.lora.init_lora_weights in ("pissa", "olora"):
         raise RecipeError(f"lora.init_lora_weights {r.lora.init_lora_weights} rewrites the base, so the adapters off "
                           "are not the reference model: use init_lora_weights true under run dpo")
-    if r.distributed_type not in ("no", "ddp"):
-        raise RecipeError(f"run dpo runs one process or DDP in this release, not {r.distributed_type}: use "
-                          "single-gpu-lora, qlora, adamw-8bit, single-gpu-full or ddp")
+    if r.parallelism is not None:
+        raise RecipeError("run dpo does not run tensor parallelism in this release: use fsdp-lora or fsdp for a model "
+                          "that one GPU cannot hold")
     return r
 
 
