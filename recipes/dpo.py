@@ -5,11 +5,12 @@ objective.
     accelerate launch --config_file accelerate_configs/single_gpu_lora_cpu1.yaml \
         recipes/dpo.py --recipe recipes/single-gpu-lora.yaml [--output-dir DIR] [key=value ...]
 
-The recipe's `dpo:` section holds TRL's keys (beta, loss_type, loss_weights, label_smoothing); the data is TRL's
-preference formats (prompt / chosen / rejected, as text or messages, or chosen / rejected with the prompt shared).
-What differs from sft.py is here: the data (each pair's chosen and rejected packed as two documents of one row,
-never split), the reference (never a second model: under LoRA the same weights with the adapters off; for a full
-fine-tune the initial model's log-probs, computed before step 1 and kept in the run folder), and the objective's
+The recipe's `dpo:` section holds TRL's keys (beta, loss_type, loss_weights, label_smoothing, simpo_gamma); the
+data is TRL's preference formats (prompt / chosen / rejected, as text or messages, or chosen / rejected with the
+prompt shared). What differs from sft.py is here: the data (each pair's chosen and rejected packed as two documents
+of one row, never split), the reference (never a second model: under LoRA the same weights with the adapters off;
+for a full fine-tune the initial model's log-probs, computed before step 1 and kept in the run folder; none for
+SimPO and ORPO), and the objective's
 window (`Preference`); the run, the model, the optimizer, the schedule, the loop and the report are sft.py's own
 steps, imported from it (keep the two files side by side).
 
@@ -24,10 +25,9 @@ import time
 # first: importing memrecipe quiets library notices that say nothing about the run
 from memrecipe.loop import (METRICS, REFERENCE_STORE, PairCollator, pair_values, preference_sums,  # isort: skip
                             prepare_pairs, reference_store, rows_key, sequence_logps, target_counts, window_loss)
+import sft  # the setup steps, the loop and the finish: recipes/sft.py, beside this file
 import torch
 from torch.utils.data import DataLoader
-
-import sft  # the setup steps, the loop and the finish: recipes/sft.py, beside this file
 
 
 def setup_pairs(recipe, tokenizer, accelerator, say):
@@ -53,7 +53,7 @@ class Preference(sft.Objective):
         # the reference's log-probs computed once before training (a full fine-tune's default: no frozen copy of the
         # model), or beside each micro batch with the adapters off (LoRA's default)
         self.precompute = self.dpo.precompute_ref_log_probs if self.dpo.precompute_ref_log_probs is not None \
-            else recipe.lora is None
+            else recipe.lora is None and not self.dpo.reference_free
         self.store = None  # [pairs, 2]: chosen, rejected
 
     def start(self, model, train_loader, eval_loader, accelerator, run, say):
@@ -91,11 +91,15 @@ class Preference(sft.Objective):
         d = self.dpo
         return (f"dpo: {' + '.join(f'{w:g} x {t}' for t, w in zip(d.losses, d.weights))}, beta {d.beta:g}"
                 + (f", label_smoothing {d.label_smoothing:g}" if d.label_smoothing else "")
-                + "; reference: " + ("its log-probs precomputed before the first step" if self.precompute else
+                + (f", simpo_gamma {d.gamma:g}" if "simpo" in d.losses else "")
+                + "; reference: " + ("none (a reference-free objective: no reference pass)" if d.reference_free else
+                                     "its log-probs precomputed before the first step" if self.precompute else
                                      "the base with the adapters off, beside each micro batch"))
 
     @torch.no_grad()
     def reference(self, model, batch, accelerator):
+        if self.dpo.reference_free:
+            return None
         if self.store is not None:  # precomputed: looked up by the pairs' index
             return self.store[batch["index"].cpu()].flatten().to(accelerator.device)
         with self.adapters_off(model, accelerator):

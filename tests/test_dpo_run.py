@@ -165,3 +165,15 @@ def test_bad_preference_data_is_one_line_and_writes_nothing(cli, tmp_path):
                   "--output-dir", str(tmp_path / name))
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert not Path(tmp_path / name).exists()
+
+
+def test_simpo_trains_with_no_reference_at_all(tmp_path):
+    """SimPO is reference-free: no reference pass runs, no store is computed or written; the rewards (beta x the
+    mean log-prob per completion token) separate the chosen from the rejected."""
+    report = run_dpo(tmp_path / "simpo", "--recipe", "single-gpu-lora", "dpo.loss_type=simpo", "dpo.beta=2.0",
+                     "eval_steps=null")
+    assert "reference: none (a reference-free objective" in (tmp_path / "simpo.log").read_text()
+    assert not (tmp_path / "simpo" / "reference_logps.pt").exists()
+    first, last = report["history"][0], report["history"][-1]
+    assert last["rewards/margins"] > first["rewards/margins"] + 0.2 and last["loss"] < 0.9 * first["loss"]
+    assert -20 < last["logps/chosen"] < 0  # per token, as TRL's CPO reports it

@@ -8,11 +8,10 @@ import copy
 import pytest
 import torch
 import trl  # a test dependency (pyproject.toml [test]): TRL's trainer is the reference
-
 from memrecipe.planning.recipe import Dpo
 from memrecipe.training.modeling import embedded_model
-from memrecipe.training.preference import (PairCollator, learnable_pair, pack_pairs, preference_sums, sequence_logps,
-                                           split_prompt, tokenize_pair, window_loss)
+from memrecipe.training.preference import (PairCollator, free_pair_losses, learnable_pair, pack_pairs, preference_sums,
+                                           sequence_logps, split_prompt, tokenize_pair, window_loss)
 
 MAX_LENGTH = 64
 
@@ -215,7 +214,11 @@ def test_a_window_of_uneven_micro_batches_averages_over_its_pairs(tokenizer, bas
 
 
 @pytest.mark.parametrize("words, says", [
-    (["dpo.label_smoothing=0.1"], "dpo.label_smoothing=0.1 is read by loss_type robust only"),
+    (["dpo.label_smoothing=0.1"], "dpo.label_smoothing=0.1 is read by loss_type robust and simpo only"),
+    (["dpo.loss_type=orpo", "dpo.label_smoothing=0.1"], "read by loss_type robust and simpo only, not by orpo"),
+    (["dpo.simpo_gamma=1"], "dpo.simpo_gamma=1 is read by loss_type simpo only"),
+    (["dpo.loss_type=[simpo,sigmoid]"], "simpo uses no reference model and the others (sigmoid) do"),
+    (["dpo.loss_type=orpo", "dpo.precompute_ref_log_probs=true"], "orpo uses no reference model, so there is nothing"),
     (["dpo.loss_type=[sigmoid,ipo]", "dpo.loss_weights=[1]"], "dpo.loss_weights has 1 weight(s) for 2 loss_type(s)"),
     (["dpo.loss_type=sigmod"], "did you mean 'sigmoid'"),
     (["dpo.loss_type=sft"], "sft alone is supervised fine-tuning")])
@@ -228,3 +231,74 @@ def test_run_sft_refuses_a_dpo_section_before_anything_is_written(cli, tmp_path)
     out = cli("run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(tmp_path / "run"), "dpo.beta=0.2")
     assert out.returncode == 2 and "run sft does not read the dpo: section" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def trl_batch(tokenized, pad_token_id):
+    """TRL's CPO/ORPO batch of the same token ids: chosen_* and rejected_* rows (prompt + completion), right-padded,
+    the prompt's tokens masked in the labels (their trainers concatenate and pad them again)."""
+    batch = {}
+    for side in ("chosen", "rejected"):
+        ids = [t["prompt_ids"] + t[f"{side}_ids"] for t in tokenized]
+        width = max(map(len, ids))
+        batch[f"{side}_input_ids"] = torch.tensor([x + [pad_token_id] * (width - len(x)) for x in ids])
+        batch[f"{side}_attention_mask"] = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+        batch[f"{side}_labels"] = torch.tensor([[-100] * len(t["prompt_ids"]) + t[f"{side}_ids"] + [-100] * (width - len(x))
+                                                for t, x in zip(tokenized, ids)])
+    return batch
+
+
+FREE = [dict(loss_type="simpo", beta=2.0), dict(loss_type="simpo", beta=2.5, simpo_gamma=1.2, label_smoothing=0.1),
+        dict(loss_type=["simpo", "sft"], loss_weights=[1.0, 0.7], beta=2.0), dict(loss_type="orpo", beta=0.2)]
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+@pytest.mark.parametrize("config", FREE, ids=["simpo", "simpo-gamma-smoothed", "cpo-simpo", "orpo"])
+def test_each_reference_free_loss_and_its_metrics_equal_trls(tokenizer, base, lora_base, tmp_path, kind, config):
+    """SimPO against trl.experimental's CPOTrainer (loss_type simpo; its cpo_alpha NLL is our sft weight) and ORPO
+    against its ORPOTrainer, through their get_batch_loss_metrics on a padded batch of the same token ids, to 1e-5
+    in fp32. ORPO's NLL is the one difference, by design: TRL's covers the prompt's tokens too, ours the chosen
+    completion only (the prompt is never a target), so ORPO compares with each side's NLL taken out."""
+    from datasets import Dataset
+    from memrecipe.training.loss import fuse_head
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    rows = text_pairs()
+    policy = perturbed(base if kind == "full" else lora_base)
+    tokenized, batch = ours(rows, tokenizer)
+    dpo = Dpo(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()})
+    common = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, beta=dpo.beta)
+    if "orpo" in dpo.losses:
+        trainer_class, args = ORPOTrainer, ORPOConfig(**common)
+    else:
+        trainer_class, args = CPOTrainer, CPOConfig(
+            loss_type="simpo", simpo_gamma=dpo.gamma, label_smoothing=dpo.label_smoothing,
+            cpo_alpha=dict(zip(dpo.losses, dpo.weights)).get("sft", 0.0), **common)
+    trainer = trainer_class(model=copy.deepcopy(policy), args=args, train_dataset=Dataset.from_list(rows),
+                            processing_class=tokenizer)
+    trainer.model.train()
+    theirs, metrics = trainer.get_batch_loss_metrics(trainer.model, trl_batch(tokenized, tokenizer.pad_token_id))
+
+    fuse_head(policy)
+    sums = preference_sums(sequence_logps(policy, batch), None, batch, dpo)
+    mine = window_loss(sums, sums["pairs"], sums["chosen_targets"])
+    if "orpo" in dpo.losses:  # the odds-ratio term alone, on both sides
+        theirs, mine = theirs - metrics["nll_loss"], mine - sums["sft"] / sums["chosen_targets"]
+        # a tiny random model's log-probs per token (~ -7) leave log(1 - p) ~ 0: the odds' correction is checked
+        # where it matters too, on likely completions (per-token log-probs near 0) through TRL's odds_ratio_loss
+        chosen, rejected = torch.tensor([-0.01, -0.3, -0.69, -0.7, -2.0]), torch.tensor([-0.02, -1.5, -0.6, -0.8, -0.1])
+        torch.testing.assert_close(free_pair_losses("orpo", chosen, rejected, dpo),
+                                   -trainer.odds_ratio_loss(chosen, rejected)[0], rtol=1e-6, atol=1e-7)
+    assert float(mine) == pytest.approx(float(theirs), abs=1e-5, rel=1e-5)
+    for name, total in sums["metrics"].items():
+        assert float(total) / sums["pairs"] == pytest.approx(metrics[name], abs=1e-5, rel=1e-5), name
+
+
+def test_reference_free_objectives_need_no_reference_so_pissa_and_full_fine_tunes_run_without_one():
+    from memrecipe.planning.registry import load_recipe
+
+    pissa = load_recipe("single-gpu-lora", ["lora.init_lora_weights=pissa", "dpo.loss_type=orpo"], script="dpo")
+    assert pissa.dpo.reference_free and pissa.lora.init_lora_weights == "pissa"
+    full = load_recipe("single-gpu-full", ["dpo.loss_type=[simpo,sft]", "dpo.precompute_ref_log_probs=false"],
+                       script="dpo")
+    assert full.dpo.reference_free and full.dpo.gamma == 0.5

@@ -95,9 +95,11 @@ class OptimArgs:
 
 
 # the DPO family's objectives, under TRL's names (trl 1.16, DPOConfig.loss_type); `sft` is the NLL of the chosen
-# completions (RPO: loss_type [sigmoid, sft] with loss_weights [1, alpha])
-DpoLoss = Literal["sigmoid", "ipo", "hinge", "robust", "sft"]
-SMOOTHED_LOSSES = ("robust",)  # the ones that read label_smoothing
+# completions (RPO: loss_type [sigmoid, sft] with loss_weights [1, alpha]). simpo (trl.experimental's CPOTrainer,
+# loss_type simpo) and orpo (its ORPOTrainer, the chosen NLL included) use no reference model.
+DpoLoss = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft"]
+SMOOTHED_LOSSES = ("robust", "simpo")  # the ones that read label_smoothing
+REFERENCE_FREE = ("simpo", "orpo", "sft")  # the ones that need no reference model
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ class Dpo:
     beta: float = spec(0.1, low=0, low_open=True)  # higher: the policy stays closer to the reference
     loss_type: DpoLoss | tuple[DpoLoss, ...] = "sigmoid"  # one objective, or a list summed with loss_weights
     loss_weights: tuple[float, ...] | None = None  # one per loss_type; null: 1 each
-    label_smoothing: float = spec(0.0, low=0, high=0.49)  # robust: the share of pairs assumed mislabelled
+    label_smoothing: float = spec(0.0, low=0, high=0.49)  # robust, simpo: the share of pairs assumed mislabelled
+    simpo_gamma: float | None = None  # simpo's target reward margin (TRL's CPOConfig); null: 0.5 under simpo
     # the reference's log-probabilities computed once before training and kept in the run folder (a full fine-tune
     # then needs no frozen copy of the model); null: yes for a full fine-tune, no under LoRA (its reference is
     # the same weights with the adapters off, computed beside each step)
@@ -123,6 +126,15 @@ class Dpo:
     @property
     def weights(self) -> tuple[float, ...]:
         return self.loss_weights or (1.0,) * len(self.losses)
+
+    @property
+    def gamma(self) -> float:
+        return 0.5 if self.simpo_gamma is None else self.simpo_gamma
+
+    @property
+    def reference_free(self) -> bool:
+        """simpo / orpo (with sft): no reference model, so no reference pass nor store."""
+        return all(loss in REFERENCE_FREE for loss in self.losses)
 
 
 @dataclass(frozen=True)
@@ -363,13 +375,25 @@ def check_combinations(r: Recipe) -> None:
 def check_dpo(d: Dpo) -> None:
     losses = d.losses
     if not losses:
-        raise RecipeError("dpo.loss_type is an empty list: name at least one (sigmoid, ipo, hinge, robust, sft)")
+        raise RecipeError("dpo.loss_type is an empty list: name at least one (sigmoid, ipo, hinge, robust, simpo, "
+                          "orpo, sft)")
     if d.loss_weights is not None and len(d.loss_weights) != len(losses):
         raise RecipeError(f"dpo.loss_weights has {len(d.loss_weights)} weight(s) for {len(losses)} loss_type(s) "
                           f"({', '.join(losses)}): give one per loss")
     if d.label_smoothing and not any(loss in SMOOTHED_LOSSES for loss in losses):
-        raise RecipeError(f"dpo.label_smoothing={d.label_smoothing:g} is read by loss_type robust only, not by "
-                          f"{', '.join(losses)}: use loss_type robust, or label_smoothing 0")
+        raise RecipeError(f"dpo.label_smoothing={d.label_smoothing:g} is read by loss_type robust and simpo only, "
+                          f"not by {', '.join(losses)}: use one of them, or label_smoothing 0")
+    if d.simpo_gamma is not None and "simpo" not in losses:
+        raise RecipeError(f"dpo.simpo_gamma={d.simpo_gamma:g} is read by loss_type simpo only, not by "
+                          f"{', '.join(losses)}: use loss_type simpo, or simpo_gamma null")
+    free = [loss for loss in losses if loss in ("simpo", "orpo")]
+    if free and not d.reference_free:
+        raise RecipeError(f"dpo.loss_type {', '.join(free)} uses no reference model and the others "
+                          f"({', '.join(x for x in losses if x not in REFERENCE_FREE)}) do: combine {free[0]} with sft "
+                          "only")
+    if free and d.precompute_ref_log_probs:
+        raise RecipeError(f"dpo.precompute_ref_log_probs: loss_type {free[0]} uses no reference model, so there is "
+                          "nothing to precompute: leave it null")
     if set(losses) == {"sft"}:
         raise RecipeError("dpo.loss_type sft alone is supervised fine-tuning on the chosen completions: add a "
                           "preference loss (e.g. [sigmoid, sft]), or use memrecipe run sft")
@@ -391,15 +415,18 @@ def for_script(r: Recipe, script: str) -> Recipe:
     if script != "dpo":
         return r
     r = r if r.dpo is not None else replace(r, dpo=Dpo())
+    if r.parallelism is not None:
+        raise RecipeError("run dpo does not run tensor parallelism in this release: use fsdp-lora or fsdp for a model "
+                          "that one GPU cannot hold")
+    if r.dpo.reference_free:  # simpo, orpo: no reference model, so nothing below applies
+        return r
     if r.lora is None and r.dpo.precompute_ref_log_probs is False:
         raise RecipeError("a full fine-tune's reference is its log-probs precomputed before training (a frozen copy "
                           "of the model beside it is not implemented): leave dpo.precompute_ref_log_probs unset or true")
     if r.lora is not None and r.lora.init_lora_weights in ("pissa", "olora"):
         raise RecipeError(f"lora.init_lora_weights {r.lora.init_lora_weights} rewrites the base, so the adapters off "
-                          "are not the reference model: use init_lora_weights true under run dpo")
-    if r.parallelism is not None:
-        raise RecipeError("run dpo does not run tensor parallelism in this release: use fsdp-lora or fsdp for a model "
-                          "that one GPU cannot hold")
+                          "are not the reference model: use init_lora_weights true under run dpo (or a "
+                          "reference-free loss_type: simpo, orpo)")
     return r
 
 

@@ -280,31 +280,57 @@ def pair_losses(loss_type: str, chosen: torch.Tensor, rejected: torch.Tensor, le
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
+def free_pair_losses(loss_type: str, chosen: torch.Tensor, rejected: torch.Tensor, dpo) -> torch.Tensor:
+    """The reference-free objectives, one per pair, from the policy's mean log-probability per completion token
+    (chosen, rejected), as trl.experimental's CPOTrainer (simpo) and ORPOTrainer compute them."""
+    if loss_type == "simpo":  # Meng et al. 2024: a margin over length-normalised rewards, no reference
+        logits = chosen - rejected - dpo.gamma / dpo.beta
+        eps = dpo.label_smoothing
+        return -(1 - eps) * F.logsigmoid(dpo.beta * logits) - eps * F.logsigmoid(-dpo.beta * logits)
+    if loss_type == "orpo":  # Hong et al. 2024: the log odds ratio (the chosen NLL is the sft term beside it)
+        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+        return -dpo.beta * F.logsigmoid(log_odds)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation (branching at -ln 2)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")  # TRL's names
 
 
-def pair_values(policy: torch.Tensor, reference: torch.Tensor, batch, dpo) -> dict:
-    """Per pair of the micro batch: `loss` (the weighted objectives other than sft), `sft` (the weighted -log p of
-    the chosen completion, for loss_type sft), `chosen_targets`, and TRL's metrics (METRICS). policy, reference:
-    sequence_logps, one per document (chosen, rejected alternating)."""
+def pair_values(policy: torch.Tensor, reference: torch.Tensor | None, batch, dpo) -> dict:
+    """Per pair of the micro batch: `loss` (the weighted objectives other than the chosen NLL), `sft` (the weighted
+    -log p of the chosen completion: loss_type sft, and orpo's own), `chosen_targets`, and TRL's metrics (METRICS).
+    policy, reference: sequence_logps, one per document (chosen, rejected alternating); reference None for the
+    reference-free objectives (simpo, orpo), whose rewards and logps are per completion token, as TRL's."""
     chosen, rejected = policy[0::2], policy[1::2]
-    ratio_chosen, ratio_rejected = chosen - reference[0::2].to(policy.dtype), rejected - reference[1::2].to(policy.dtype)
     lengths = batch["completion_tokens"].view(-1, 2).to(policy.dtype)
+    if reference is None:  # (TRL's CPO and ORPO average the log-probs over the completion's tokens)
+        chosen, rejected = chosen / lengths[:, 0].clamp(min=1), rejected / lengths[:, 1].clamp(min=1)
+    else:
+        chosen_ratio, rejected_ratio = chosen - reference[0::2].to(policy.dtype), rejected - reference[1::2].to(policy.dtype)
     loss, sft = torch.zeros_like(chosen), torch.zeros_like(chosen)
     for loss_type, weight in zip(dpo.losses, dpo.weights):
-        if loss_type == "sft":
-            sft = sft + weight * -chosen
-        else:
-            loss = loss + weight * pair_losses(loss_type, ratio_chosen, ratio_rejected, lengths, dpo)
+        if loss_type in ("sft", "orpo"):
+            sft = sft + weight * -policy[0::2]  # summed here; the window divides by its chosen target tokens
+        if loss_type in ("simpo", "orpo"):
+            loss = loss + weight * free_pair_losses(loss_type, chosen, rejected, dpo)
+        elif loss_type != "sft":
+            loss = loss + weight * pair_losses(loss_type, chosen_ratio, rejected_ratio, lengths, dpo)
     with torch.no_grad():
-        rewards_chosen, rewards_rejected = dpo.beta * ratio_chosen, dpo.beta * ratio_rejected
+        rewards_chosen, rewards_rejected = ((chosen, rejected) if reference is None else
+                                            (chosen_ratio, rejected_ratio))
+        rewards_chosen, rewards_rejected = dpo.beta * rewards_chosen, dpo.beta * rewards_rejected
         metrics = dict(zip(METRICS, (rewards_chosen, rewards_rejected, (rewards_chosen > rewards_rejected).float(),
                                      rewards_chosen - rewards_rejected, chosen, rejected)))
     return {"loss": loss, "sft": sft, "chosen_targets": target_counts(batch)[0::2], **metrics}
 
 
-def preference_sums(policy: torch.Tensor, reference: torch.Tensor, batch, dpo) -> dict:
+def preference_sums(policy: torch.Tensor, reference: torch.Tensor | None, batch, dpo) -> dict:
     """A micro batch's contribution to its window, as sums (the loop divides by the window's pairs, over every
     process): `pair_loss` (the weighted objectives, summed over pairs), `sft` (the chosen completions' summed
     -log p, for loss_type sft; divided by the window's chosen target tokens), the counts, and TRL's metrics summed
