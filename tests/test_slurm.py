@@ -81,3 +81,18 @@ def test_a_gpu_script_asks_for_the_nodes_cores_and_shares_them_out(cli, tmp_path
     shown = subprocess.run(["bash", "-c", f"PROCESSES_PER_NODE=8\n{exports}\necho $SRUN_CPUS_PER_TASK $OMP_NUM_THREADS"],
                            env={"SLURM_CPUS_PER_TASK": "96", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
     assert shown.stdout.split() == ["96", "12"]  # srun gets the cores; each of the 8 ranks 12 threads
+
+
+def test_a_dpo_script_launches_dpo_py_beside_sft_py_and_refuses_what_run_dpo_refuses(cli, tmp_path):
+    write(cli, tmp_path, "fsdp-lora", "--nodes", "2", "--gpus-per-node", "8", "--script", "dpo", "dpo.beta=0.2")
+    script = (tmp_path / "fsdp-lora.sbatch").read_text()
+    words = launch_words(script)
+    loop = next(w for w in words if w.endswith(".py"))
+    assert loop == "dpo.py" and (tmp_path / "dpo.py").is_file() and (tmp_path / "sft.py").is_file()  # it imports sft
+    assert "dpo.beta=0.2" in script and "--script dpo" in script  # (the regenerate line)
+    refused = cli("slurm", "tp", "--nodes", "1", "--gpus-per-node", "4", "--script", "dpo", "--output-dir",
+                  str(tmp_path / "tp"))
+    assert refused.returncode == 2 and "run dpo does not run tensor parallelism" in refused.stderr
+    sft = cli("slurm", "fsdp", "--nodes", "1", "--gpus-per-node", "4", "dpo.beta=0.2", "--output-dir", str(tmp_path / "x"))
+    assert sft.returncode == 2 and "run sft does not read the dpo: section" in sft.stderr
+    assert not (tmp_path / "tp").exists() and not (tmp_path / "x").exists()

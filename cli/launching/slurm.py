@@ -18,7 +18,8 @@ HEAD = "HEAD_NODE"  # placeholder for main_process_ip in the config: the script 
 
 def sbatch_script(recipe_name: str, folder: str, config_file: str, recipe_file: str, nodes: int, per_node: int,
                   port: int, partition: str | None = None, time: str | None = None, overrides=(),
-                  regenerate: str = "", cpu: bool = False, env: dict | None = None, cpus_per_gpu: int = 8) -> str:
+                  regenerate: str = "", cpu: bool = False, env: dict | None = None, cpus_per_gpu: int = 8,
+                  loop: str = "sft.py") -> str:
     """The sbatch script: submitted as is with `sbatch FILE`, from anywhere (it changes to `folder`).
     `cpu`: the CPU smoke-test form (per_node gloo processes, no GPUs asked for); `env`: what the
     launches need in their environment (configs.launch_env). On GPUs the one
@@ -34,7 +35,7 @@ def sbatch_script(recipe_name: str, folder: str, config_file: str, recipe_file: 
     ranks = ["--num_machines", "$SLURM_NNODES", "--num_processes", "$((SLURM_NNODES * PROCESSES_PER_NODE))",
              "--machine_rank", "$SLURM_NODEID", "--main_process_ip", "$MAIN_PROCESS_IP",
              "--main_process_port", "$MAIN_PROCESS_PORT"]
-    words = launch_words(config_file, "sft.py", recipe_file, nodes, '$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)',
+    words = launch_words(config_file, loop, recipe_file, nodes, '$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)',
                          ranks, ["--output-dir", "$RUN_DIR", "$@"])
     lines = [
         "#!/bin/bash",
