@@ -177,3 +177,16 @@ def test_simpo_trains_with_no_reference_at_all(tmp_path):
     first, last = report["history"][0], report["history"][-1]
     assert last["rewards/margins"] > first["rewards/margins"] + 0.2 and last["loss"] < 0.9 * first["loss"]
     assert -20 < last["logps/chosen"] < 0  # per token, as TRL's CPO reports it
+
+
+def test_an_adapter_given_as_the_model_names_the_merge_that_makes_it_one(whole, cli, tmp_path):
+    """DPO on top of an SFT adapter starts from the SFT model and prefers against it: the adapter is merged into its
+    base first (the merged model is then the start, and with LoRA the reference), as the one line says."""
+    folder, _ = whole
+    for command in (["run", "dpo", "--recipe", "single-gpu-lora", "--output-dir", str(tmp_path / "run")],
+                    ["plan", "--recipe", "single-gpu-lora", "--cpu"]):
+        out = cli(*command, "--model", str(folder / "final"))
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"is a LoRA adapter (adapter_config.json, no config.json), not a model: memrecipe export {folder} " \
+               f"{folder}-merged --merge, then --model {folder}-merged" in out.stderr
+    assert not (tmp_path / "run").exists()

@@ -149,12 +149,24 @@ def _load_json(path: Path) -> dict:
     return config
 
 
+def adapter_folder(path: Path) -> str:
+    """What to do with a LoRA adapter given as the model (an SFT run's final/, say): training starts from a model,
+    so the adapter is merged into its base first (then DPO's reference, the adapters off, is the SFT model)."""
+    run = path.parent if (path.parent / "report.json").is_file() else None
+    merge = f"memrecipe export {run} {run}-merged --merge, then --model {run}-merged" if run else \
+        "merge it into its base (peft's merge_and_unload, saved with save_pretrained) and pass that folder"
+    return (f"{path} is a LoRA adapter (adapter_config.json, no config.json), not a model: {merge} (the merged "
+            "model is then the start, and under run dpo with LoRA the reference)")
+
+
 def read_config(model: str | None) -> dict:
     """config.json of a local folder, a hub id (that file alone), or the embedded default (None)."""
     if model is None:
         return json.loads(EMBEDDED_CONFIG.read_text())
     path = Path(model).expanduser()
     if path.is_dir():
+        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            raise RecipeError(adapter_folder(path))
         if not (path / "config.json").is_file():
             raise RecipeError(f"{model} has no config.json")
         return _load_json(path / "config.json")
