@@ -302,3 +302,27 @@ def test_reference_free_objectives_need_no_reference_so_pissa_and_full_fine_tune
     full = load_recipe("single-gpu-full", ["dpo.loss_type=[simpo,sft]", "dpo.precompute_ref_log_probs=false"],
                        script="dpo")
     assert full.dpo.reference_free and full.dpo.gamma == 0.5
+
+
+def test_pair_columns_map_and_mix_as_sfts_do(tmp_path):
+    """A dataset entry's columns: names where prompt, chosen and rejected come from (a template for the prompt);
+    a mixture takes a mapped source beside one in TRL's names; a column that is not there is one line."""
+    import json
+
+    from memrecipe.errors import RecipeError
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.training.preference import load_pairs
+
+    rows = text_pairs(4)
+    ours_file, theirs_file = tmp_path / "mine.jsonl", tmp_path / "trl.jsonl"
+    ours_file.write_text("\n".join(json.dumps({"q": r["prompt"][:9], "rest": r["prompt"][9:], "good": r["chosen"],
+                                               "bad": r["rejected"], "id": i}) for i, r in enumerate(rows)))
+    theirs_file.write_text("\n".join(json.dumps(r) for r in rows))
+    mapped = "{path: %s, columns: {prompt: '{q}{rest}', chosen: good, rejected: bad}}" % ours_file
+    recipe = load_recipe("single-gpu-lora", [f"dataset=[{mapped}, {{path: {theirs_file}}}]", "seed=3"], script="dpo")
+    pairs = load_pairs(recipe.dataset, recipe, "train")
+    assert sorted(pairs.column_names) == ["chosen", "prompt", "rejected"] and len(pairs) == 8
+    assert sorted(map(json.dumps, pairs)) == sorted(json.dumps(r) for r in rows + rows)
+    typo = load_recipe("single-gpu-lora", ["dataset=[{path: %s, columns: {chosen: goood}}]" % ours_file], script="dpo")
+    with pytest.raises(RecipeError, match=r"columns.chosen: no column 'goood' \(did you mean 'good'\?\)"):
+        load_pairs(typo.dataset, typo, "train")

@@ -47,6 +47,8 @@ class Columns:
     prompt: str | None = None
     completion: str | None = None
     messages: str | None = None  # a column name only: a conversation is a list, not text
+    chosen: str | None = None  # preference pairs (run dpo): the preferred completion (or conversation)
+    rejected: str | None = None  # ... and the other one
 
 
 @dataclass(frozen=True)

@@ -121,21 +121,30 @@ def _map_columns(row: dict, mapping: dict) -> dict:
     return {key: spec.format_map(values) if "{" in spec else row[spec] for key, spec in mapping.items()}
 
 
+def map_columns(raw, columns, where: str = ""):
+    """A source's rows with its `columns:` applied (each field from a column of another name, or a template over
+    the row's columns); unchanged where none is set."""
+    from dataclasses import asdict
+
+    fields = asdict(columns)
+    mapping = {k: v for k, v in fields.items() if v}
+    if not mapping:
+        return raw
+    _check_columns(mapping, raw.column_names, where)
+    # a field left unset is the column of its own name (`columns: {completion: output}` keeps `prompt`)
+    kept = [c for c in raw.column_names if c in fields and c not in mapping]
+    return raw.map(_map_columns, fn_kwargs={"mapping": mapping},
+                   remove_columns=[c for c in raw.column_names if c not in kept],
+                   new_fingerprint=fingerprint(raw, {"mapping": mapping}, _map_columns))
+
+
 def load_source(source, seed: int = 0, where: str = ""):
     """(rows in the three formats' columns, format, rows in the source): a source loaded, its columns
     mapped, and its `fraction` of rows drawn with the seed."""
-    from dataclasses import asdict
-
-    raw = load_any(source.path, source.split)
-    fields = asdict(source.columns)
-    mapping = {k: v for k, v in fields.items() if v}
-    if mapping:
-        _check_columns(mapping, raw.column_names, where)
-        # a field left unset is the column of its own name (`columns: {completion: output}` keeps `prompt`)
-        kept = [c for c in raw.column_names if c in fields and c not in mapping]
-        raw = raw.map(_map_columns, fn_kwargs={"mapping": mapping},
-                      remove_columns=[c for c in raw.column_names if c not in kept],
-                      new_fingerprint=fingerprint(raw, {"mapping": mapping}, _map_columns))
+    paired = [key for key in ("chosen", "rejected") if getattr(source.columns, key)]
+    if paired:
+        raise RecipeError(f"{where}columns.{paired[0]} maps preference pairs, which run dpo trains: remove it here")
+    raw = map_columns(load_any(source.path, source.split), source.columns, where)
     fmt = detect_format(raw.column_names, source.format)
     total = len(raw)
     if source.fraction < 1:

@@ -42,16 +42,17 @@ def load_pairs(spec, recipe, name: str):
 
     from ..errors import RecipeError
     from ..planning.registry import EMBEDDED_PREFERENCES
-    from .data import load_any, sources
+    from .data import load_any, map_columns, sources
 
     parts = []
     for i, source in enumerate(sources(spec)):
         where = f"{name} dataset[{i}] ({source.path}): " if isinstance(spec, tuple) else f"{name} dataset: "
-        raw = load_any(source.path or str(EMBEDDED_PREFERENCES), source.split)
+        raw = map_columns(load_any(source.path or str(EMBEDDED_PREFERENCES), source.split), source.columns, where)
         missing = [c for c in PAIR_COLUMNS if c not in raw.column_names]
         if missing:
             raise RecipeError(f"{where}preference tuning needs columns chosen and rejected (and prompt, or a prompt "
-                              f"shared by both); it has no {' or '.join(missing)}: {', '.join(raw.column_names)}")
+                              f"shared by both); it has no {' or '.join(missing)}: {', '.join(raw.column_names)} "
+                              "(map yours with a dataset entry's columns:, e.g. chosen: response_a)")
         raw = raw.select_columns([c for c in ("prompt", *PAIR_COLUMNS) if c in raw.column_names])
         for column in PAIR_COLUMNS:  # a row without one (a JSON line that lacks the key reads as null)
             empty = next((n for n, value in enumerate(raw[column]) if value is None or len(value) == 0), None)
