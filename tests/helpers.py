@@ -67,11 +67,12 @@ def child_env(**extra) -> dict:
     return env
 
 
-def launch(args, cwd=None, env=None, timeout=600):
-    """Run `accelerate launch ARGS` (or any command list); returns the CompletedProcess."""
+def launch(args, cwd=None, env=None, timeout=600, preexec_fn=None):
+    """Run `accelerate launch ARGS` (or `memrecipe ...`); returns the CompletedProcess."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *args] if args and args[0] != "memrecipe" else \
         [sys.executable, "-m", "memrecipe", *args[1:]]
-    return subprocess.run(cmd, cwd=cwd, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env or child_env(), capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=preexec_fn)
 
 
 def start(args, folder, core=None, script="sft"):

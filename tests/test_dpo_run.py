@@ -26,9 +26,19 @@ def history(report, key):
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dpo") / "whole"
-    return folder, run_dpo(folder, "--recipe", "single-gpu-lora", *EXACT)
+def launched(tmp_path_factory):
+    """The README's DPO run (1 process, pinned to a core) and the same global batch under FSDP2 + LoRA on 2
+    processes, side by side (a launch is mostly start-up, one core's work)."""
+    base = tmp_path_factory.mktemp("dpo")
+    finish(start(["--recipe", "single-gpu-lora", *EXACT], base / "whole", core=0, script="dpo"),
+           start(["--recipe", "fsdp-lora", "--num-processes", "2", *EXACT], base / "fsdp", script="dpo"))
+    return base
+
+
+@pytest.fixture(scope="module")
+def whole(launched):
+    folder = launched / "whole"
+    return folder, json.loads((folder / "report.json").read_text())
 
 
 def test_the_embedded_preferences_train(whole):
@@ -111,13 +121,13 @@ def test_two_ddp_processes_with_a_precomputed_reference_killed_and_resumed_train
         assert history(resumed, key) == pytest.approx(history(report, key), abs=1e-4), key
 
 
-def test_fsdp_lora_with_the_adapters_off_as_reference_trains_as_one_process(whole, tmp_path):
+def test_fsdp_lora_with_the_adapters_off_as_reference_trains_as_one_process(whole, launched):
     """FSDP2 over 2 processes, the reference its sharded base with the adapters off beside each micro batch: the
     same global batch's steps equal the one-process run's."""
     folder, report = whole
-    fsdp = run_dpo(tmp_path / "fsdp", "--recipe", "fsdp-lora", "--num-processes", "2", *EXACT)
+    fsdp = json.loads((launched / "fsdp" / "report.json").read_text())
     assert fsdp["setup"]["distributed_type"] == "FSDP" and "the base with the adapters off" in \
-        (tmp_path / "fsdp.log").read_text()
+        (launched / "fsdp.log").read_text()
     for key in ("loss", "lr", "pairs", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert history(fsdp, key) == pytest.approx(history(report, key), abs=1e-5), key
     assert fsdp["final_eval_metrics"] == pytest.approx(report["final_eval_metrics"], abs=1e-5)

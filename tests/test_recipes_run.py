@@ -1,25 +1,30 @@
 """Every recipe really trains on CPU (the smoke-test mode): loss falls, the model is wrapped as
 the recipe says, every rank knows the world, and the saved model reloads and is the trained one.
 
-Each recipe runs once per session (a module fixture); several tests assert on that run.
+Each recipe runs once per session (a module fixture, two launches side by side); several tests assert on that run.
 """
 
 import json
 import os
+import queue
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import launch, loop_model
+from helpers import free_port, launch, loop_model, pin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SHORT = ["max_steps=20", "eval_steps=10", "logging_steps=5", "max_seq_length=64"]  # packed rows of 64: ~1,000 tokens a step
 
 
-def memrecipe_run(folder, recipe, *args):
-    done = launch(["memrecipe", "run", "sft", "--recipe", recipe, "--output-dir", str(folder), *args, *SHORT])
+ONE_PROCESS = ("single-gpu-lora", "adamw-8bit", "single-gpu-full", "qlora")  # pinned to a core each, side by side
+
+
+def memrecipe_run(folder, recipe, *args, core=None):
+    done = launch(["memrecipe", "run", "sft", "--recipe", recipe, "--output-dir", str(folder), "--main-process-port",
+                   str(free_port()), *args, *SHORT], preexec_fn=pin(core))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (folder.parent / f"{folder.name}.launch.log").write_text(done.stdout + done.stderr)  # what the user saw
     return folder
@@ -27,35 +32,52 @@ def memrecipe_run(folder, recipe, *args):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """recipe -> run folder; launched lazily, each at most once."""
-    base, cache = tmp_path_factory.mktemp("runs"), {}
+    """recipe -> run folder. Every recipe is launched once, two at a time (a launch is mostly start-up, one core's
+    work), in the order the tests ask for them; a test waits for its own."""
+    base, cores = tmp_path_factory.mktemp("runs"), queue.Queue()
+    for core in (0, 1):
+        cores.put(core)
 
-    def get(name):
-        if name in cache:
-            return cache[name]
+    def start(name):
         folder = base / name
-        if name == "single-gpu-lora":  # the copy path: memrecipe cp, then plain accelerate launch from DEST
-            dest = base / "copied"
-            assert launch(["memrecipe", "cp", name, str(dest)]).returncode == 0
-            from memrecipe.planning.registry import EMBEDDED_DATASET
+        core = cores.get()  # a slot; a 1-process run takes its core alone (2 threads each would thrash)
+        pinned = core if name in ONE_PROCESS else None
+        try:
+            if name == "single-gpu-lora":  # the copy path: memrecipe cp, then plain accelerate launch from DEST
+                dest = base / "copied"
+                assert launch(["memrecipe", "cp", name, str(dest)]).returncode == 0
+                from memrecipe.planning.registry import EMBEDDED_DATASET
 
-            done = launch(["--config_file", "single_gpu_lora_cpu1.yaml", "sft.py", "--recipe", "single-gpu-lora.yaml",
-                           "--dataset", str(EMBEDDED_DATASET), "--output-dir", str(folder), *SHORT,
-                           "report_to=tensorboard"], cwd=dest)  # --dataset: the same words as memrecipe run
-            assert done.returncode == 0, done.stderr[-3000:]
-            (base / "copied.log").write_text(done.stdout + done.stderr)
-        elif name == "adamw-8bit":
-            memrecipe_run(folder, name, "--num-processes", "1", "--memory-snapshot")
-        elif name == "fsdp-lora":  # with a checkpoint of the trained weights at the last step
-            memrecipe_run(folder, name, "save_steps=20")
-        elif name == "qlora":  # and the activation offload knob, end to end
-            memrecipe_run(folder, name, "activation_offload=true")
-        else:
-            memrecipe_run(folder, name)
-        cache[name] = folder
+                done = launch(["--config_file", "single_gpu_lora_cpu1.yaml", "--num_cpu_threads_per_process", "1",
+                               "sft.py", "--recipe", "single-gpu-lora.yaml", "--dataset", str(EMBEDDED_DATASET),
+                               "--output-dir", str(folder), *SHORT, "report_to=tensorboard"], cwd=dest,
+                              preexec_fn=pin(pinned))  # --dataset: the same words as memrecipe run
+                assert done.returncode == 0, done.stderr[-3000:]
+                (base / "copied.log").write_text(done.stdout + done.stderr)
+            elif name == "adamw-8bit":
+                memrecipe_run(folder, name, "--num-processes", "1", "--memory-snapshot", core=pinned)
+            elif name == "fsdp-lora":  # with a checkpoint of the trained weights at the last step
+                memrecipe_run(folder, name, "save_steps=20")
+            elif name == "qlora":  # and the activation offload knob, end to end
+                memrecipe_run(folder, name, "activation_offload=true", core=pinned)
+            else:
+                memrecipe_run(folder, name, core=pinned)
+        finally:
+            cores.put(core)
         return folder
 
-    return get
+    order = ["single-gpu-lora", "fsdp", "zero3-offload", "ddp", "zero2", "adamw-8bit", "single-gpu-full", "fsdp-lora",
+             "qlora"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {}
+
+        def get(name):
+            if not futures:  # the first test's request starts them all
+                futures.update((n, pool.submit(start, n)) for n in order)
+            return futures[name].result()
+
+        yield get
+        pool.shutdown(cancel_futures=True)  # (a -k run that needed one recipe waits for the running two only)
 
 
 def report(folder):
@@ -64,10 +86,10 @@ def report(folder):
 
 def reload_eval_loss(folder, model):
     """The eval loss of a reloaded model on the run's own eval split, computed as the loop does."""
+    from memrecipe.planning.registry import load_recipe
     from memrecipe.training.data import Collator, prepare_datasets
     from memrecipe.training.loss import count_targets, model_inputs, token_loss
     from memrecipe.training.modeling import load_tokenizer
-    from memrecipe.planning.registry import load_recipe
 
     recipe = load_recipe(str(Path(folder) / "recipe.yaml")) if (Path(folder) / "recipe.yaml").exists() \
         else load_recipe(report(folder)["recipe"]["name"], SHORT)
@@ -264,11 +286,9 @@ def test_qlora_trains_only_adapters_on_a_4bit_base(runs):
 def test_qlora_adapter_reloads_onto_the_quantized_base(runs):
     from dataclasses import replace
 
+    from memrecipe.planning.registry import load_recipe
     from peft import PeftModel
     from safetensors.torch import load_file
-
-    
-    from memrecipe.planning.registry import load_recipe
 
     folder = runs("qlora")
     final = folder / "final"
