@@ -2,11 +2,13 @@
 
 import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -128,3 +130,30 @@ def signal_tree(proc, sig):
     for pid in [proc.pid, *(child.pid for child in psutil.Process(proc.pid).children(recursive=True))]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(os.getpgid(pid), sig)
+
+
+class SideBySide:
+    """Launches two at a time (a launch is mostly start-up, one core's work: two share this 2-core machine), in
+    the order given, started by the first request; `jobs[name](core)` runs one and returns its result (`core`: the
+    slot it holds, for a 1-process run to pin itself to). Calling the object with a name waits for that one."""
+
+    def __init__(self, jobs: dict):
+        self.jobs, self.futures, self.cores = jobs, {}, queue.Queue()
+        for core in (0, 1):
+            self.cores.put(core)
+        self.pool = ThreadPoolExecutor(max_workers=2)
+
+    def _run(self, name):
+        core = self.cores.get()
+        try:
+            return self.jobs[name](core)
+        finally:
+            self.cores.put(core)
+
+    def __call__(self, name):
+        if not self.futures:
+            self.futures = {n: self.pool.submit(self._run, n) for n in self.jobs}
+        return self.futures[name].result()
+
+    def close(self):
+        self.pool.shutdown(cancel_futures=True)  # (a -k run that needed one waits for the running two only)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, child_env
+from helpers import REPO, SideBySide, child_env, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 # constant learning rate, no clipping; the embedded chat set packs into 38 rows: 4 steps of 8 per epoch, 6 left out
@@ -32,6 +32,7 @@ def run(tmp_path, recipe, processes, micro, accumulation):
     yaml_file, = (f for f in folder.glob("*.yaml") if f.stem != recipe)
     env = child_env(ACCELERATE_USE_CPU="true") if processes > 1 and not recipe.startswith("zero") else child_env()
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_file),
+                           "--main_process_port", str(free_port()),
                            str(REPO / "tests" / "workers" / "first_step_gradients.py"), str(folder / "out.pt"), recipe,
                            *words], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -39,15 +40,25 @@ def run(tmp_path, recipe, processes, micro, accumulation):
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    # 1 process x 4 rows x 2 accumulation = 8 rows per step, plain AdamW
-    return run(tmp_path_factory.mktemp("one"), "ddp", 1, 4, 2)
+def launched(tmp_path_factory):
+    """1 process x 4 rows x 2 accumulation = 8 rows per step, plain AdamW; and each engine's 2 processes x 2 rows x 2
+    accumulation = the same 8 rows per step: launched two at a time."""
+    base = tmp_path_factory.mktemp("engines")
+    jobs = SideBySide({"one": lambda core: run(base, "ddp", 1, 4, 2),
+                       **{recipe: (lambda core, recipe=recipe: run(base, recipe, 2, 2, 2))
+                          for recipe in ("ddp", "fsdp", "zero3-offload")}})
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture(scope="module")
+def one_process(launched):
+    return launched("one")
 
 
 @pytest.mark.parametrize("recipe", ["ddp", "fsdp", "zero3-offload"])
-def test_first_gradients_and_two_epochs_equal_one_process(tmp_path, one_process, recipe):
-    # 2 processes x 2 rows x 2 accumulation = the same 8 rows per step
-    sharded = run(tmp_path, recipe, 2, 2, 2)
+def test_first_gradients_and_two_epochs_equal_one_process(launched, one_process, recipe):
+    sharded = launched(recipe)
     assert sharded["processes"] == 2 and sharded["distributed_type"] == {"fsdp": "FSDP", "ddp": "MULTI_CPU"}.get(
         recipe, "DEEPSPEED")
     assert sharded["targets"] == one_process["targets"]  # the same window of target tokens

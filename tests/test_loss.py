@@ -9,14 +9,13 @@ import sys
 
 import pytest
 import torch
-
-from helpers import REPO, child_env, loop_model, tiny_model, uneven_examples
+from helpers import REPO, SideBySide, child_env, free_port, loop_model, tiny_model, uneven_examples
 from memrecipe.planning.architecture import structure
+from memrecipe.planning.planner import activation_bytes, activation_mode
+from memrecipe.planning.registry import load_recipe
 from memrecipe.training.data import Collator
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss, output_head, token_loss
 from memrecipe.training.measure import LossMemory
-from memrecipe.planning.planner import activation_bytes, activation_mode
-from memrecipe.planning.registry import load_recipe
 
 
 def batch():
@@ -152,9 +151,8 @@ def test_a_batch_without_targets_still_reaches_every_weight():
 def test_a_multimodal_configs_text_part_is_read_for_logit_transforms():
     from types import SimpleNamespace
 
-    from transformers import Gemma3Config
-
     from memrecipe.training.loss import fused_blocker
+    from transformers import Gemma3Config
 
     config = Gemma3Config(text_config={"final_logit_softcapping": 30.0})
     assert "final_logit_softcapping" in fused_blocker(config)
@@ -258,22 +256,39 @@ ENGINES = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("recipe, overrides, variants", ENGINES,
-                         ids=["ddp+tied+lora-head", "fsdp2", "fsdp2-lora-head", "zero2", "zero3", "zero3-lora-head"])
-def test_fused_equals_plain_on_every_engine(tmp_path, recipe, overrides, variants):
+IDS = ["ddp+tied+lora-head", "fsdp2", "fsdp2-lora-head", "zero2", "zero3", "zero3-lora-head"]
+
+
+def fused_vs_plain(folder, recipe, overrides, variants):
+    """One launch of tests/workers/fused_vs_plain.py on 2 processes: both losses, each variant; its results."""
     words = [*overrides, "mixed_precision=no", "gradient_accumulation_steps=1"]
     config = subprocess.run([sys.executable, "-m", "memrecipe", "config", recipe, "--cpu", "--num-processes", "2",
-                             "--output-dir", str(tmp_path), *words], capture_output=True, text=True, env=child_env())
+                             "--output-dir", str(folder), *words], capture_output=True, text=True, env=child_env())
     assert config.returncode == 0, config.stderr
-    yaml_file, = (f for f in tmp_path.glob("*.yaml") if f.stem != recipe)  # beside it: the resolved recipe
+    yaml_file, = (f for f in folder.glob("*.yaml") if f.stem != recipe)  # beside it: the resolved recipe
     env = child_env(FUSED_VARIANTS=variants, **({} if recipe.startswith("zero") else {"ACCELERATE_USE_CPU": "true"}))
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_file),
-                           str(REPO / "tests" / "workers" / "fused_vs_plain.py"), str(tmp_path / "out.json"), recipe,
-                           *words], capture_output=True, text=True, env=env, timeout=280)
+                           "--main_process_port", str(free_port()), str(REPO / "tests" / "workers" / "fused_vs_plain.py"),
+                           str(folder / "out.json"), recipe, *words], capture_output=True, text=True, env=env,
+                          timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "out.json").read_text())
+    return json.loads((folder / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Every engine's launch, two at a time."""
+    base = tmp_path_factory.mktemp("engines")
+    jobs = SideBySide({name: (lambda core, name=name, e=e: fused_vs_plain(base / name, *e)) for name, e in zip(IDS, ENGINES)})
+    yield jobs
+    jobs.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("recipe, overrides, variants", ENGINES, ids=IDS)
+def test_fused_equals_plain_on_every_engine(engines, request, recipe, overrides, variants):
+    results = engines(request.node.callspec.id)
     assert list(results) == ["base", *filter(None, variants.split(","))]
     for variant, r in results.items():
         assert r["num_processes"] == 2 and r["distributed_type"] == {"ddp": "MULTI_CPU", "zero2": "DEEPSPEED",

@@ -6,20 +6,18 @@ Each recipe runs once per session (a module fixture, two launches side by side);
 
 import json
 import os
-import queue
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port, launch, loop_model, pin
+from helpers import SideBySide, free_port, launch, loop_model, pin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SHORT = ["max_steps=20", "eval_steps=10", "logging_steps=5", "max_seq_length=64"]  # packed rows of 64: ~1,000 tokens a step
 
 
-ONE_PROCESS = ("single-gpu-lora", "adamw-8bit", "single-gpu-full", "qlora")  # pinned to a core each, side by side
+ONE_PROCESS = ("single-gpu-lora", "adamw-8bit", "single-gpu-full", "qlora")
 
 
 def memrecipe_run(folder, recipe, *args, core=None):
@@ -32,52 +30,39 @@ def memrecipe_run(folder, recipe, *args, core=None):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """recipe -> run folder. Every recipe is launched once, two at a time (a launch is mostly start-up, one core's
-    work), in the order the tests ask for them; a test waits for its own."""
-    base, cores = tmp_path_factory.mktemp("runs"), queue.Queue()
-    for core in (0, 1):
-        cores.put(core)
+    """recipe -> run folder. Every recipe is launched once, two at a time, in the order the tests ask for them;
+    a test waits for its own."""
+    base = tmp_path_factory.mktemp("runs")
 
-    def start(name):
+    def start(name, core):
         folder = base / name
-        core = cores.get()  # a slot; a 1-process run takes its core alone (2 threads each would thrash)
-        pinned = core if name in ONE_PROCESS else None
-        try:
-            if name == "single-gpu-lora":  # the copy path: memrecipe cp, then plain accelerate launch from DEST
-                dest = base / "copied"
-                assert launch(["memrecipe", "cp", name, str(dest)]).returncode == 0
-                from memrecipe.planning.registry import EMBEDDED_DATASET
+        core = core if name in ONE_PROCESS else None  # a 1-process run pinned: 2 threads each would thrash
+        if name == "single-gpu-lora":  # the copy path: memrecipe cp, then plain accelerate launch from DEST
+            dest = base / "copied"
+            assert launch(["memrecipe", "cp", name, str(dest)]).returncode == 0
+            from memrecipe.planning.registry import EMBEDDED_DATASET
 
-                done = launch(["--config_file", "single_gpu_lora_cpu1.yaml", "--num_cpu_threads_per_process", "1",
-                               "sft.py", "--recipe", "single-gpu-lora.yaml", "--dataset", str(EMBEDDED_DATASET),
-                               "--output-dir", str(folder), *SHORT, "report_to=tensorboard"], cwd=dest,
-                              preexec_fn=pin(pinned))  # --dataset: the same words as memrecipe run
-                assert done.returncode == 0, done.stderr[-3000:]
-                (base / "copied.log").write_text(done.stdout + done.stderr)
-            elif name == "adamw-8bit":
-                memrecipe_run(folder, name, "--num-processes", "1", "--memory-snapshot", core=pinned)
-            elif name == "fsdp-lora":  # with a checkpoint of the trained weights at the last step
-                memrecipe_run(folder, name, "save_steps=20")
-            elif name == "qlora":  # and the activation offload knob, end to end
-                memrecipe_run(folder, name, "activation_offload=true", core=pinned)
-            else:
-                memrecipe_run(folder, name, core=pinned)
-        finally:
-            cores.put(core)
+            done = launch(["--config_file", "single_gpu_lora_cpu1.yaml", "--num_cpu_threads_per_process", "1",
+                           "sft.py", "--recipe", "single-gpu-lora.yaml", "--dataset", str(EMBEDDED_DATASET),
+                           "--output-dir", str(folder), *SHORT, "report_to=tensorboard"], cwd=dest,
+                          preexec_fn=pin(core))  # --dataset: the same words as memrecipe run
+            assert done.returncode == 0, done.stderr[-3000:]
+            (base / "copied.log").write_text(done.stdout + done.stderr)
+        elif name == "adamw-8bit":
+            memrecipe_run(folder, name, "--num-processes", "1", "--memory-snapshot", core=core)
+        elif name == "fsdp-lora":  # with a checkpoint of the trained weights at the last step
+            memrecipe_run(folder, name, "save_steps=20")
+        elif name == "qlora":  # and the activation offload knob, end to end
+            memrecipe_run(folder, name, "activation_offload=true", core=core)
+        else:
+            memrecipe_run(folder, name, core=core)
         return folder
 
     order = ["single-gpu-lora", "fsdp", "zero3-offload", "ddp", "zero2", "adamw-8bit", "single-gpu-full", "fsdp-lora",
              "qlora"]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {}
-
-        def get(name):
-            if not futures:  # the first test's request starts them all
-                futures.update((n, pool.submit(start, n)) for n in order)
-            return futures[name].result()
-
-        yield get
-        pool.shutdown(cancel_futures=True)  # (a -k run that needed one recipe waits for the running two only)
+    jobs = SideBySide({name: (lambda core, name=name: start(name, core)) for name in order})
+    yield jobs
+    jobs.close()
 
 
 def report(folder):
