@@ -25,9 +25,10 @@ import time
 # first: importing memrecipe quiets library notices that say nothing about the run
 from memrecipe.loop import (METRICS, REFERENCE_STORE, PairCollator, pair_values, preference_sums,  # isort: skip
                             prepare_pairs, reference_store, rows_key, sequence_logps, target_counts, window_loss)
-import sft  # the setup steps, the loop and the finish: recipes/sft.py, beside this file
 import torch
 from torch.utils.data import DataLoader
+
+import sft  # the setup steps, the loop and the finish: recipes/sft.py, beside this file
 
 
 def setup_pairs(recipe, tokenizer, accelerator, say):

@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+
 from memrecipe.errors import RecipeError
 from memrecipe.planning.registry import EMBEDDED_MODEL, load_recipe
 from memrecipe.training.data import IGNORE, Collator, detect_format, load_any, pack, prepare_datasets, tokenize
@@ -143,6 +144,7 @@ def test_an_empty_or_malformed_jsonl_is_named_with_its_reason_and_line(tmp_path,
 def mixture_files(folder):
     """20 alpaca-style rows (instruction/input/output) in a JSONL, 10 chat conversations in a parquet."""
     from datasets import Dataset
+
     from memrecipe.planning.registry import EMBEDDED_DATASET
 
     alpaca = folder / "alpaca.jsonl"
@@ -213,9 +215,10 @@ def test_a_partial_column_mapping_keeps_the_fields_it_does_not_name(tok, tmp_pat
 @pytest.mark.parametrize("packing", [False, True])
 def test_train_on_inputs_makes_every_token_after_a_documents_first_a_target(tok, packing):
     import torch
+    from transformers import AutoModelForCausalLM
+
     from memrecipe.training.loss import count_targets, lm_loss
     from memrecipe.training.modeling import embedded_model
-    from transformers import AutoModelForCausalLM
 
     r = load_recipe("single-gpu-lora", ["train_on_inputs=true", f"packing={str(packing).lower()}", "eval_size=0",
                                         "max_seq_length=64"])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers import finish, start, stop_at_a_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -72,10 +73,11 @@ def test_the_log_folder_and_card_say_it_is_dpo(whole):
 def test_the_trained_adapter_reloads_and_prefers_the_chosen_answers(whole):
     """The saved adapter is the trained one: on the training pairs it gives the chosen completions a higher
     log-probability margin over the rejected than the base does (what the last step's metrics say)."""
-    from memrecipe.planning.registry import EMBEDDED_PREFERENCES
-    from memrecipe.training.preference import PairCollator, pack_pairs, sequence_logps, tokenize_pair
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memrecipe.planning.registry import EMBEDDED_PREFERENCES
+    from memrecipe.training.preference import PairCollator, pack_pairs, sequence_logps, tokenize_pair
 
     folder, report = whole
     base_path = json.loads((folder / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from helpers import REPO, SideBySide, child_env, free_port, loop_model, tiny_model, uneven_examples
 from memrecipe.planning.architecture import structure
 from memrecipe.planning.planner import activation_bytes, activation_mode
@@ -151,8 +152,9 @@ def test_a_batch_without_targets_still_reaches_every_weight():
 def test_a_multimodal_configs_text_part_is_read_for_logit_transforms():
     from types import SimpleNamespace
 
-    from memrecipe.training.loss import fused_blocker
     from transformers import Gemma3Config
+
+    from memrecipe.training.loss import fused_blocker
 
     config = Gemma3Config(text_config={"final_logit_softcapping": 30.0})
     assert "final_logit_softcapping" in fused_blocker(config)

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import trl  # a test dependency (pyproject.toml [test]): TRL's trainer is the reference
+
 from memrecipe.planning.recipe import Dpo
 from memrecipe.training.modeling import embedded_model
 from memrecipe.training.preference import (PairCollator, free_pair_losses, learnable_pair, pack_pairs, preference_sums,
@@ -259,9 +260,10 @@ def test_each_reference_free_loss_and_its_metrics_equal_trls(tokenizer, base, lo
     in fp32. ORPO's NLL is the one difference, by design: TRL's covers the prompt's tokens too, ours the chosen
     completion only (the prompt is never a target), so ORPO compares with each side's NLL taken out."""
     from datasets import Dataset
-    from memrecipe.training.loss import fuse_head
     from trl.experimental.cpo import CPOConfig, CPOTrainer
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    from memrecipe.training.loss import fuse_head
 
     rows = text_pairs()
     policy = perturbed(base if kind == "full" else lora_base)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers import SideBySide, free_port, launch, loop_model, pin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -271,9 +272,10 @@ def test_qlora_trains_only_adapters_on_a_4bit_base(runs):
 def test_qlora_adapter_reloads_onto_the_quantized_base(runs):
     from dataclasses import replace
 
-    from memrecipe.planning.registry import load_recipe
     from peft import PeftModel
     from safetensors.torch import load_file
+
+    from memrecipe.planning.registry import load_recipe
 
     folder = runs("qlora")
     final = folder / "final"

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, child_env, finish, free_port, pin, signal_tree, start, stop_at_a_checkpoint, wait_for
 from safetensors.torch import load_file
+
+from helpers import REPO, child_env, finish, free_port, pin, signal_tree, start, stop_at_a_checkpoint, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXACT = ["mixed_precision=no", "max_steps=6", "save_steps=2", "eval_steps=null", "logging_steps=1", "max_seq_length=64"]
@@ -218,8 +219,9 @@ def test_a_running_folder_is_locked(tmp_path, cli):
 
 
 def test_a_non_finite_loss_stops_in_one_line_naming_the_step(tmp_path):
-    from memrecipe.training.modeling import embedded_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memrecipe.training.modeling import embedded_model
 
     poisoned = tmp_path / "poisoned-model"  # one NaN weight: the very first loss is NaN
     model = AutoModelForCausalLM.from_pretrained(embedded_model())

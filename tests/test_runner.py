@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from memrecipe.errors import RecipeError
 from memrecipe.launching.runner import plan_run
 from memrecipe.planning.hardware import Machine

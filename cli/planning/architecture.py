@@ -149,9 +149,12 @@ def _load_json(path: Path) -> dict:
     return config
 
 
-def adapter_folder(path: Path) -> str:
-    """What to do with a LoRA adapter given as the model (an SFT run's final/, say): training starts from a model,
-    so the adapter is merged into its base first (then DPO's reference, the adapters off, is the SFT model)."""
+def adapter_refusal(path: Path) -> str | None:
+    """What to do with a LoRA adapter given as the model (an SFT run's final/, say), None for anything else:
+    training starts from a model, so the adapter is merged into its base first (then DPO's reference, the adapters
+    off, is the SFT model)."""
+    if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
+        return None
     run = path.parent if (path.parent / "report.json").is_file() else None
     merge = f"memrecipe export {run} {run}-merged --merge, then --model {run}-merged" if run else \
         "merge it into its base (peft's merge_and_unload, saved with save_pretrained) and pass that folder"
@@ -165,8 +168,8 @@ def read_config(model: str | None) -> dict:
         return json.loads(EMBEDDED_CONFIG.read_text())
     path = Path(model).expanduser()
     if path.is_dir():
-        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-            raise RecipeError(adapter_folder(path))
+        if why := adapter_refusal(path):
+            raise RecipeError(why)
         if not (path / "config.json").is_file():
             raise RecipeError(f"{model} has no config.json")
         return _load_json(path / "config.json")

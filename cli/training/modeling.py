@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..errors import RecipeError
-from ..planning.architecture import adapter_folder
+from ..planning.architecture import adapter_refusal
 from ..planning.recipe import fp16_blocker
 from ..planning.registry import EMBEDDED_MODEL
 
@@ -99,9 +99,8 @@ def check_model(name_or_path: str, trust_remote_code: bool = False):
 
     if name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().exists():
         raise RecipeError(f"model path {name_or_path} does not exist")
-    folder = Path(name_or_path).expanduser()
-    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
-        raise RecipeError(adapter_folder(folder))
+    if why := adapter_refusal(Path(name_or_path).expanduser()):
+        raise RecipeError(why)
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers and the hub raise many kinds; name the likely cause
