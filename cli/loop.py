@@ -10,7 +10,8 @@ notices that say nothing about the run (memrecipe/__init__.py).
     the optimizer   make_optimizer, wrap_first, prepare
     a step          lm_loss, count_targets, Checkpoints
     preferences     prepare_pairs, PairCollator, sequence_logps, target_counts, pair_values, preference_sums,
-                    window_loss, METRICS, reference_store, rows_key, REFERENCE_STORE (recipes/dpo.py)
+                    window_loss, METRICS, reference_store, reference_weights, rows_key, REFERENCE_STORE
+                    (recipes/dpo.py)
     the end         Meter, save_final, write_report
 
 The names a loop script took before 0.2 (RunFolder, load_base, build_report, ...) still import from here, with a
@@ -33,7 +34,8 @@ from .training.modeling import (add_lora, compile_layers, embedded_model, enable
                                 load_pretrained, load_tokenizer, make_accelerator, prepare, tensor_parallel, wrap_first)
 from .training.optimizers import make_optimizer
 from .training.preference import (METRICS, REFERENCE_STORE, PairCollator, pair_values, preference_sums, prepare_pairs,
-                                  reference_store, rows_key, sequence_logps, target_counts, window_loss)
+                                  reference_store, reference_weights, rows_key, sequence_logps, target_counts,
+                                  window_loss)
 
 quiet_deepspeed()  # a plain accelerate launch without CUDA: name DeepSpeed's CPU accelerator before it is imported
 
@@ -46,7 +48,7 @@ __all__ = ["load_recipe", "flag_overrides", "RecipeError",
            "lm_loss", "count_targets", "Checkpoints",
            "prepare_pairs", "PairCollator", "sequence_logps", "target_counts", "pair_values", "preference_sums",
            "window_loss", "METRICS",
-           "reference_store", "rows_key", "REFERENCE_STORE",
+           "reference_store", "reference_weights", "rows_key", "REFERENCE_STORE",
            "Meter", "save_final", "write_report"]
 
 # name -> (module, its name there, what replaces it)

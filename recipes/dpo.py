@@ -8,10 +8,10 @@ objective.
 The recipe's `dpo:` section holds TRL's keys (beta, loss_type, loss_weights, label_smoothing, simpo_gamma); the
 data is TRL's preference formats (prompt / chosen / rejected, as text or messages, or chosen / rejected with the
 prompt shared). What differs from sft.py is here: the data (each pair's chosen and rejected packed as two documents
-of one row, never split), the reference (never a second model: under LoRA the same weights with the adapters off;
-for a full fine-tune the initial model's log-probs, computed before step 1 and kept in the run folder; none for
-SimPO and ORPO), and the objective's
-window (`Preference`); the run, the model, the optimizer, the schedule, the loop and the report are sft.py's own
+of one row, never split), the reference (never a second model: under LoRA the same weights with the adapters off,
+or, on a saved adapter trained on, its frozen copy; for a full fine-tune the initial model's log-probs, computed
+before step 1 and kept in the run folder; none for SimPO and ORPO), and the objective's window (`Preference`); the
+run, the model, the optimizer, the schedule, the loop and the report are sft.py's own
 steps, imported from it (keep the two files side by side).
 
 Accumulation is exact by pairs: every micro batch's loss is its pairs' summed objective divided by the number
@@ -19,12 +19,12 @@ of pairs in the whole window over all processes (the sft term, by the window's c
 step's gradient is the mean over the window's pairs, however they fall into packed rows and processes.
 """
 
-import contextlib
 import time
 
 # first: importing memrecipe quiets library notices that say nothing about the run
 from memrecipe.loop import (METRICS, REFERENCE_STORE, PairCollator, pair_values, preference_sums,  # isort: skip
-                            prepare_pairs, reference_store, rows_key, sequence_logps, target_counts, window_loss)
+                            prepare_pairs, reference_store, reference_weights, rows_key, sequence_logps,
+                            target_counts, window_loss)
 import torch
 from torch.utils.data import DataLoader
 
@@ -56,6 +56,7 @@ class Preference(sft.Objective):
         self.precompute = self.dpo.precompute_ref_log_probs if self.dpo.precompute_ref_log_probs is not None \
             else recipe.lora is None and not self.dpo.reference_free
         self.store = None  # [pairs, 2]: chosen, rejected
+        self.adapter = recipe.lora.adapter if recipe.lora else None  # a saved adapter trained on: also the reference
 
     def start(self, model, train_loader, eval_loader, accelerator, run, say):
         """Before the first step (and before a resumed run loads its checkpoint, so `model` is the initial one):
@@ -64,7 +65,7 @@ class Preference(sft.Objective):
         if not self.precompute:
             return
         datasets = [train_loader.dataset, eval_loader.dataset if eval_loader is not None else None]
-        key = rows_key(*datasets, model=self.recipe.model_name_or_path or "embedded",
+        key = rows_key(*datasets, model=self.recipe.model_name_or_path or "embedded", adapter=self.adapter,
                        precision=accelerator.mixed_precision)
         path = run.path / REFERENCE_STORE
         saved = torch.load(path, weights_only=True) if path.is_file() else None
@@ -73,7 +74,7 @@ class Preference(sft.Objective):
             say(f"reference: {len(self.store):,} pairs' log-probs read from {path.name} (computed for these rows)")
             return
         tick = time.perf_counter()
-        with self.adapters_off(model, accelerator):
+        with reference_weights(accelerator.unwrap_model(model)):
             self.store = reference_store(model, datasets, train_loader.collate_fn, accelerator,
                                          self.recipe.per_device_train_batch_size)
         if accelerator.is_main_process:
@@ -83,11 +84,6 @@ class Preference(sft.Objective):
             + (" (the rows changed since the run folder's were computed)" if saved is not None else "")
             + f", kept in {path.name}")
 
-    @staticmethod
-    def adapters_off(model, accelerator):
-        unwrapped = accelerator.unwrap_model(model)
-        return unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else contextlib.nullcontext()
-
     def describe(self) -> str:
         d = self.dpo
         return (f"dpo: {' + '.join(f'{w:g} x {t}' for t, w in zip(d.losses, d.weights))}, beta {d.beta:g}"
@@ -95,7 +91,8 @@ class Preference(sft.Objective):
                 + (f", simpo_gamma {d.gamma:g}" if "simpo" in d.losses else "")
                 + "; reference: " + ("none (a reference-free objective: no reference pass)" if d.reference_free else
                                      "its log-probs precomputed before the first step" if self.precompute else
-                                     "the base with the adapters off, beside each micro batch"))
+                                     "the saved adapter's frozen copy, beside each micro batch" if self.adapter
+                                     else "the base with the adapters off, beside each micro batch"))
 
     @torch.no_grad()
     def reference(self, model, batch, accelerator):
@@ -103,7 +100,7 @@ class Preference(sft.Objective):
             return None
         if self.store is not None:  # precomputed: looked up by the pairs' index
             return self.store[batch["index"].cpu()].flatten().to(accelerator.device)
-        with self.adapters_off(model, accelerator):
+        with reference_weights(accelerator.unwrap_model(model)):
             return sequence_logps(model, batch)
 
     def window(self, model, window, accelerator) -> dict:

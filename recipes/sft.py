@@ -169,8 +169,11 @@ def setup_model(recipe, model_path, accelerator, run, say):
     offload = None
     if recipe.gradient_checkpointing:  # recompute each layer in backward (+ its saved input in host memory)
         offload = enable_checkpointing(model, recipe.activation_offload)
-    if recipe.lora:
-        model = add_lora(model, recipe.lora)  # peft, configured by the recipe's lora: section
+    if recipe.lora:  # peft, configured by the recipe's lora: section, or a saved adapter trained on (lora.adapter)
+        # (under DPO, a saved adapter is also kept frozen beside it: the reference, as TRL's ref_adapter_name)
+        model = add_lora(model, recipe.lora, reference=recipe.dpo is not None and not recipe.dpo.reference_free)
+        if recipe.lora.adapter:
+            say(f"lora: trains on the saved adapter {recipe.lora.adapter} (r {recipe.lora.r})")
     if recipe.torch_compile:
         compile_layers(model)  # each decoder layer in place: names, hooks and checkpoints unchanged
     # PiSSA/OLoRA rewrite the base: the adapter as initialized is kept, to convert the final one back

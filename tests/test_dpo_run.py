@@ -191,14 +191,41 @@ def test_simpo_trains_with_no_reference_at_all(tmp_path):
     assert -20 < last["logps/chosen"] < 0  # per token, as TRL's CPO reports it
 
 
-def test_an_adapter_given_as_the_model_names_the_merge_that_makes_it_one(whole, cli, tmp_path):
-    """DPO on top of an SFT adapter starts from the SFT model and prefers against it: the adapter is merged into its
-    base first (the merged model is then the start, and with LoRA the reference), as the one line says."""
-    folder, _ = whole
-    for command in (["run", "dpo", "--recipe", "single-gpu-lora", "--output-dir", str(tmp_path / "run")],
-                    ["plan", "--recipe", "single-gpu-lora", "--cpu"]):
-        out = cli(*command, "--model", str(folder / "final"))
+def test_dpo_on_a_saved_adapter_trains_it_on_against_its_frozen_copy(whole, cli, tmp_path):
+    """DPO on top of an SFT adapter (`--model runs/<sft>/final`, TRL's ref_adapter_name case; here the README run's
+    adapter stands for the SFT one): the policy starts from the adapter and the reference is that adapter frozen, so
+    step 1 has no margin at all (with the adapters off as the reference it would: the adapter already prefers) and
+    logps/chosen is the adapter's, not the base's; the saved adapter is the one that trained, with the start's shape,
+    for the original base, without the frozen copy. A full fine-tune cannot start from an adapter: one line."""
+    from safetensors.torch import load_file
+
+    folder, report = whole
+    start_adapter = folder / "final"
+    on = tmp_path / "on"
+    trained = run_dpo(on, "--recipe", "single-gpu-lora", "--model", str(start_adapter), "eval_steps=null", *EXACT)
+    log = (tmp_path / "on.log").read_text()
+    assert f"lora: trains on the saved adapter {start_adapter}" in log
+    assert "reference: the saved adapter's frozen copy" in log
+    first = trained["history"][0]
+    assert abs(first["rewards/margins"]) < 1e-6 and abs(first["rewards/chosen"]) < 1e-6  # policy = reference
+    # the start is the trained adapter: its log-probs are the README run's last ones, not the base's first
+    assert abs(first["logps/chosen"] - report["history"][0]["logps/chosen"]) > 1
+    last = trained["history"][-3:]  # and it trains on from there
+    assert sum(h["rewards/margins"] for h in last) / 3 > 0.2 and sum(h["rewards/accuracies"] for h in last) / 3 >= 0.8
+    start_config = json.loads((start_adapter / "adapter_config.json").read_text())
+    config = json.loads((on / "final" / "adapter_config.json").read_text())
+    assert (config["r"], sorted(config["target_modules"]), config["base_model_name_or_path"]) == \
+        (start_config["r"], sorted(start_config["target_modules"]), start_config["base_model_name_or_path"])
+    # the frozen copy is planned (an fp32 copy of the trainable adapter) as it is held, and not saved
+    assert any(note.startswith("the reference: the saved adapter's frozen copy") for note in trained["plan"]["notes"])
+    assert trained["plan"]["parameters"] == trained["processes"][0]["held"]["parameters"]
+    assert not (on / "final" / "reference").exists()
+    before, after = load_file(start_adapter / "adapter_model.safetensors"), load_file(on / "final" / "adapter_model.safetensors")
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+    for command in (["run", "dpo", "--recipe", "adamw-8bit", "--output-dir", str(tmp_path / "full")],
+                    ["plan", "--recipe", "single-gpu-full", "--cpu"]):
+        out = cli(*command, "--model", str(start_adapter))
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-        assert f"is a LoRA adapter (adapter_config.json, no config.json), not a model: memrecipe export {folder} " \
-               f"{folder}-merged --merge, then --model {folder}-merged" in out.stderr
-    assert not (tmp_path / "run").exists()
+        assert f"{start_adapter} is a LoRA adapter, and this recipe fine-tunes a whole model: memrecipe export " \
+               f"{folder} {folder}-merged --merge, then --model {folder}-merged" in out.stderr
+    assert not (tmp_path / "full").exists()

@@ -328,3 +328,45 @@ def test_pair_columns_map_and_mix_as_sfts_do(tmp_path):
     typo = load_recipe("single-gpu-lora", ["dataset=[{path: %s, columns: {chosen: goood}}]" % ours_file], script="dpo")
     with pytest.raises(RecipeError, match=r"columns.chosen: no column 'goood' \(did you mean 'good'\?\)"):
         load_pairs(typo.dataset, typo, "train")
+
+
+def test_a_saved_adapter_loads_as_the_start_and_its_frozen_copy_is_the_reference(tokenizer, tmp_path):
+    """The loop's setup on a saved adapter (recipes/sft.py's setup_model): the adapter's weights are the trainable
+    start; under dpo a frozen copy sits beside it, and `reference_weights` computes with it (= the policy before a
+    step, unlike the adapters off) and leaves what trains as it was; under sft there is no copy."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from helpers import loop_model
+
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.training.preference import reference_weights
+
+    saved = get_peft_model(AutoModelForCausalLM.from_pretrained(embedded_model()),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    for name, p in saved.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)  # an adapter that changes the model (peft starts B at 0)
+    saved.save_pretrained(tmp_path / "adapter")
+    words = [f"model_name_or_path={tmp_path / 'adapter'}", "lora.dropout=0"]
+    model, _ = loop_model(load_recipe("single-gpu-lora", words, script="dpo"), embedded_model())
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trains and all(".default." in n for n in trains) and list(model.peft_config) == ["default", "reference"]
+    weights = {k.replace(".weight", ".default.weight"): v for k, v in
+               load_file(tmp_path / "adapter" / "adapter_model.safetensors").items()}
+    state = model.state_dict()
+    assert all(torch.equal(state[k].float(), v.float()) for k, v in weights.items())
+    _, batch = ours(text_pairs(), tokenizer)
+    with torch.no_grad():
+        policy = sequence_logps(model, batch)
+        with reference_weights(model):
+            reference = sequence_logps(model, batch)
+        with model.disable_adapter():
+            base = sequence_logps(model, batch)
+    torch.testing.assert_close(reference, policy, rtol=0, atol=0)
+    assert (policy - base).abs().max() > 0.1
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trains
+    sft, _ = loop_model(load_recipe("single-gpu-lora", words, script="sft"), embedded_model())
+    assert list(sft.peft_config) == ["default"] and sum(p.requires_grad for p in sft.parameters()) == len(trains)

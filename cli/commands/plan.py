@@ -56,12 +56,20 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
     topo = make_topology(n, num_machines, 0, "planned" if num_machines > 1 else None, None, cpu)
     extra = flag_overrides(model=model)
     names = [recipe] if recipe else recipe_names()
-    recipes = [load_recipe(name, [*overrides, *extra]) for name in names]
+    recipes, refused = [], []
+    for name in names:  # a recipe the words do not fit (e.g. a LoRA adapter as --model for a full fine-tune) is left out
+        try:
+            recipes.append(load_recipe(name, [*overrides, *extra]))
+        except RecipeError as e:
+            if recipe or len(refused) == len(names) - 1 and not recipes:  # no recipe to plan: the reason is the answer
+                raise
+            refused.append((name, str(e).removeprefix(f"recipe {name}: ")))
     recipes = [r for r in recipes if only is None or method(r) == only]
     models = {r.model_name_or_path for r in recipes}
     shapes = {m: structure(read_config(m)) for m in models}
 
     rows, skipped = judge_each(recipes, shapes, topo, gpu, host, global_batch)
+    skipped = refused + skipped
     verdicts = [v for _, v, _ in rows]
     if recipe and skipped:  # the one recipe asked for cannot be planned: its reason is the answer
         raise RecipeError(skipped[0][1])

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import RecipeError
+from .paths import read_adapter
 from .registry import EMBEDDED_MODEL
 
 EMBEDDED_CONFIG = EMBEDDED_MODEL / "config.json"
@@ -143,23 +144,10 @@ def _load_json(path: Path) -> dict:
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise RecipeError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): a model's config.json is") from None
+        raise RecipeError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): a saved config is") from None
     if not isinstance(config, dict):
-        raise RecipeError(f"{path} holds a JSON {type(config).__name__}, not a model config (a JSON object)")
+        raise RecipeError(f"{path} holds a JSON {type(config).__name__}, not a config (a JSON object)")
     return config
-
-
-def adapter_refusal(path: Path) -> str | None:
-    """What to do with a LoRA adapter given as the model (an SFT run's final/, say), None for anything else:
-    training starts from a model, so the adapter is merged into its base first (then DPO's reference, the adapters
-    off, is the SFT model)."""
-    if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
-        return None
-    run = path.parent if (path.parent / "report.json").is_file() else None
-    merge = f"memrecipe export {run} {run}-merged --merge, then --model {run}-merged" if run else \
-        "merge it into its base (peft's merge_and_unload, saved with save_pretrained) and pass that folder"
-    return (f"{path} is a LoRA adapter (adapter_config.json, no config.json), not a model: {merge} (the merged "
-            "model is then the start, and under run dpo with LoRA the reference)")
 
 
 def read_config(model: str | None) -> dict:
@@ -168,8 +156,8 @@ def read_config(model: str | None) -> dict:
         return json.loads(EMBEDDED_CONFIG.read_text())
     path = Path(model).expanduser()
     if path.is_dir():
-        if why := adapter_refusal(path):
-            raise RecipeError(why)
+        if (adapter := read_adapter(model)) and adapter.get("base_model_name_or_path"):
+            return read_config(adapter["base_model_name_or_path"])  # the base the adapter applies to
         if not (path / "config.json").is_file():
             raise RecipeError(f"{model} has no config.json")
         return _load_json(path / "config.json")

@@ -3,12 +3,27 @@ inside its own folder, and the slurm script from its own)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
+from ..errors import RecipeError
 from .recipe import Recipe
 
 PATH_KEYS = ("model_name_or_path", "dataset", "eval_dataset", "chat_template")  # keys that may name local files
+
+
+def read_adapter(model: str | None) -> dict | None:
+    """adapter_config.json of a saved LoRA adapter's folder (an SFT run's final/: no config.json beside it), None for
+    anything else (a model folder, a hub id, the embedded default)."""
+    path = Path(model).expanduser() if model else None
+    if path is None or not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{path}/adapter_config.json is not valid JSON ({e.msg} at line {e.lineno})") from None
+    return config if isinstance(config, dict) else {}
 
 
 def absolute_path(value):
@@ -62,8 +77,6 @@ def from_recipe_file(data: dict, folder: Path) -> dict:
 
 def check_paths(recipe: Recipe) -> None:
     """A local path that does not exist, refused in one line (before launch, in validate and in a dry run)."""
-    from ..errors import RecipeError
-
     for key in PATH_KEYS:
         value = getattr(recipe, key)
         for i, path in enumerate(e.path for e in value) if isinstance(value, tuple) else [(None, value)]:

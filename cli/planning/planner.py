@@ -483,6 +483,11 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         elif n > 1:
             grads += wb * Pt  # DDP's gradient buckets: a second copy of the trainable gradients
         opt = optim
+    if recipe.lora and recipe.lora.adapter and recipe.dpo and not recipe.dpo.reference_free:
+        # DPO on a saved adapter: its frozen copy (fp32, as loaded) beside the one that trains is the reference
+        sharded = recipe.fsdp or (recipe.deepspeed and recipe.deepspeed.zero_stage == 3)
+        params += 4 * Pt // (n if sharded else 1)
+        notes.append(f"the reference: the saved adapter's frozen copy ({4 * Pt / 2**20:,.1f} MiB), no second model")
     load = loading_bytes(recipe, s, cb, local)
     if load and not topo.cpu:
         notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")

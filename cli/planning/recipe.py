@@ -8,6 +8,7 @@ machines) is the Topology's business, and the generator joins the two.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import yaml
@@ -78,6 +79,9 @@ class Lora:
     # rewrite the base: the saved adapter is converted so that it applies to the original base
     init_lora_weights: bool | Literal["gaussian", "pissa", "olora"] = True
     bias: Literal["none", "all", "lora_only"] = "none"  # which biases train too (all: every bias of the model)
+    # a saved adapter's folder to train on instead of new adapters (`--model runs/<sft-run>/final` sets it, and the
+    # model to the adapter's base): r, alpha, targets, dora, rslora, bias and modules_to_save are then the adapter's
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -430,6 +434,35 @@ def for_script(r: Recipe, script: str) -> Recipe:
                           "are not the reference model: use init_lora_weights true under run dpo (or a "
                           "reference-free loss_type: simpo, orpo)")
     return r
+
+
+def on_adapter(r: Recipe, path: str, config: dict) -> Recipe:
+    """The recipe that trains on a saved LoRA adapter (an SFT run's final/, `config` its adapter_config.json): lora:
+    takes the adapter's shape (what its weights are; dropout stays the recipe's), lora.adapter the folder they load
+    from, and a model given as the adapter itself becomes the adapter's base. A full fine-tune starts from a model:
+    refused, naming the merge that makes one."""
+    from dataclasses import replace
+
+    given_as_model = r.model_name_or_path == path
+    if r.lora is None:
+        run = Path(path).parent if (Path(path).parent / "report.json").is_file() else None
+        merge = f"memrecipe export {run} {run}-merged --merge, then --model {run}-merged" if run else \
+            "merge it into its base (peft's merge_and_unload, saved with save_pretrained) and pass that folder"
+        raise RecipeError(f"{path} is a LoRA adapter, and this recipe fine-tunes a whole model: {merge} (or train the "
+                          "adapter on with a LoRA recipe, e.g. --recipe single-gpu-lora)")
+    if config.get("peft_type", "LORA") != "LORA" or not config.get("r"):
+        raise RecipeError(f"{path} holds a {config.get('peft_type')} adapter: memrecipe trains LoRA adapters on")
+    base = config.get("base_model_name_or_path")
+    if given_as_model and not base:
+        raise RecipeError(f"{path}/adapter_config.json names no base_model_name_or_path: give the base as --model and "
+                          f"the adapter as lora.adapter={path}")
+    targets = config.get("target_modules") or ()
+    lora = replace(r.lora, r=int(config["r"]), alpha=float(config.get("lora_alpha") or config["r"]),
+                   target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)),
+                   modules_to_save=tuple(config["modules_to_save"]) if config.get("modules_to_save") else None,
+                   use_dora=bool(config.get("use_dora")), use_rslora=bool(config.get("use_rslora")),
+                   bias=config.get("bias") or "none", init_lora_weights=True, adapter=str(Path(path).expanduser().resolve()))
+    return replace(r, lora=lora, model_name_or_path=base if given_as_model else r.model_name_or_path)
 
 
 def fp16_blocker(r: Recipe) -> str | None:

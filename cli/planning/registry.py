@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 
 from ..errors import RecipeError, did_you_mean
-from .paths import from_recipe_file
-from .recipe import Recipe, for_script, make_recipe
+from .paths import from_recipe_file, read_adapter
+from .recipe import Recipe, for_script, make_recipe, on_adapter
 
 PACKAGE = Path(__file__).resolve().parents[1]  # memrecipe/ (cli/ in a checkout)
 # the embedded default: a tiny Llama (config and tokenizer; weights built from a seed) and a chat set
@@ -75,10 +75,23 @@ def load_recipe(name_or_path: str, overrides=(), script: str | None = None) -> R
     with `script`, checked for that loop script (its objective's section, e.g. no dpo: under sft)."""
     path = recipe_path(name_or_path)
     try:
-        recipe = make_recipe(merge(resolve(path), parse_overrides(overrides)))
+        recipe = trained_on(make_recipe(merge(resolve(path), parse_overrides(overrides))))
         return recipe if script is None else for_script(recipe, script)
     except RecipeError as e:
         raise RecipeError(f"recipe {name_or_path}: {e}") from None
+
+
+def trained_on(recipe: Recipe) -> Recipe:
+    """A recipe whose model is a saved LoRA adapter (or that names one as lora.adapter) trains that adapter on, on
+    its base (recipe.on_adapter); any other recipe is returned as it is."""
+    named = recipe.lora.adapter if recipe.lora and recipe.lora.adapter else None
+    config = read_adapter(named or recipe.model_name_or_path)
+    if config is None:
+        if named:
+            raise RecipeError(f"lora.adapter {named} is no saved adapter's folder (adapter_config.json, e.g. "
+                              "runs/<run>/final)")
+        return recipe
+    return on_adapter(recipe, named or recipe.model_name_or_path, config)
 
 
 FLAG_KEYS = {"model": "model_name_or_path", "dataset": "dataset", "report_to": "report_to"}

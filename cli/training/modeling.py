@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from ..errors import RecipeError
-from ..planning.architecture import adapter_refusal
 from ..planning.recipe import fp16_blocker
 from ..planning.registry import EMBEDDED_MODEL
 
@@ -99,8 +98,6 @@ def check_model(name_or_path: str, trust_remote_code: bool = False):
 
     if name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().exists():
         raise RecipeError(f"model path {name_or_path} does not exist")
-    if why := adapter_refusal(Path(name_or_path).expanduser()):
-        raise RecipeError(why)
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers and the hub raise many kinds; name the likely cause
@@ -427,13 +424,23 @@ def lora_config(lora):
                       bias=lora.bias, task_type="CAUSAL_LM")
 
 
-def add_lora(model, lora):
-    """The model with peft's adapters. Everything that trains is fp32, as the adapters are: peft upcasts
-    its adapter layers, not the copies of modules_to_save nor the biases that `bias` trains, which would
-    otherwise take AdamW's updates in the base's 16 bits."""
-    from peft import get_peft_model
+REFERENCE_ADAPTER = "reference"  # a saved adapter's frozen copy beside the one that trains (DPO's reference model)
 
-    model = get_peft_model(model, lora_config(lora))
+
+def add_lora(model, lora, reference: bool = False):
+    """The model with peft's adapters: new ones, or a saved adapter's weights to train on (`lora.adapter`) and, with
+    `reference`, a frozen copy of them beside it (named REFERENCE_ADAPTER: under DPO the reference is the model
+    the adapter makes, as TRL's ref_adapter_name; a few MB, no second model). Everything that trains is fp32, as
+    the adapters are: peft upcasts its adapter layers, not the copies of modules_to_save nor the biases that
+    `bias` trains, which would otherwise take AdamW's updates in the base's 16 bits."""
+    from peft import PeftModel, get_peft_model
+
+    if lora.adapter:
+        model = PeftModel.from_pretrained(model, lora.adapter, is_trainable=True, config=lora_config(lora))
+        if reference:
+            model.load_adapter(lora.adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+    else:
+        model = get_peft_model(model, lora_config(lora))
     for p in model.parameters():
         if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
             p.data = p.data.float()

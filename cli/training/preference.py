@@ -10,6 +10,8 @@ pairs.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -247,6 +249,29 @@ class PairCollator:
         batch["index"] = torch.tensor([i for r in rows for i in r["index"]])
         batch["pair_row"] = torch.tensor([n for n, r in enumerate(rows) for _ in r["index"]])  # each pair's row
         return batch
+
+
+@contextlib.contextmanager
+def reference_weights(model):
+    """The reference model within the policy's own weights, for a no_grad pass: a saved adapter's frozen copy made
+    the active one (an adapter trained on, `modeling.add_lora`; TRL's ref_adapter_name), the adapters off (LoRA),
+    or the model as it is (a full fine-tune, before its first step). `model` unwrapped (peft's PeftModel)."""
+    from .modeling import REFERENCE_ADAPTER
+
+    if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):
+        trains = {p: p.requires_grad for p in model.parameters()}  # peft's set_adapter sets requires_grad: put back
+        model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+        try:
+            yield
+        finally:
+            model.set_adapter("default")
+            for p, flag in trains.items():
+                p.requires_grad_(flag)
+    elif hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            yield
+    else:
+        yield
 
 
 def sequence_logps(model, batch) -> torch.Tensor:
