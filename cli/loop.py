@@ -5,7 +5,7 @@ notices that say nothing about the run (memrecipe/__init__.py).
     the recipe      load_recipe, flag_overrides, RecipeError
     the run folder  open_run
     the model       make_accelerator, embedded_model, load_tokenizer, load_pretrained, tensor_parallel,
-                    enable_checkpointing, add_lora, compile_layers, keep_initial_adapter, fuse_head
+                    enable_checkpointing, add_lora, compile_layers, keep_initial_adapter, fuse_head, frozen_copy
     the data        prepare_datasets, Collator
     the optimizer   make_optimizer, wrap_first, prepare
     a step          lm_loss, count_targets, Checkpoints
@@ -30,8 +30,9 @@ from .training.data import Collator, prepare_datasets
 from .training.device import quiet_deepspeed
 from .training.loss import count_targets, fuse_head, lm_loss
 from .training.measure import Meter
-from .training.modeling import (add_lora, compile_layers, embedded_model, enable_checkpointing, keep_initial_adapter,
-                                load_pretrained, load_tokenizer, make_accelerator, prepare, tensor_parallel, wrap_first)
+from .training.modeling import (add_lora, compile_layers, embedded_model, enable_checkpointing, frozen_copy,
+                                keep_initial_adapter, load_pretrained, load_tokenizer, make_accelerator, prepare,
+                                tensor_parallel, wrap_first)
 from .training.optimizers import make_optimizer
 from .training.preference import (METRICS, REFERENCE_STORE, PairCollator, pair_values, preference_sums, prepare_pairs,
                                   reference_store, reference_weights, rows_key, sequence_logps, target_counts,
@@ -42,7 +43,7 @@ quiet_deepspeed()  # a plain accelerate launch without CUDA: name DeepSpeed's CP
 __all__ = ["load_recipe", "flag_overrides", "RecipeError",
            "open_run",
            "make_accelerator", "embedded_model", "load_tokenizer", "load_pretrained", "tensor_parallel",
-           "enable_checkpointing", "add_lora", "compile_layers", "keep_initial_adapter", "fuse_head",
+           "enable_checkpointing", "add_lora", "compile_layers", "keep_initial_adapter", "fuse_head", "frozen_copy",
            "prepare_datasets", "Collator",
            "make_optimizer", "wrap_first", "prepare",
            "lm_loss", "count_targets", "Checkpoints",

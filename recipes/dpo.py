@@ -22,9 +22,9 @@ step's gradient is the mean over the window's pairs, however they fall into pack
 import time
 
 # first: importing memrecipe quiets library notices that say nothing about the run
-from memrecipe.loop import (METRICS, REFERENCE_STORE, PairCollator, pair_values, preference_sums,  # isort: skip
-                            prepare_pairs, reference_store, reference_weights, rows_key, sequence_logps,
-                            target_counts, window_loss)
+from memrecipe.loop import (METRICS, REFERENCE_STORE, PairCollator, embedded_model, frozen_copy,  # isort: skip
+                            pair_values, preference_sums, prepare_pairs, reference_store, reference_weights, rows_key,
+                            sequence_logps, target_counts, window_loss)
 import torch
 from torch.utils.data import DataLoader
 
@@ -56,12 +56,16 @@ class Preference(sft.Objective):
         self.precompute = self.dpo.precompute_ref_log_probs if self.dpo.precompute_ref_log_probs is not None \
             else recipe.lora is None and not self.dpo.reference_free
         self.store = None  # [pairs, 2]: chosen, rejected
+        self.frozen = None  # a full fine-tune's reference without the store: a frozen copy of the initial model
         self.adapter = recipe.lora.adapter if recipe.lora else None  # a saved adapter trained on: also the reference
 
     def start(self, model, train_loader, eval_loader, accelerator, run, say):
         """Before the first step (and before a resumed run loads its checkpoint, so `model` is the initial one):
         the precomputed reference, read from the run folder when it was computed from these rows, else computed
         now and written there."""
+        if self.recipe.lora is None and not self.precompute and not self.dpo.reference_free:
+            self.frozen = frozen_copy(self.recipe, self.recipe.model_name_or_path or embedded_model(), accelerator)
+            self.held.append(self.frozen)
         if not self.precompute:
             return
         datasets = [train_loader.dataset, eval_loader.dataset if eval_loader is not None else None]
@@ -91,6 +95,8 @@ class Preference(sft.Objective):
                 + (f", simpo_gamma {d.gamma:g}" if "simpo" in d.losses else "")
                 + "; reference: " + ("none (a reference-free objective: no reference pass)" if d.reference_free else
                                      "its log-probs precomputed before the first step" if self.precompute else
+                                     "a frozen copy of the initial model, beside each micro batch" if self.recipe.lora
+                                     is None else
                                      "the saved adapter's frozen copy, beside each micro batch" if self.adapter
                                      else "the base with the adapters off, beside each micro batch"))
 
@@ -100,6 +106,9 @@ class Preference(sft.Objective):
             return None
         if self.store is not None:  # precomputed: looked up by the pairs' index
             return self.store[batch["index"].cpu()].flatten().to(accelerator.device)
+        if self.frozen is not None:  # not prepared by accelerate: its mixed precision, as the policy's forward runs
+            with accelerator.autocast():
+                return sequence_logps(self.frozen, batch)
         with reference_weights(accelerator.unwrap_model(model)):
             return sequence_logps(model, batch)
 

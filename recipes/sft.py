@@ -89,6 +89,7 @@ class Objective:
 
     def __init__(self, recipe):
         self.recipe = recipe
+        self.held = []  # models it keeps beside the trained one (DPO's frozen reference): counted as the run's
 
     def describe(self) -> str | None:
         """A start-up line about the objective (None: nothing to say)."""
@@ -258,6 +259,7 @@ def main(argv=None, script="sft", setup_data=setup_data, objective=Objective):
     if objective.describe():
         say(objective.describe())
     objective.start(model, train_loader, eval_loader, accelerator, run, say)
+    meter.hold(*objective.held)  # their parameters count as held, beside the model's
     train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, checkpoints, meter,
           total_steps, run, say, objective)
     finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapter, eval_loader, meter, say, objective)

@@ -212,11 +212,11 @@ def flat_config(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def held_bytes(model, optimizer) -> dict:
+def held_bytes(model, optimizer, beside=()) -> dict:
     """Bytes of parameters, gradients and optimizer state this process really holds right after an
     optimizer step (before zero_grad): FSDP's local shards, DeepSpeed ZeRO-3's partitions and its
     (possibly offloaded) fp32 master weights, gradients and moments, torchao's 8-bit state tensors,
-    APOLLO's projection matrices. Each storage counted once. With the step in backward no gradient
+    APOLLO's projection matrices, and the parameters of models kept `beside` it. Each storage counted once. With the step in backward no gradient
     outlives its parameter's update: `gradients` is the most that was alive at once in the first backward."""
     seen: set[int] = set()
 
@@ -240,9 +240,11 @@ def held_bytes(model, optimizer) -> dict:
 
     params = list(model.parameters())
     engine_optimizer = getattr(model, "optimizer", None) if hasattr(model, "zero_optimization_stage") else None
-    out = {"parameters": sum(size(getattr(p, "ds_tensor", p)) + sum(map(size, quant_scales(p))) for p in params)}
+    held = params + [p for other in beside for p in other.parameters()]
+    out = {"parameters": sum(size(getattr(p, "ds_tensor", p)) + sum(map(size, quant_scales(p))) for p in held)}
     # an 8-bit layer moves its weight's row scales into its own state at the first forward
-    out["parameters"] += sum(size(getattr(getattr(m, "state", None), "SCB", None)) for m in model.modules())
+    out["parameters"] += sum(size(getattr(getattr(m, "state", None), "SCB", None)) for other in (model, *beside)
+                             for m in other.modules())
     inner = getattr(optimizer, "optimizer", optimizer)
     if engine_optimizer is not None and hasattr(engine_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3
         out["gradients"] = size(getattr(engine_optimizer, "grad_partitions_flat_buffer", None))
@@ -318,12 +320,17 @@ class Meter:
         self.tracking = start_trackers(accelerator, recipe, out)
         self.tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch
         self.history, self.held, self.tokens, self.wall = [], None, 0, None
+        self.beside = []  # models kept beside the trained one (hold)
         self.snapshot = self.loss_memory = None
 
     def resumed(self, state: dict) -> None:
         """A resumed run's history goes on from its checkpoint's."""
         self.history = state["history"]
         self.setup["resumed_at_step"] = state["step"]
+
+    def hold(self, *models) -> None:
+        """Models the objective keeps beside the trained one (DPO's frozen reference): their parameters are held."""
+        self.beside += models
 
     def start(self) -> None:
         """Right before the first step: the clock, the loss's measurement and the memory snapshot start."""
@@ -336,7 +343,7 @@ class Meter:
         optimizer state exists."""
         if self.held is not None:
             return
-        self.held = held_bytes(self.model, self.optimizer)
+        self.held = held_bytes(self.model, self.optimizer, self.beside)
         self.held["logits"] = self.loss_memory.bytes
         self.setup["optimizer_state_dtypes"] = optimizer_state_dtypes(self.optimizer)
         if self.offload is not None:  # activation offload: what one micro batch's checkpoints kept on the host
@@ -372,7 +379,7 @@ class Meter:
         from accelerate.utils import gather_object
 
         if self.held is None:  # a resume from the last step's checkpoint trains no step: held as it was loaded
-            self.held = held_bytes(self.model, self.optimizer) | {"logits": None}
+            self.held = held_bytes(self.model, self.optimizer, self.beside) | {"logits": None}
         processes = gather_object([{"process_index": self.accelerator.process_index,
                                     "num_processes": self.accelerator.num_processes, "held": self.held,
                                     "tokens": self.tokens, **peak_memory(self.accelerator.device)}])

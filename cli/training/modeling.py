@@ -508,3 +508,33 @@ def prepare(accelerator, recipe, model, optimizer, *loaders):
         prepared.insert(0, model)
     rest = iter(prepared[2:])
     return (prepared[0], prepared[1], *(next(rest) if loader is not None else None for loader in loaders))
+
+
+def frozen_copy(recipe, name_or_path: str, accelerator):
+    """A second, frozen copy of the initial model beside the policy: DPO's reference for a full fine-tune with
+    `dpo.precompute_ref_log_probs: false`. Loaded as the policy is (dtype, quantization), its head fused, no
+    gradients, in eval mode. Under FSDP2 it is sharded like the policy (each decoder layer, then the root, with the
+    launch config's mixed precision: its forward gathers one layer at a time); else each process holds it whole (DDP
+    and ZeRO-1/2, as TRL does: ZeRO-3 would need a second DeepSpeed engine, which memrecipe does not build)."""
+    from .loss import fuse_head
+
+    model = load_pretrained(recipe, name_or_path, accelerator.mixed_precision, accelerator.device)
+    model.requires_grad_(False).eval()
+    if recipe.fused_loss:
+        fuse_head(model, recipe.loss_chunk_tokens)
+    if accelerator.distributed_type.value == "FSDP" or recipe.fsdp is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        plugin = accelerator.state.fsdp_plugin
+        mesh = getattr(accelerator, "torch_device_mesh", None)
+        options = {"mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(), "reshard_after_forward": True,
+                   "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None}
+        if plugin.cpu_offload:  # fsdp.offload_params: the copy's shards wait in host memory too
+            options["offload_policy"] = plugin.cpu_offload
+        layers = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in layers:
+                fully_shard(module, **options)
+        fully_shard(model, **options)
+        return model
+    return model.to(accelerator.device)
