@@ -138,40 +138,41 @@ def test_fsdp_lora_with_the_adapters_off_as_reference_trains_as_one_process(whol
 def test_full_fine_tunes_with_a_precomputed_reference_or_a_frozen_copy_train_as_one_process(tmp_path):
     """No LoRA: the reference is the initial model's log-probs, precomputed (no frozen copy held beside it) under
     DeepSpeed ZeRO-3 with offload on 2 processes (the store's forward passes gather the partitioned weights), or,
-    with dpo.precompute_ref_log_probs false, a frozen copy of the initial model beside the policy: sharded like it
-    on 2 FSDP2 processes, whole on one plain process. All three take the same steps, and the model learns to prefer
-    the chosen answers; the copy's bytes are held, and planned, beside the policy's."""
+    with dpo.precompute_ref_log_probs false, a frozen copy of the initial model beside the policy: partitioned like
+    it on 2 ZeRO-3 processes (an engine of its own), sharded like it on 2 FSDP2 processes, whole on one plain process.
+    All four take the same steps, and the model learns to prefer the chosen answers; the copy's bytes are held, and
+    planned, beside the policy's."""
     same = ["mixed_precision=no", "max_steps=8", "eval_steps=null", "gradient_checkpointing=true"]
     frozen = "dpo.precompute_ref_log_probs=false"
-    zero3, fsdp, one = tmp_path / "zero3", tmp_path / "fsdp", tmp_path / "one"
-    finish(start(["--recipe", "zero3-offload", "--num-processes", "2", "gradient_accumulation_steps=2", *same], zero3,
-                 script="dpo"),
-           start(["--recipe", "fsdp", "--num-processes", "2", "gradient_accumulation_steps=2", frozen, *same[:-1]],
-                 fsdp, script="dpo"),  # (its own fsdp.activation_checkpointing)
+    zero3, copy3, fsdp, one = (tmp_path / name for name in ("zero3", "copy3", "fsdp", "one"))
+    two = ["--num-processes", "2", "gradient_accumulation_steps=2"]
+    finish(start(["--recipe", "zero3-offload", *two, *same], zero3, script="dpo"),
+           start(["--recipe", "zero3-offload", *two, frozen, *same], copy3, script="dpo"))
+    finish(start(["--recipe", "fsdp", *two, frozen, *same[:-1]], fsdp, script="dpo"),  # (fsdp.activation_checkpointing)
            start(["--recipe", "ddp", "--num-processes", "1", "gradient_accumulation_steps=4", frozen, *same], one,
                  core=0, script="dpo"))
-    sharded, copied, plain = (json.loads((f / "report.json").read_text()) for f in (zero3, fsdp, one))
-    assert sharded["setup"]["distributed_type"] == "DEEPSPEED" and sharded["setup"]["num_processes"] == 2
+    sharded, partitioned, copied, plain = (json.loads((f / "report.json").read_text()) for f in (zero3, copy3, fsdp, one))
+    assert sharded["setup"]["distributed_type"] == partitioned["setup"]["distributed_type"] == "DEEPSPEED"
     assert copied["setup"]["distributed_type"] == "FSDP" and copied["setup"]["num_processes"] == 2
     assert "reference: its log-probs precomputed before the first step" in (tmp_path / "zero3.log").read_text()
-    for log in ("fsdp.log", "one.log"):
+    for log in ("copy3.log", "fsdp.log", "one.log"):
         assert "reference: a frozen copy of the initial model, beside each micro batch" in (tmp_path / log).read_text()
-    assert not (fsdp / "reference_logps.pt").exists() and not (one / "reference_logps.pt").exists()
+    assert not any((f / "reference_logps.pt").exists() for f in (copy3, fsdp, one))
     assert plain["setup"]["trainable_params"] == plain["setup"]["params"]
     for key in ("loss", "pairs", "rewards/margins", "logps/chosen", "logps/rejected"):
-        assert history(sharded, key) == pytest.approx(history(plain, key), abs=1e-4), key
-        assert history(copied, key) == pytest.approx(history(plain, key), abs=1e-4), key
+        for other in (sharded, partitioned, copied):
+            assert history(other, key) == pytest.approx(history(plain, key), abs=1e-4), key
     first, last = plain["history"][0], plain["history"][-1]
     assert last["rewards/accuracies"] > 0.6 and last["rewards/margins"] > first["rewards/margins"] + 0.2
     assert last["loss"] < 0.9 * first["loss"]
     # the copy: a second model's fp32 weights, whole on one process, half of them on each FSDP process
     weights = 4 * plain["setup"]["params"]
     assert plain["processes"][0]["held"]["parameters"] == plain["plan"]["parameters"] == 2 * weights
-    assert all(p["held"]["parameters"] == pytest.approx(weights, rel=0.01) for p in copied["processes"])
+    assert all(p["held"]["parameters"] == pytest.approx(weights, rel=0.01) for p in copied["processes"] +
+               partitioned["processes"])
 
 
 @pytest.mark.parametrize("words, says", [
-    (["--recipe", "zero3-offload", "dpo.precompute_ref_log_probs=false"], "is not built under ZeRO-3"),
     (["--recipe", "single-gpu-lora", "lora.init_lora_weights=pissa"], "rewrites the base"),
     (["--recipe", "tp"], "run dpo does not run tensor parallelism")])
 def test_what_run_dpo_does_not_run_yet_is_refused_in_one_line(cli, tmp_path, words, says):

@@ -485,10 +485,16 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         opt = optim
     if recipe.lora is None and recipe.dpo and recipe.dpo.precompute_ref_log_probs is False \
             and not recipe.dpo.reference_free:
-        # DPO's reference as a frozen copy of the initial model (loaded as the policy is), sharded under FSDP
-        copy = wb * P // (n if recipe.fsdp else 1)
-        params += copy
-        notes.append(f"the reference: a frozen copy of the model ({copy / GiB:.2f} GiB per process)")
+        # DPO's reference as a frozen copy of the initial model (loaded as the policy is), sharded under FSDP,
+        # partitioned under ZeRO-3 in the engine's compute dtype (and offloaded with the policy's parameters)
+        zero3 = recipe.deepspeed is not None and recipe.deepspeed.zero_stage == 3
+        copy = cb * P // n if zero3 else wb * P // (n if recipe.fsdp else 1)
+        if zero3 and recipe.deepspeed.offload_param != "none":
+            host += copy * local
+        else:
+            params += copy
+        notes.append(f"the reference: a frozen copy of the model ({copy / GiB:.2f} GiB per process"
+                     + (", in host memory)" if zero3 and recipe.deepspeed.offload_param != "none" else ")"))
     if recipe.lora and recipe.lora.adapter and recipe.dpo and not recipe.dpo.reference_free:
         # DPO on a saved adapter: its frozen copy (fp32, as loaded) beside the one that trains is the reference
         sharded = recipe.fsdp or (recipe.deepspeed and recipe.deepspeed.zero_stage == 3)

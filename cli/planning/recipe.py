@@ -120,7 +120,7 @@ class Dpo:
     # the reference's log-probabilities computed once before training and kept in the run folder (a full fine-tune
     # then needs no frozen copy of the model); null: yes for a full fine-tune, no under LoRA (its reference is
     # the same weights with the adapters off, computed beside each step); false on a full fine-tune: a frozen copy
-    # of the model beside it (its weights' bytes again; sharded under FSDP; not under ZeRO-3)
+    # of the model beside it (its weights' bytes again; sharded under FSDP and ZeRO-3)
     precompute_ref_log_probs: bool | None = None
     # tokens per sequence (prompt + completion), the start kept; a pair whose completion would be cut away entirely
     # is dropped; null: half of max_seq_length (a pair's two sequences share a packed row)
@@ -427,10 +427,6 @@ def for_script(r: Recipe, script: str) -> Recipe:
                           "that one GPU cannot hold")
     if r.dpo.reference_free:  # simpo, orpo: no reference model, so nothing below applies
         return r
-    if r.lora is None and r.dpo.precompute_ref_log_probs is False and r.deepspeed and r.deepspeed.zero_stage == 3:
-        raise RecipeError("a frozen copy of the model as the reference (dpo.precompute_ref_log_probs false) is not "
-                          "built under ZeRO-3 (it would be a second DeepSpeed engine): leave it unset or true (the "
-                          "reference's log-probs precomputed), or use fsdp, which shards the copy like the policy")
     if r.lora is not None and r.lora.init_lora_weights in ("pissa", "olora"):
         raise RecipeError(f"lora.init_lora_weights {r.lora.init_lora_weights} rewrites the base, so the adapters off "
                           "are not the reference model: use init_lora_weights true under run dpo (or a "

@@ -514,8 +514,8 @@ def frozen_copy(recipe, name_or_path: str, accelerator):
     """A second, frozen copy of the initial model beside the policy: DPO's reference for a full fine-tune with
     `dpo.precompute_ref_log_probs: false`. Loaded as the policy is (dtype, quantization), its head fused, no
     gradients, in eval mode. Under FSDP2 it is sharded like the policy (each decoder layer, then the root, with the
-    launch config's mixed precision: its forward gathers one layer at a time); else each process holds it whole (DDP
-    and ZeRO-1/2, as TRL does: ZeRO-3 would need a second DeepSpeed engine, which memrecipe does not build)."""
+    launch config's mixed precision: its forward gathers one layer at a time), partitioned under ZeRO-3 (a DeepSpeed
+    engine of its own, without an optimizer); else each process holds it whole (DDP and ZeRO-1/2, as TRL does)."""
     from .loss import fuse_head
 
     model = load_pretrained(recipe, name_or_path, accelerator.mixed_precision, accelerator.device)
@@ -537,4 +537,18 @@ def frozen_copy(recipe, name_or_path: str, accelerator):
                 fully_shard(module, **options)
         fully_shard(model, **options)
         return model
+    if accelerator.distributed_type.value == "DEEPSPEED" and recipe.deepspeed.zero_stage == 3:
+        import copy
+
+        import deepspeed
+
+        # loaded partitioned (zero.Init, as the policy was); an engine of its own gathers each layer in its forward.
+        # No optimizer: the run's optimizer, scheduler and optimizer offload are left out of its config (as TRL does)
+        config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # (DeepSpeed's eval returns None)
+        return engine
     return model.to(accelerator.device)
