@@ -11,35 +11,68 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import finish, start, stop_at_a_checkpoint
+from helpers import SideBySide, finish, start, stop_at_a_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXACT = ["mixed_precision=no", "lora.dropout=0", "save_steps=6"]  # fp32 and no dropout: runs compare exactly
-
-
-def run_dpo(folder, *words):
-    finish(start(list(words), folder, script="dpo"))
-    return json.loads((folder / "report.json").read_text())
 
 
 def history(report, key):
     return [h[key] for h in report["history"]]
 
 
+SAME = ["mixed_precision=no", "max_steps=8", "eval_steps=null", "gradient_checkpointing=true"]  # full fine-tunes
+FROZEN = "dpo.precompute_ref_log_probs=false"
+TWO = ["--num-processes", "2", "gradient_accumulation_steps=2"]
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """The README's DPO run (1 process, pinned to a core) and the same global batch under FSDP2 + LoRA on 2
-    processes, side by side (a launch is mostly start-up, one core's work)."""
+def runs(tmp_path_factory):
+    """Every launch of this module, two at a time (a launch is mostly start-up, one core's work; a one-process run is
+    pinned to its slot's core): `runs(name)` waits for one and gives its folder. The README's DPO run ("whole", in
+    fp32 with a checkpoint half-way) is the one-process reference of the LoRA runs; "one" that of the full ones."""
     base = tmp_path_factory.mktemp("dpo")
-    finish(start(["--recipe", "single-gpu-lora", *EXACT], base / "whole", core=0, script="dpo"),
-           start(["--recipe", "fsdp-lora", "--num-processes", "2", *EXACT], base / "fsdp", script="dpo"))
-    return base
+
+    def run(name, words, core=None):
+        finish(start(words, base / name, core=core, script="dpo"))
+        return base / name
+
+    def killed_and_resumed(core):
+        ddp = base / "ddp"
+        words = ["--recipe", "single-gpu-lora", "--num-processes", "2", "distributed_type=ddp",
+                 "supports.max_processes=null", "gradient_accumulation_steps=2", "dpo.precompute_ref_log_probs=true",
+                 *EXACT]
+        killed_at = stop_at_a_checkpoint(start(words, ddp, script="dpo"), ddp)
+        (base / "ddp.killed.log").write_text((base / "ddp.log").read_text())
+        finished = (ddp / "final").exists()
+        return ddp, killed_at, finished, run("ddp", ["--resume"])
+
+    jobs = SideBySide({
+        "whole": lambda core: run("whole", ["--recipe", "single-gpu-lora", *EXACT], core),
+        "fsdp": lambda core: run("fsdp", ["--recipe", "fsdp-lora", "--num-processes", "2", *EXACT]),
+        "simpo": lambda core: run("simpo", ["--recipe", "single-gpu-lora", "dpo.loss_type=simpo", "dpo.beta=2.0",
+                                            "eval_steps=null"], core),
+        "on": lambda core: run("on", ["--recipe", "single-gpu-lora", "--model", str(jobs("whole") / "final"),
+                                      "eval_steps=null", *EXACT], core),  # a saved adapter trained on
+        "ddp": killed_and_resumed,
+        "zero3": lambda core: run("zero3", ["--recipe", "zero3-offload", *TWO, *SAME]),
+        "copy3": lambda core: run("copy3", ["--recipe", "zero3-offload", *TWO, FROZEN, *SAME]),
+        "fsdp-copy": lambda core: run("fsdp-copy", ["--recipe", "fsdp", *TWO, FROZEN, *SAME[:-1]]),  # (its own
+        # fsdp.activation_checkpointing)
+        "one": lambda core: run("one", ["--recipe", "ddp", "--num-processes", "1", "gradient_accumulation_steps=4",
+                                        FROZEN, *SAME], core)})
+    yield jobs
+    jobs.close()
+
+
+def report_of(folder):
+    return json.loads((folder / "report.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def whole(launched):
-    folder = launched / "whole"
-    return folder, json.loads((folder / "report.json").read_text())
+def whole(runs):
+    folder = runs("whole")
+    return folder, report_of(folder)
 
 
 def test_the_embedded_preferences_train(whole):
@@ -97,23 +130,20 @@ def test_the_trained_adapter_reloads_and_prefers_the_chosen_answers(whole):
     assert (margins > 0).float().mean() >= 0.75, margins
 
 
-def test_two_ddp_processes_with_a_precomputed_reference_killed_and_resumed_train_as_one(whole, tmp_path):
+def test_two_ddp_processes_with_a_precomputed_reference_killed_and_resumed_train_as_one(whole, runs):
     """The same global batch (4 rows x 2 micro batches x 2 processes = 4 x 4 x 1), pairs falling unevenly into rows
     and processes, the reference's log-probs precomputed (each process a share of the rows, gathered) instead of
     computed beside each step. SIGKILLed at its checkpoint and resumed, the run reads its stored reference instead
     of computing it again: every step's loss (a mean over the window's pairs) and metrics equal the uninterrupted
     one-process run's (the README's command)."""
     folder, report = whole
-    ddp = tmp_path / "ddp"
-    words = ["--recipe", "single-gpu-lora", "--num-processes", "2", "distributed_type=ddp",
-             "supports.max_processes=null", "gradient_accumulation_steps=2", "dpo.precompute_ref_log_probs=true", *EXACT]
-    killed_at = stop_at_a_checkpoint(start(words, ddp, script="dpo"), ddp)
-    assert "reference: 338 pairs' log-probs computed in" in (tmp_path / "ddp.log").read_text()
+    ddp, killed_at, finished_when_killed, _ = runs("ddp")
+    assert "reference: 338 pairs' log-probs computed in" in (ddp.parent / "ddp.killed.log").read_text()
     store = torch.load(ddp / "reference_logps.pt", weights_only=True)["logps"]
     assert store.shape == (338, 2) and bool((store < 0).all())  # every train and eval pair, log-probabilities
-    assert killed_at == 6 and not (ddp / "final").exists()
-    resumed = run_dpo(ddp, "--resume")
-    log = (tmp_path / "ddp.log").read_text()
+    assert killed_at == 6 and not finished_when_killed
+    resumed = report_of(ddp)
+    log = (ddp.parent / "ddp.log").read_text()
     assert "resumed from checkpoints/step-6" in log and "taken over" in log  # the killed run's lock was stale
     assert "reference: 338 pairs' log-probs read from reference_logps.pt" in log
     assert resumed["setup"]["num_processes"] == 2
@@ -123,40 +153,33 @@ def test_two_ddp_processes_with_a_precomputed_reference_killed_and_resumed_train
         assert history(resumed, key) == pytest.approx(history(report, key), abs=1e-4), key
 
 
-def test_fsdp_lora_with_the_adapters_off_as_reference_trains_as_one_process(whole, launched):
+def test_fsdp_lora_with_the_adapters_off_as_reference_trains_as_one_process(whole, runs):
     """FSDP2 over 2 processes, the reference its sharded base with the adapters off beside each micro batch: the
     same global batch's steps equal the one-process run's."""
     folder, report = whole
-    fsdp = json.loads((launched / "fsdp" / "report.json").read_text())
+    fsdp = report_of(runs("fsdp"))
     assert fsdp["setup"]["distributed_type"] == "FSDP" and "the base with the adapters off" in \
-        (launched / "fsdp.log").read_text()
+        (folder.parent / "fsdp.log").read_text()
     for key in ("loss", "lr", "pairs", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert history(fsdp, key) == pytest.approx(history(report, key), abs=1e-5), key
     assert fsdp["final_eval_metrics"] == pytest.approx(report["final_eval_metrics"], abs=1e-5)
 
 
-def test_full_fine_tunes_with_a_precomputed_reference_or_a_frozen_copy_train_as_one_process(tmp_path):
+def test_full_fine_tunes_with_a_precomputed_reference_or_a_frozen_copy_train_as_one_process(runs):
     """No LoRA: the reference is the initial model's log-probs, precomputed (no frozen copy held beside it) under
     DeepSpeed ZeRO-3 with offload on 2 processes (the store's forward passes gather the partitioned weights), or,
     with dpo.precompute_ref_log_probs false, a frozen copy of the initial model beside the policy: partitioned like
     it on 2 ZeRO-3 processes (an engine of its own), sharded like it on 2 FSDP2 processes, whole on one plain process.
     All four take the same steps, and the model learns to prefer the chosen answers; the copy's bytes are held, and
     planned, beside the policy's."""
-    same = ["mixed_precision=no", "max_steps=8", "eval_steps=null", "gradient_checkpointing=true"]
-    frozen = "dpo.precompute_ref_log_probs=false"
-    zero3, copy3, fsdp, one = (tmp_path / name for name in ("zero3", "copy3", "fsdp", "one"))
-    two = ["--num-processes", "2", "gradient_accumulation_steps=2"]
-    finish(start(["--recipe", "zero3-offload", *two, *same], zero3, script="dpo"),
-           start(["--recipe", "zero3-offload", *two, frozen, *same], copy3, script="dpo"))
-    finish(start(["--recipe", "fsdp", *two, frozen, *same[:-1]], fsdp, script="dpo"),  # (fsdp.activation_checkpointing)
-           start(["--recipe", "ddp", "--num-processes", "1", "gradient_accumulation_steps=4", frozen, *same], one,
-                 core=0, script="dpo"))
+    zero3, copy3, fsdp, one = (runs(name) for name in ("zero3", "copy3", "fsdp-copy", "one"))
+    logs = zero3.parent
     sharded, partitioned, copied, plain = (json.loads((f / "report.json").read_text()) for f in (zero3, copy3, fsdp, one))
     assert sharded["setup"]["distributed_type"] == partitioned["setup"]["distributed_type"] == "DEEPSPEED"
     assert copied["setup"]["distributed_type"] == "FSDP" and copied["setup"]["num_processes"] == 2
-    assert "reference: its log-probs precomputed before the first step" in (tmp_path / "zero3.log").read_text()
-    for log in ("copy3.log", "fsdp.log", "one.log"):
-        assert "reference: a frozen copy of the initial model, beside each micro batch" in (tmp_path / log).read_text()
+    assert "reference: its log-probs precomputed before the first step" in (logs / "zero3.log").read_text()
+    for log in ("copy3.log", "fsdp-copy.log", "one.log"):
+        assert "reference: a frozen copy of the initial model, beside each micro batch" in (logs / log).read_text()
     assert not any((f / "reference_logps.pt").exists() for f in (copy3, fsdp, one))
     assert plain["setup"]["trainable_params"] == plain["setup"]["params"]
     for key in ("loss", "pairs", "rewards/margins", "logps/chosen", "logps/rejected"):
@@ -193,19 +216,19 @@ def test_bad_preference_data_is_one_line_and_writes_nothing(cli, tmp_path):
         assert not Path(tmp_path / name).exists()
 
 
-def test_simpo_trains_with_no_reference_at_all(tmp_path):
+def test_simpo_trains_with_no_reference_at_all(runs):
     """SimPO is reference-free: no reference pass runs, no store is computed or written; the rewards (beta x the
     mean log-prob per completion token) separate the chosen from the rejected."""
-    report = run_dpo(tmp_path / "simpo", "--recipe", "single-gpu-lora", "dpo.loss_type=simpo", "dpo.beta=2.0",
-                     "eval_steps=null")
-    assert "reference: none (a reference-free objective" in (tmp_path / "simpo.log").read_text()
-    assert not (tmp_path / "simpo" / "reference_logps.pt").exists()
+    simpo = runs("simpo")
+    report = report_of(simpo)
+    assert "reference: none (a reference-free objective" in (simpo.parent / "simpo.log").read_text()
+    assert not (simpo / "reference_logps.pt").exists()
     first, last = report["history"][0], report["history"][-1]
     assert last["rewards/margins"] > first["rewards/margins"] + 0.2 and last["loss"] < 0.9 * first["loss"]
     assert -20 < last["logps/chosen"] < 0  # per token, as TRL's CPO reports it
 
 
-def test_dpo_on_a_saved_adapter_trains_it_on_against_its_frozen_copy(whole, cli, tmp_path):
+def test_dpo_on_a_saved_adapter_trains_it_on_against_its_frozen_copy(whole, runs, cli, tmp_path):
     """DPO on top of an SFT adapter (`--model runs/<sft>/final`, TRL's ref_adapter_name case; here the README run's
     adapter stands for the SFT one): the policy starts from the adapter and the reference is that adapter frozen, so
     step 1 has no margin at all (with the adapters off as the reference it would: the adapter already prefers) and
@@ -215,9 +238,9 @@ def test_dpo_on_a_saved_adapter_trains_it_on_against_its_frozen_copy(whole, cli,
 
     folder, report = whole
     start_adapter = folder / "final"
-    on = tmp_path / "on"
-    trained = run_dpo(on, "--recipe", "single-gpu-lora", "--model", str(start_adapter), "eval_steps=null", *EXACT)
-    log = (tmp_path / "on.log").read_text()
+    on = runs("on")
+    trained = report_of(on)
+    log = (on.parent / "on.log").read_text()
     assert f"lora: trains on the saved adapter {start_adapter}" in log
     assert "reference: the saved adapter's frozen copy" in log
     first = trained["history"][0]
