@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -76,6 +77,20 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         sys.exit(0)  # e.g. `memrecipe show fsdp | head`
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def entry() -> None:
+    """The console script (and `python -m memrecipe`): main(). After a command that loaded torch (`run`'s checks
+    before it launches), the process exits without the interpreter's teardown of torch, transformers and datasets:
+    ~1.3 s of freeing memory after every run, with every file closed and every lock released by then."""
+    try:
+        main()
+    except SystemExit as e:
+        if "torch" not in sys.modules or not isinstance(e.code, (int, type(None))):
+            raise
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(e.code or 0)
 
 
 def _one_line(text: str) -> str:

@@ -52,8 +52,8 @@ def runs(tmp_path_factory):
         "fsdp": lambda core: run("fsdp", ["--recipe", "fsdp-lora", "--num-processes", "2", *EXACT]),
         "simpo": lambda core: run("simpo", ["--recipe", "single-gpu-lora", "dpo.loss_type=simpo", "dpo.beta=2.0",
                                             "eval_steps=null"], core),
-        "on": lambda core: run("on", ["--recipe", "single-gpu-lora", "--model", str(jobs("whole") / "final"),
-                                      "eval_steps=null", *EXACT], core),  # a saved adapter trained on
+        "on": lambda core: run("on", ["--recipe", "fsdp-lora", "--num-processes", "2", "--model",
+                                      str(jobs("whole") / "final"), "eval_steps=null", *EXACT]),  # a saved adapter
         "ddp": killed_and_resumed,
         "zero3": lambda core: run("zero3", ["--recipe", "zero3-offload", *TWO, *SAME]),
         "copy3": lambda core: run("copy3", ["--recipe", "zero3-offload", *TWO, FROZEN, *SAME]),
@@ -230,7 +230,8 @@ def test_simpo_trains_with_no_reference_at_all(runs):
 
 def test_dpo_on_a_saved_adapter_trains_it_on_against_its_frozen_copy(whole, runs, cli, tmp_path):
     """DPO on top of an SFT adapter (`--model runs/<sft>/final`, TRL's ref_adapter_name case; here the README run's
-    adapter stands for the SFT one): the policy starts from the adapter and the reference is that adapter frozen, so
+    adapter stands for the SFT one), on 2 FSDP2 processes: the policy starts from the adapter and the reference is
+    that adapter frozen (switched to with peft's set_adapter on the sharded model; one process: test_preference), so
     step 1 has no margin at all (with the adapters off as the reference it would: the adapter already prefers) and
     logps/chosen is the adapter's, not the base's; the saved adapter is the one that trained, with the start's shape,
     for the original base, without the frozen copy. A full fine-tune cannot start from an adapter: one line."""
@@ -253,9 +254,11 @@ def test_dpo_on_a_saved_adapter_trains_it_on_against_its_frozen_copy(whole, runs
     config = json.loads((on / "final" / "adapter_config.json").read_text())
     assert (config["r"], sorted(config["target_modules"]), config["base_model_name_or_path"]) == \
         (start_config["r"], sorted(start_config["target_modules"]), start_config["base_model_name_or_path"])
-    # the frozen copy is planned (an fp32 copy of the trainable adapter) as it is held, and not saved
+    # the frozen copy: as many parameters again as train, held (sharded, fp32) and planned beside the model; not saved
+    assert trained["setup"]["params"] == report["setup"]["params"] + trained["setup"]["trainable_params"]
+    assert all(p["held"]["parameters"] == pytest.approx(4 * trained["setup"]["params"] / 2, rel=0.01)
+               for p in trained["processes"])
     assert any(note.startswith("the reference: the saved adapter's frozen copy") for note in trained["plan"]["notes"])
-    assert trained["plan"]["parameters"] == trained["processes"][0]["held"]["parameters"]
     assert not (on / "final" / "reference").exists()
     before, after = load_file(start_adapter / "adapter_model.safetensors"), load_file(on / "final" / "adapter_model.safetensors")
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
