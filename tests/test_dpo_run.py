@@ -26,6 +26,12 @@ FROZEN = "dpo.precompute_ref_log_probs=false"
 TWO = ["--num-processes", "2", "gradient_accumulation_steps=2"]
 
 
+# the recipes no other test here launches: 2 steps each (their objective is the one tested above; what differs is
+# the engine, the 4-bit base, the 8-bit optimizer)
+OTHERS = {"qlora": [], "zero2": ["--num-processes", "2"], "adamw-8bit": ["--num-processes", "1"]}
+SMOKE = ["max_steps=2", "eval_steps=null", "gradient_accumulation_steps=1"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every launch of this module, two at a time (a launch is mostly start-up, one core's work; a one-process run is
@@ -60,7 +66,10 @@ def runs(tmp_path_factory):
         "fsdp-copy": lambda core: run("fsdp-copy", ["--recipe", "fsdp", *TWO, FROZEN, *SAME[:-1]]),  # (its own
         # fsdp.activation_checkpointing)
         "one": lambda core: run("one", ["--recipe", "ddp", "--num-processes", "1", "gradient_accumulation_steps=4",
-                                        FROZEN, *SAME], core)})
+                                        FROZEN, *SAME], core),
+        **{name: (lambda core, name=name, words=words: run(name, ["--recipe", name, *words, *SMOKE],
+                                                            None if "2" in words else core))  # (1 process: pinned)
+           for name, words in OTHERS.items()}})
     yield jobs
     jobs.close()
 
@@ -193,6 +202,19 @@ def test_full_fine_tunes_with_a_precomputed_reference_or_a_frozen_copy_train_as_
     assert plain["processes"][0]["held"]["parameters"] == plain["plan"]["parameters"] == 2 * weights
     assert all(p["held"]["parameters"] == pytest.approx(weights, rel=0.01) for p in copied["processes"] +
                partitioned["processes"])
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_every_other_recipe_runs_dpo(runs, name):
+    """run dpo on the recipes the tests above do not launch: QLoRA (its 4-bit base with the adapters off is the
+    reference), ZeRO-2 and adamw-8bit (full fine-tunes against their precomputed store)."""
+    folder = runs(name)
+    report, log = report_of(folder), (folder.parent / f"{name}.log").read_text()
+    assert report["recipe"]["name"] == name and [h["step"] for h in report["history"]] == [1, 2]
+    assert all(h["pairs"] > 0 and 0.3 < h["loss"] < 1.2 and "rewards/margins" in h for h in report["history"])
+    full = name != "qlora"
+    assert ("reference: its log-probs precomputed" if full else "reference: the base with the adapters off") in log
+    assert (folder / "reference_logps.pt").exists() == full and (folder / "final").is_dir()
 
 
 @pytest.mark.parametrize("words, says", [
