@@ -53,8 +53,7 @@ class Preference(sft.Objective):
         self.dpo = recipe.dpo
         # the reference's log-probs computed once before training (a full fine-tune's default: no frozen copy of the
         # model), or beside each micro batch with the adapters off (LoRA's default)
-        self.precompute = self.dpo.precompute_ref_log_probs if self.dpo.precompute_ref_log_probs is not None \
-            else recipe.lora is None and not self.dpo.reference_free
+        self.source = recipe.dpo_reference  # none | store | copy | adapter | adapters-off
         self.store = None  # [pairs, 2]: chosen, rejected
         self.frozen = None  # a full fine-tune's reference without the store: a frozen copy of the initial model
         self.adapter = recipe.lora.adapter if recipe.lora else None  # a saved adapter trained on: also the reference
@@ -63,10 +62,10 @@ class Preference(sft.Objective):
         """Before the first step (and before a resumed run loads its checkpoint, so `model` is the initial one):
         the precomputed reference, read from the run folder when it was computed from these rows, else computed
         now and written there."""
-        if self.recipe.lora is None and not self.precompute and not self.dpo.reference_free:
+        if self.source == "copy":
             self.frozen = frozen_copy(self.recipe, self.recipe.model_name_or_path or embedded_model(), accelerator)
             self.held.append(self.frozen)
-        if not self.precompute:
+        if self.source != "store":
             return
         datasets = [train_loader.dataset, eval_loader.dataset if eval_loader is not None else None]
         key = rows_key(*datasets, model=self.recipe.model_name_or_path or "embedded", adapter=self.adapter,
@@ -93,12 +92,12 @@ class Preference(sft.Objective):
         return (f"dpo: {' + '.join(f'{w:g} x {t}' for t, w in zip(d.losses, d.weights))}, beta {d.beta:g}"
                 + (f", label_smoothing {d.label_smoothing:g}" if d.label_smoothing else "")
                 + (f", simpo_gamma {d.gamma:g}" if "simpo" in d.losses else "")
-                + "; reference: " + ("none (a reference-free objective: no reference pass)" if d.reference_free else
-                                     "its log-probs precomputed before the first step" if self.precompute else
-                                     "a frozen copy of the initial model, beside each micro batch" if self.recipe.lora
-                                     is None else
-                                     "the saved adapter's frozen copy, beside each micro batch" if self.adapter
-                                     else "the base with the adapters off, beside each micro batch"))
+                + "; reference: " + {
+                    "none": "none (a reference-free objective: no reference pass)",
+                    "store": "its log-probs precomputed before the first step",
+                    "copy": "a frozen copy of the initial model, beside each micro batch",
+                    "adapter": "the saved adapter's frozen copy, beside each micro batch",
+                    "adapters-off": "the base with the adapters off, beside each micro batch"}[self.source])
 
     @torch.no_grad()
     def reference(self, model, batch, accelerator):

@@ -483,22 +483,21 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         elif n > 1:
             grads += wb * Pt  # DDP's gradient buckets: a second copy of the trainable gradients
         opt = optim
-    if recipe.lora is None and recipe.dpo and recipe.dpo.precompute_ref_log_probs is False \
-            and not recipe.dpo.reference_free:
+    zero3 = recipe.deepspeed is not None and recipe.deepspeed.zero_stage == 3
+    if recipe.dpo_reference == "copy":
         # DPO's reference as a frozen copy of the initial model (loaded as the policy is), sharded under FSDP,
         # partitioned under ZeRO-3 in the engine's compute dtype (and offloaded with the policy's parameters)
-        zero3 = recipe.deepspeed is not None and recipe.deepspeed.zero_stage == 3
+        offloaded = zero3 and recipe.deepspeed.offload_param != "none"
         copy = cb * P // n if zero3 else wb * P // (n if recipe.fsdp else 1)
-        if zero3 and recipe.deepspeed.offload_param != "none":
+        if offloaded:
             host += copy * local
         else:
             params += copy
         notes.append(f"the reference: a frozen copy of the model ({copy / GiB:.2f} GiB per process"
-                     + (", in host memory)" if zero3 and recipe.deepspeed.offload_param != "none" else ")"))
+                     + (", in host memory)" if offloaded else ")"))
     if recipe.lora and recipe.lora.adapter and recipe.dpo and not recipe.dpo.reference_free:
         # DPO on a saved adapter: its frozen copy (fp32, as loaded) beside the one that trains is the reference
-        sharded = recipe.fsdp or (recipe.deepspeed and recipe.deepspeed.zero_stage == 3)
-        params += 4 * Pt // (n if sharded else 1)
+        params += 4 * Pt // (n if recipe.fsdp or zero3 else 1)
         notes.append(f"the reference: the saved adapter's frozen copy ({4 * Pt / 2**20:,.1f} MiB), no second model")
     load = loading_bytes(recipe, s, cb, local)
     if load and not topo.cpu:

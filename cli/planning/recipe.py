@@ -281,6 +281,23 @@ class Recipe:
     def low_rank(self) -> bool:
         return OPTIMIZERS[self.optim].low_rank
 
+    @property
+    def dpo_reference(self) -> str | None:
+        """Where run dpo's reference log-probs come from (None without a dpo: section): "none" (a reference-free
+        loss), "store" (precomputed before the first step: a full fine-tune's default), "copy" (a frozen copy of the
+        whole model: a full fine-tune with precompute_ref_log_probs false), "adapter" (a saved adapter's frozen copy,
+        beside each micro batch) or "adapters-off" (LoRA's default)."""
+        d = self.dpo
+        if d is None:
+            return None
+        if d.reference_free:
+            return "none"
+        if d.precompute_ref_log_probs if d.precompute_ref_log_probs is not None else self.lora is None:
+            return "store"
+        if self.lora is None:
+            return "copy"
+        return "adapter" if self.lora.adapter else "adapters-off"
+
     def to_dict(self) -> dict:
         return to_dict(self)
 

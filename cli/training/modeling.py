@@ -531,6 +531,8 @@ def frozen_copy(recipe, name_or_path: str, accelerator):
                    "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None}
         if plugin.cpu_offload:  # fsdp.offload_params: the copy's shards wait in host memory too
             options["offload_policy"] = plugin.cpu_offload
+        # not accelerate's fsdp2_prepare_model, the policy's: it leaves the root and the head gathered after a
+        # forward (backward follows); a forward-only copy reshards everything (tested: held = its shard)
         layers = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
             if type(module).__name__ in layers:
