@@ -74,3 +74,60 @@ def test_a_dry_run_names_what_a_run_would_be_refused_for(tmp_path):
 def test_what_cannot_be_planned_is_refused_in_one_line(script, recipe, resume, message):
     with pytest.raises(RecipeError, match=message):
         plan_run(script, recipe, [], None, CPU2, resume=resume, machine=LAPTOP)
+
+
+def recipe_path(script: str, recipe: str, machine: Machine, topology: dict, folder: Path) -> list[str]:
+    """The functions a run's recipe is handed to on its way from `memrecipe run` to the launch line, in call order,
+    as module.function: every call of a memrecipe function that takes the Recipe as an argument (asking the recipe
+    itself, recipe.script or recipe.to_yaml, is not handing it on)."""
+    import sys
+
+    from memrecipe.planning.recipe import Recipe
+
+    path = []
+
+    def watch(frame, event, arg):
+        code = frame.f_code
+        if event != "call" or not frame.f_globals.get("__name__", "").startswith("memrecipe."):
+            return
+        names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        if any(isinstance(frame.f_locals.get(name), Recipe) for name in names if name != "self"):
+            path.append(f"{frame.f_globals['__name__'].removeprefix('memrecipe.')}.{code.co_name}")
+
+    sys.setprofile(watch)
+    try:
+        plan_run(script, recipe, [], folder, topology, machine=machine)
+    finally:
+        sys.setprofile(None)
+    return path
+
+
+def reentries(path: list[str]) -> list[str]:
+    """The stops where the path climbs back into a module it had already left."""
+    seen, before, back = set(), None, []
+    for stop in path:
+        module = stop.rpartition(".")[0]
+        if module != before and module in seen:
+            back.append(stop)
+        seen.add(module)
+        before = module
+    return back
+
+
+@pytest.mark.parametrize("script, recipe, machine, topology", [
+    ("sft", "single-gpu-lora", LAPTOP, {"cpu": True}),
+    ("sft", "fsdp", LAPTOP, CPU2),
+    ("sft", "zero3-offload", LAPTOP, CPU2),
+    ("sft", "tp", NODE, {"num_processes": 8}),
+    ("dpo", "qlora", NODE, {"num_processes": 1}),
+    ("dpo", "fsdp-lora", NODE, {"num_processes": 8}),
+])
+def test_a_run_visits_each_module_on_its_way_to_the_launch_for_one_reason(script, recipe, machine, topology,
+                                                                            tmp_path):
+    """Issue 24's structure measure: following the recipe from the run command to the launch line re-enters a
+    module it already left at most 8 times (this walk counted 11 before the loop script became Recipe.script)."""
+    path = recipe_path(script, recipe, machine, topology, tmp_path / "run")
+    modules = {stop.rpartition(".")[0] for stop in path}
+    assert {"planning.registry", "planning.planner", "planning.configs", "launching.launch"} <= modules, path
+    assert len(reentries(path)) <= 8, "\n".join(f"{stop}{'  <- again' if stop in reentries(path) else ''}"
+                                                for stop in path)

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from ..errors import RecipeError
 from ..files import make_folder
 from ..planning.configs import Invocation, accelerate_config, deepspeed_config, render_json, render_yaml
-from ..planning.recipe import script_of
 from ..planning.registry import data_dir
 
 if TYPE_CHECKING:
@@ -68,10 +67,10 @@ def run_files(recipe: Recipe, topo: Topology) -> dict[str, str]:
     name = lambda n: machine_file(n, topo.machine_rank)  # noqa: E731
     files = {name(RECIPE): f"# Resolved recipe of this run: the single source of truth for it.\n{recipe.to_yaml()}"}
     ds = deepspeed_config(recipe, topo)
-    script = str(data_dir("recipes") / f"{script_of(recipe)}.py")  # this installation's loop (`memrecipe cp`: a copy)
+    script = str(data_dir("recipes") / f"{recipe.script}.py")  # this installation's loop (`memrecipe cp`: a copy)
     run = Invocation.of(recipe, topo, name(LAUNCH_CONFIG), script, name(RECIPE))
     header = [f"memrecipe run of recipe {recipe.name} on {topo.describe()}.",
-              f"Continue it: memrecipe run {script_of(recipe)} --resume --output-dir THIS_FOLDER",
+              f"Continue it: memrecipe run {recipe.script} --resume --output-dir THIS_FOLDER",
               f"Run:        (in this folder) {run.shell()} --resume --output-dir ."]
     files[name(LAUNCH_CONFIG)] = render_yaml(accelerate_config(recipe, topo, name(DEEPSPEED_CONFIG) if ds else None),
                                              header)
@@ -189,7 +188,7 @@ def open_run(accelerator, recipe: Recipe, output_dir=None, overwrite: bool = Fal
 
     name = [run_folder_name(recipe.name)]
     broadcast_object_list(name)  # the main process's clock: one folder name for all processes
-    run = RunFolder(output_dir or name[0], script=script_of(recipe))  # named on the command line: each machine's own
+    run = RunFolder(output_dir or name[0], script=recipe.script)  # named on the command line: each machine's own
     if run.final.exists() and not overwrite and not resume:
         raise RecipeError(f"{run.path} already holds a finished run: pass --overwrite, or another --output-dir")
     if accelerator.is_main_process:

@@ -13,7 +13,7 @@ from ..files import write_files
 from ..planning.hardware import Machine
 from ..planning.paths import absolute_paths, check_paths
 from ..planning.planner import Verdict
-from ..planning.recipe import Recipe, script_of
+from ..planning.recipe import Recipe
 from ..planning.registry import load_recipe
 from ..planning.topology import Topology, plan_topology
 from ..units import GiB
@@ -69,8 +69,8 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
     if resume:
         r, topo = resumable(output_dir, recipe_ref, words, topology.get("num_processes"), machine,
                             topology.get("machine_rank", 0))
-        if script_of(r) != script:  # the folder's recipe says which loop trained it
-            raise RecipeError(f"{output_dir} is a run of {script_of(r)}: continue it with memrecipe run {script_of(r)} "
+        if r.script != script:  # the folder's recipe says which loop trained it
+            raise RecipeError(f"{output_dir} is a run of {r.script}: continue it with memrecipe run {r.script} "
                               f"--resume --output-dir {output_dir}")
     else:
         if recipe_ref is None:

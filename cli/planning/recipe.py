@@ -282,6 +282,11 @@ class Recipe:
         return OPTIMIZERS[self.optim].low_rank
 
     @property
+    def script(self) -> str:
+        """The loop script that trains this recipe once resolved (a run folder's): dpo where it has a dpo: section."""
+        return "dpo" if self.dpo is not None else "sft"
+
+    @property
     def dpo_reference(self) -> str | None:
         """Where run dpo's reference log-probs come from (None without a dpo: section): "none" (a reference-free
         loss), "store" (precomputed before the first step: a full fine-tune's default), "copy" (a frozen copy of the
@@ -421,11 +426,6 @@ def check_dpo(d: Dpo) -> None:
     if set(losses) == {"sft"}:
         raise RecipeError("dpo.loss_type sft alone is supervised fine-tuning on the chosen completions: add a "
                           "preference loss (e.g. [sigmoid, sft]), or use memrecipe run sft")
-
-
-def script_of(r: Recipe) -> str:
-    """The loop script that trains a resolved recipe (a run folder's): dpo where it has a dpo: section."""
-    return "dpo" if r.dpo is not None else "sft"
 
 
 def for_script(r: Recipe, script: str) -> Recipe:
