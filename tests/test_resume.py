@@ -12,12 +12,16 @@ import shutil
 import signal
 import subprocess
 import sys
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, child_env, finish, free_port, pin, signal_tree, start, stop_at_a_checkpoint, wait_for
+from conftest import run_cli
+from helpers import (REPO, SideBySide, child_env, finish, free_port, pin, signal_tree, start, stop_at_a_checkpoint,
+                     wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXACT = ["mixed_precision=no", "max_steps=6", "save_steps=2", "eval_steps=null", "logging_steps=1", "max_seq_length=64"]
@@ -59,43 +63,102 @@ def plain_launch(recipe, folder, *extra, core=None):
 # only if every engine's optimizer trains step 3 at the rebuilt schedule's rate (1 process, DDP, ZeRO-3, the
 # per-parameter optimizers; FSDP2 in test_resume_keeps_the_recipe_and_the_process_count).
 # single-gpu-lora trains 64 rows a step: about 2 steps an epoch, so its resumed steps cross epoch boundaries.
-@pytest.mark.parametrize("recipe, launched_by, mode, words", [
-    ("single-gpu-lora", "accelerate", "kill", ["per_device_train_batch_size=16"]),
-    ("fsdp", "accelerate", "kill", []),
-    ("fsdp-lora", "memrecipe", "kill", []),
-    ("zero3-offload", "memrecipe", "extend", []),
-    ("qlora", "memrecipe", "extend", []),
-    ("adamw-8bit", "memrecipe", "extend", []),
-    ("single-gpu-full", "memrecipe", "extend", [])])
-def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched_by, mode, words):
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    one = recipe in ("single-gpu-lora", "qlora", "single-gpu-full")  # 1-process recipes: each run pinned to a core
-    launch = (lambda folder, *extra, core: plain_launch(recipe, folder, *words, *extra, core=core if one else None)) \
-        if launched_by == "accelerate" else (lambda folder, *extra, core: start(
-            ["--recipe", recipe, *EXACT, *words, *extra], folder, core if one else None))  # (a shipped config's precision wins)
-    uninterrupted = launch(whole, core=0)  # beside the cut run
+CASES = [("single-gpu-lora", "accelerate", "kill", ["per_device_train_batch_size=16"]),
+         ("fsdp", "accelerate", "kill", []),
+         ("fsdp-lora", "memrecipe", "kill", []),
+         ("zero3-offload", "memrecipe", "extend", []),
+         ("qlora", "memrecipe", "extend", []),
+         ("adamw-8bit", "memrecipe", "extend", []),
+         ("single-gpu-full", "memrecipe", "extend", [])]
+ONE_PROCESS = ("single-gpu-lora", "qlora", "single-gpu-full")  # pinned to their slot's core (1 thread)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every launch of this module, as jobs two at a time (a launch is mostly start-up, one core's work): each
+    case's uninterrupted run and its cut run (the cut, the resumes, the exports: one job, in order) are separate
+    jobs, so a lone resume or export never leaves a core idle. `runs(name)` waits for one and gives its result."""
+    base = tmp_path_factory.mktemp("resume")
+    jobs = {}
+    for recipe, launched_by, mode, words in CASES:
+        jobs[f"{recipe}/cut"] = partial(cut_and_resumed, base / recipe, recipe, launched_by, mode, words)
+    jobs["keeps"] = partial(resumed_with_changes, base / "keeps")
+    for recipe, launched_by, mode, words in CASES:
+        jobs[f"{recipe}/whole"] = partial(uninterrupted, base / recipe, recipe, launched_by, words)
+    for recipe, _, sig in SIGNALS:
+        jobs[f"signal/{recipe}"] = partial(stopped_by_a_signal, base / f"signal-{recipe}", recipe, sig)
+    jobs["locked"] = partial(a_locked_folder, base / "locked")
+    jobs["nan"] = partial(a_non_finite_loss, base / "nan")
+    (base / "nan").mkdir()
+    side = SideBySide(jobs)
+    side.base = base
+    yield side
+    side.close()
+
+
+def case_launch(recipe, launched_by, words, folder, *extra, core):
+    one = core if recipe in ONE_PROCESS else None
+    if launched_by == "accelerate":
+        return plain_launch(recipe, folder, *words, *extra, core=one)
+    return start(["--recipe", recipe, *EXACT, *words, *extra], folder, one)  # (a shipped config's precision wins)
+
+
+def uninterrupted(base, recipe, launched_by, words, core):
+    base.mkdir(parents=True, exist_ok=True)
+    finish(case_launch(recipe, launched_by, words, base / "whole", core=core))
+    return base / "whole"
+
+
+def cut_and_resumed(base, recipe, launched_by, mode, words, core):
+    """The cut run (killed at a checkpoint, or finished early), resumed; then its exports."""
+    base.mkdir(parents=True, exist_ok=True)
+    one = core if recipe in ONE_PROCESS else None
+    cut, out = base / "cut", SimpleNamespace(report=None, refinished=None)
     if mode == "kill":
-        resumed_at = stop_at_a_checkpoint(launch(cut, core=1), cut)
-        assert resumed_at < 6 and not (cut / "final").exists()
-        finish(uninterrupted)
+        out.resumed_at = stop_at_a_checkpoint(case_launch(recipe, launched_by, words, cut, core=core), cut)
+        out.final_after_kill = (cut / "final").exists()
     else:
-        finish(uninterrupted, launch(cut, "max_steps=2", core=1))
-        resumed_at = 2
-    assert {"recipe.yaml", "accelerate_config.yaml"} <= {p.name for p in cut.iterdir()}  # however it was launched
-    partial = cut / "checkpoints" / ".tmp-step-5"  # a save cut off by a kill: never taken for a checkpoint
-    partial.mkdir(exist_ok=True)
-    (partial / "model.safetensors").write_bytes(b"cut off mid-write")
-    resumed = [tmp_path / "moved"]
+        finish(case_launch(recipe, launched_by, words, cut, "max_steps=2", core=core))
+        out.resumed_at, out.final_after_kill = 2, False
+    out.files = {p.name for p in cut.iterdir()}
+    partial_save = cut / "checkpoints" / ".tmp-step-5"  # a save cut off by a kill: never taken for a checkpoint
+    partial_save.mkdir(exist_ok=True)
+    (partial_save / "model.safetensors").write_bytes(b"cut off mid-write")
+    out.resumed = [base / "moved"]
     if launched_by == "accelerate":  # a copy resumes through its own launch line
-        resumed.append(tmp_path / "twin")
-        subprocess.run(["cp", "-r", str(cut), str(resumed[1])], check=True)
-    cut.rename(resumed[0])  # a moved run folder still resumes
-    runs = [start(["--resume", "max_steps=6"], resumed[0], 0 if one else None)]
+        out.resumed.append(base / "twin")
+        shutil.copytree(cut, out.resumed[1])
+    cut.rename(out.resumed[0])  # a moved run folder still resumes
+    procs = [start(["--resume", "max_steps=6"], out.resumed[0], one)]
     if launched_by == "accelerate":
-        runs.append(launch(resumed[1], "--resume", core=1))
-    finish(*runs)
+        procs.append(case_launch(recipe, launched_by, words, out.resumed[1], "--resume", core=core))
+    finish(*procs)
     if launched_by == "accelerate":
-        assert cli("report", str(resumed[1])).returncode == 0
+        out.report = run_cli("report", str(out.resumed[1]))
+    if recipe == "single-gpu-lora":  # killed after its last checkpoint, in the final save: the resume trains no step
+        out.refinished = base / "refinished"
+        shutil.copytree(out.resumed[0], out.refinished)
+        shutil.rmtree(out.refinished / "final")
+        (out.refinished / "report.json").unlink()
+        finish(start(["--resume"], out.refinished, one))
+    moved = out.resumed[-1]  # the export checks: on the folder resumed by its own launch line when there is one
+    if recipe in ("single-gpu-lora", "qlora"):
+        out.export = export(moved, base / "merged", "--merge")
+    elif recipe == "fsdp-lora":
+        out.export = export(moved, base / "merged", "--merge", "--checkpoint", "step-6")
+    else:
+        out.export = export(moved, base / "exported", "--checkpoint", "step-6")
+    return out
+
+
+@pytest.mark.parametrize("recipe, launched_by, mode, words", CASES)
+def test_killed_and_resumed_equals_uninterrupted(runs, recipe, launched_by, mode, words):
+    whole, out = runs(f"{recipe}/whole"), runs(f"{recipe}/cut")
+    resumed_at, resumed = out.resumed_at, out.resumed
+    assert resumed_at < 6 and not out.final_after_kill
+    assert {"recipe.yaml", "accelerate_config.yaml"} <= out.files  # however it was launched
+    if launched_by == "accelerate":
+        assert out.report.returncode == 0, out.report.stderr[-2000:]
     elif mode == "kill":
         assert "taken over" in open(f"{resumed[0]}.log").read()  # the dead run's lock was stale
     for folder in resumed:
@@ -111,16 +174,13 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched
         assert expected.keys() == got.keys() and expected
         for name, tensor in expected.items():
             torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
-    if recipe == "single-gpu-lora":  # killed after its last checkpoint, in the final save: the resume trains no step
-        shutil.rmtree(resumed[0] / "final")
-        (resumed[0] / "report.json").unlink()
-        finish(start(["--resume"], resumed[0], 0))
-        assert losses(resumed[0]) == pytest.approx(losses(whole), abs=1e-5)
-        assert final_weights(resumed[0]).keys() == final_weights(whole).keys()
-    moved = resumed[-1]  # the export checks: on the folder resumed by its own launch line when there is one
+    if out.refinished:  # killed after its last checkpoint, in the final save: the resume trains no step
+        assert losses(out.refinished) == pytest.approx(losses(whole), abs=1e-5)
+        assert final_weights(out.refinished).keys() == final_weights(whole).keys()
+    moved = resumed[-1]
     if recipe in ("single-gpu-lora", "qlora"):  # a checkpoint keeps the adapters, not the base again
         assert all("lora_" in name for name in load_file(moved / "checkpoints" / "step-6" / "model.safetensors"))
-        assert_merged_equals_adapter(moved, tmp_path / "merged")
+        assert_merged_equals_adapter(moved, out.export)
     elif recipe == "fsdp-lora":  # FSDP saves what trains: no checkpoint or final save gathers the frozen base
         model_file = moved / "checkpoints" / "step-6" / "pytorch_model_fsdp.bin"
         state = torch.load(model_file, weights_only=True)
@@ -128,14 +188,20 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, cli, recipe, launched
         params = json.loads((moved / "report.json").read_text())["setup"]["params"]
         for saved in (model_file, moved / "final" / "adapter_model.safetensors"):
             assert saved.stat().st_size < 4 * params / 4  # the adapters (~15% of the parameters), not the model
-        assert_merged_equals_adapter(moved, tmp_path / "merged", checkpoint="step-6")  # and they are the trained ones
+        assert_merged_equals_adapter(moved, out.export)  # and they are the trained ones (step-6's)
     else:  # the last checkpoint (a ZeRO checkpoint, FSDP's state dict) exports to the final weights
-        assert_checkpoint_exports_final(moved, "step-6", tmp_path / "exported")
+        assert_checkpoint_exports_final(moved, out.export)
 
 
-def assert_checkpoint_exports_final(run, checkpoint, output):
-    done = subprocess.run([sys.executable, "-m", "memrecipe", "export", str(run), str(output), "--checkpoint",
-                           checkpoint], env=child_env(), capture_output=True, text=True, timeout=300)
+def export(run, output, *flags):
+    """`memrecipe export RUN OUTPUT FLAGS...`: (the CompletedProcess, OUTPUT)."""
+    done = subprocess.run([sys.executable, "-m", "memrecipe", "export", str(run), str(output), *flags],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    return done, output
+
+
+def assert_checkpoint_exports_final(run, exported):
+    done, output = exported
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Setting accelerator to CPU" not in done.stderr  # DeepSpeed's CPU accelerator is named, not guessed
     exported, final = load_file(output / "model.safetensors"), load_file(run / "final" / "model.safetensors")
@@ -144,15 +210,13 @@ def assert_checkpoint_exports_final(run, checkpoint, output):
         torch.testing.assert_close(exported[name], tensor.float(), atol=0, rtol=0, msg=name)
 
 
-def assert_merged_equals_adapter(run, output, checkpoint=None):
+def assert_merged_equals_adapter(run, exported):
     """--merge folds the adapter (final/, or a checkpoint's) into the base: the merged model's logits
     equal the final adapter model's."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    pick = ["--checkpoint", checkpoint] if checkpoint else []
-    done = subprocess.run([sys.executable, "-m", "memrecipe", "export", str(run), str(output), "--merge", *pick],
-                          env=child_env(), capture_output=True, text=True, timeout=300)
+    done, output = exported
     assert done.returncode == 0, done.stderr[-2000:]
     base = json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), run / "final")
@@ -163,15 +227,21 @@ def assert_merged_equals_adapter(run, output, checkpoint=None):
     assert not any("lora" in name for name, _ in merged.named_parameters())
 
 
-@pytest.mark.parametrize("recipe, processes, sig", [("single-gpu-lora", 1, signal.SIGINT),
-                                                     ("fsdp", 2, signal.SIGTERM)])
-def test_a_signal_checkpoints_and_names_the_resume_command(tmp_path, recipe, processes, sig):
-    folder = tmp_path / "run"
-    proc = start(["--recipe", recipe, "max_steps=500", "eval_steps=null"], folder)
+SIGNALS = [("single-gpu-lora", 1, signal.SIGINT), ("fsdp", 2, signal.SIGTERM)]
+
+
+def stopped_by_a_signal(folder, recipe, sig, core):
+    proc = start(["--recipe", recipe, "max_steps=500", "eval_steps=null"], folder, core if recipe in ONE_PROCESS else None)
     wait_for(lambda: "step 10/500" in (folder / "train.log").read_text() if (folder / "train.log").exists()
              else False, proc)
     proc.send_signal(sig)  # to the launcher alone (a scheduler's SIGTERM; Ctrl-C's SIGINT)
-    assert proc.wait(timeout=120) == 128 + sig
+    return proc.wait(timeout=120)
+
+
+@pytest.mark.parametrize("recipe, processes, sig", SIGNALS)
+def test_a_signal_checkpoints_and_names_the_resume_command(runs, recipe, processes, sig):
+    status, folder = runs(f"signal/{recipe}"), runs.base / f"signal-{recipe}"
+    assert status == 128 + sig
     log = open(f"{folder}.log").read()
     assert f"resume with: memrecipe run sft --resume --output-dir {folder}" in log
     (checkpoint,) = (folder / "checkpoints").glob("step-*")
@@ -182,17 +252,24 @@ def test_a_signal_checkpoints_and_names_the_resume_command(tmp_path, recipe, pro
     assert "Traceback" not in log and "Traceback" not in (folder / "train.log").read_text()  # the launchers' own
 
 
-def test_resume_keeps_the_recipe_and_the_process_count(tmp_path, cli):
-    folder = tmp_path / "run"
+def resumed_with_changes(folder, core):
+    """A 2-step FSDP2 run, then --resume with changes it refuses, then one to 4 steps; its last checkpoint exported."""
     finish(start(["--recipe", "fsdp", "max_steps=2", "save_steps=1", "save_total_limit=10"], folder))
-    changed = cli("run", "sft", "--resume", "--output-dir", str(folder), "learning_rate=1e-2")
+    resume = lambda *words, timeout=180: run_cli("run", "sft", "--resume", "--output-dir", str(folder), *words,  # noqa: E731
+                                                 timeout=timeout)
+    refused = [resume("learning_rate=1e-2"), resume("fsdp.activation_checkpointing=false"),
+               resume("--num-processes", "1")]
+    longer = resume("max_steps=4", "save_steps=1", "save_total_limit=10", timeout=600)  # (unchanged keys are fine)
+    return refused, longer, longer.returncode == 0 and export(folder, folder.parent / "keeps-exported",
+                                                              "--checkpoint", "step-4")
+
+
+def test_resume_keeps_the_recipe_and_the_process_count(runs):
+    folder = runs.base / "keeps"
+    (changed, activation, fewer), longer, exported = runs("keeps")
     assert changed.returncode == 2 and "learning_rate cannot change on --resume" in changed.stderr
-    changed = cli("run", "sft", "--resume", "--output-dir", str(folder), "fsdp.activation_checkpointing=false")
-    assert changed.returncode == 2 and "fsdp.activation_checkpointing cannot change on --resume" in changed.stderr
-    fewer = cli("run", "sft", "--resume", "--output-dir", str(folder), "--num-processes", "1")
+    assert activation.returncode == 2 and "fsdp.activation_checkpointing cannot change on --resume" in activation.stderr
     assert fewer.returncode == 2 and "trained by 2 processes: resume it with --num-processes 2" in fewer.stderr
-    longer = cli("run", "sft", "--resume", "--output-dir", str(folder), "max_steps=4", "save_steps=1",  # unchanged
-                 "save_total_limit=10", timeout=600)
     assert longer.returncode == 0, longer.stderr[-2000:]
     assert len(losses(folder)) == 4 and "max_steps: 4" in (folder / "recipe.yaml").read_text()
     assert "resumed from checkpoints/step-2 at step 2" in (folder / "train.log").read_text()  # the end was saved too
@@ -203,36 +280,46 @@ def test_resume_keeps_the_recipe_and_the_process_count(tmp_path, cli):
     moved = [max((b[k].float() - a[k].float()).abs().max().item() for k in a) for a, b in zip(weights, weights[1:])]
     assert moved[0] > 0.5 * moved[1] > 0, moved
     assert losses(folder, "lr")[2] > 0  # the rate the optimizer held for step 3
-    assert_checkpoint_exports_final(folder, "step-4", tmp_path / "exported")  # FSDP's full state dict
+    assert_checkpoint_exports_final(folder, exported)  # FSDP's full state dict
 
 
-def test_a_running_folder_is_locked(tmp_path, cli):
-    folder = tmp_path / "run"
-    proc = start(["--recipe", "single-gpu-lora", "max_steps=500", "eval_steps=null"], folder)
+def a_locked_folder(folder, core):
+    """A second run and a resume asked for while a run trains in the folder; then the run is killed."""
+    proc = start(["--recipe", "single-gpu-lora", "max_steps=500", "eval_steps=null"], folder, core)
     wait_for(lambda: (folder / ".lock").exists() and (folder / "train.log").exists(), proc)
-    second = cli("run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(folder), "--overwrite")
-    assert second.returncode == 2 and f"in use by process {proc.pid}" in second.stderr
-    resumed = cli("run", "sft", "--resume", "--output-dir", str(folder))  # not "no complete checkpoint"
-    assert resumed.returncode == 2 and f"in use by process {proc.pid}" in resumed.stderr
+    second = run_cli("run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(folder), "--overwrite")
+    resumed = run_cli("run", "sft", "--resume", "--output-dir", str(folder))  # not "no complete checkpoint"
     signal_tree(proc, signal.SIGKILL)
     proc.wait()
+    return proc.pid, second, resumed
 
 
-def test_a_non_finite_loss_stops_in_one_line_naming_the_step(tmp_path):
+def test_a_running_folder_is_locked(runs):
+    pid, second, resumed = runs("locked")
+    assert second.returncode == 2 and f"in use by process {pid}" in second.stderr
+    assert resumed.returncode == 2 and f"in use by process {pid}" in resumed.stderr
+
+
+def a_non_finite_loss(base, core):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from memrecipe.training.modeling import embedded_model
 
-    poisoned = tmp_path / "poisoned-model"  # one NaN weight: the very first loss is NaN
+    poisoned = base / "poisoned-model"  # one NaN weight: the very first loss is NaN
     model = AutoModelForCausalLM.from_pretrained(embedded_model())
     with torch.no_grad():
         model.model.norm.weight[0] = float("nan")
     model.save_pretrained(poisoned)
     AutoTokenizer.from_pretrained(embedded_model()).save_pretrained(poisoned)
-    folder = tmp_path / "run"
+    folder = base / "run"
     proc = start(["--recipe", "adamw-8bit", "--num-processes", "1", "--model", str(poisoned), "save_steps=1",
-                  "max_steps=5"], folder)
-    assert proc.wait(timeout=600) != 0
+                  "max_steps=5"], folder, core)
+    return proc.wait(timeout=600), folder
+
+
+def test_a_non_finite_loss_stops_in_one_line_naming_the_step(runs):
+    status, folder = runs("nan")
+    assert status != 0
     log = open(f"{folder}.log").read()
     assert "memrecipe: error: the loss is nan at step 1: stopped without saving" in log
     assert not list((folder / "checkpoints").glob("step-*")) if (folder / "checkpoints").exists() else True
