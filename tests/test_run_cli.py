@@ -4,17 +4,35 @@ import json
 
 import pytest
 
-from helpers import REPO, child_env, launch
+from helpers import REPO, child_env, launch, pin, wait_for
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_readme_job_learns_and_runs_twice_into_two_folders(tmp_path):
-    """`memrecipe run sft --recipe single-gpu-lora`, exactly as the README has it, from a fresh folder."""
-    done = launch(["memrecipe", "run", "sft", "--recipe", "single-gpu-lora"], cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "CPU smoke-test mode" in done.stderr
-    (first,) = (tmp_path / "runs").iterdir()
+    """`memrecipe run sft --recipe single-gpu-lora`, exactly as the README has it, from a fresh folder; a second run,
+    started beside it once the first has made its folder, gets a folder of its own."""
+    import subprocess
+    import sys
+
+    said = tmp_path / "first.log"
+    first = subprocess.Popen([sys.executable, "-m", "memrecipe", "run", "sft", "--recipe", "single-gpu-lora"],
+                             cwd=tmp_path, env=child_env(), stdout=open(said, "w"), stderr=subprocess.STDOUT,
+                             preexec_fn=pin(0))
+    wait_for(lambda: (tmp_path / "runs").is_dir() and any((tmp_path / "runs").iterdir()), first)
+    # again, on a machine without matplotlib: the run still works and says what to install
+    hide = tmp_path / "no-plots"
+    (hide / "matplotlib").mkdir(parents=True)
+    (hide / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    again = launch(["memrecipe", "run", "sft", "--recipe", "single-gpu-lora", "max_steps=2"], cwd=tmp_path,
+                   env=child_env(PYTHONPATH=f"{hide}:{REPO / 'tests'}"), preexec_fn=pin(1))
+    assert first.wait(timeout=600) == 0, said.read_text()[-3000:]
+    assert "CPU smoke-test mode" in said.read_text()
+    assert again.returncode == 0, again.stderr[-3000:]
+    runs = sorted((tmp_path / "runs").iterdir())  # (a second folder made in the same second is named ...-2)
+    assert len(runs) == 2 and (runs[0] / "loss.png").is_file() and not (runs[1] / "loss.png").exists()
+    assert "pip install 'memrecipe[plot]'" in again.stdout + again.stderr
+    first = runs[0]
     assert first.name.startswith("single-gpu-lora-")
     r = json.loads((first / "report.json").read_text())
     losses = [h["loss"] for h in r["history"]]
@@ -23,16 +41,6 @@ def test_the_readme_job_learns_and_runs_twice_into_two_folders(tmp_path):
     assert r["throughput"]["padding_fraction"] < 0.1  # packed rows, nearly full
     assert {p.name for p in first.iterdir()} >= {"accelerate_config.yaml", "final", "recipe.yaml", "report.json",
                                                  "train.log", "loss.png"}
-    # again, on a machine without matplotlib: the run still works and says what to install
-    hide = tmp_path / "no-plots"
-    (hide / "matplotlib").mkdir(parents=True)
-    (hide / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
-    again = launch(["memrecipe", "run", "sft", "--recipe", "single-gpu-lora", "max_steps=2"], cwd=tmp_path,
-                   env=child_env(PYTHONPATH=f"{hide}:{REPO / 'tests'}"))
-    assert again.returncode == 0, again.stderr[-3000:]
-    runs = sorted((tmp_path / "runs").iterdir())
-    assert len(runs) == 2 and (runs[0] / "loss.png").is_file() and not (runs[1] / "loss.png").exists()
-    assert "pip install 'memrecipe[plot]'" in again.stdout + again.stderr
 
 
 def test_dry_run_prints_the_command_and_writes_nothing(tmp_path, cli):
@@ -185,6 +193,8 @@ def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_expo
     a chat parquet: it trains, the log counts what each source gave, and the run folder keeps it resolved.
     Its PiSSA adapter, converted at the end, merges onto the original base into the trained model: the
     same logits as the last checkpoint's adapter on the base decomposed again."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
     import yaml
     from transformers import AutoModelForCausalLM
@@ -215,9 +225,10 @@ def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_expo
     assert [entry["path"] for entry in stored["dataset"]] == [str(tmp_path / "alpaca.jsonl"), str(tmp_path / "chat.parquet")]
 
     assert json.loads((tmp_path / "R" / "final" / "adapter_config.json").read_text())["r"] == 32  # [A | A0]
-    for source, out in ((["--merge"], "merged"), (["--merge", "--checkpoint", "step-3"], "from-checkpoint")):
-        exported = launch(["memrecipe", "export", "R", out, *source], cwd=tmp_path)
-        assert exported.returncode == 0, exported.stderr[-2000:]
+    with ThreadPoolExecutor(2) as pool:  # (side by side)
+        for exported in pool.map(lambda words: launch(["memrecipe", "export", "R", *words], cwd=tmp_path),
+                                 (["merged", "--merge"], ["from-checkpoint", "--merge", "--checkpoint", "step-3"])):
+            assert exported.returncode == 0, exported.stderr[-2000:]
     probe = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         merged, resumed, before = (AutoModelForCausalLM.from_pretrained(path)(input_ids=probe).logits
@@ -231,13 +242,19 @@ def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_expo
 def test_a_failure_after_launch_is_one_line_and_the_fixed_command_reuses_the_folder(tmp_path):
     """A dataset too small for one window fails inside the loop: its one line, exit 2, no launcher traceback;
     the folder (no checkpoint, no final save) takes the same command again once the problem is fixed."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from memrecipe.planning.registry import EMBEDDED_DATASET
 
     two = tmp_path / "two.jsonl"
     two.write_text("".join(EMBEDDED_DATASET.read_text().splitlines(keepends=True)[:2]))
     run = ["memrecipe", "run", "sft", "--recipe", "single-gpu-lora", "--dataset", str(two), "--output-dir", "R",
            "eval_size=0", "max_steps=2"]
-    failed = launch(run, cwd=tmp_path)
+    unnamed = tmp_path / "unnamed"  # the folder memrecipe named (runs/<recipe>-<time>) goes with the failed start
+    unnamed.mkdir()
+    beside = ThreadPoolExecutor(1).submit(launch, [word for word in run if word not in ("--output-dir", "R")],
+                                          cwd=unnamed, preexec_fn=pin(1))
+    failed = launch(run, cwd=tmp_path, preexec_fn=pin(0))
     said = failed.stdout + failed.stderr
     assert failed.returncode == 2, said[-3000:]
     assert said.count("memrecipe: error: the dataset gives") == 1 and "fewer than gradient_accumulation_steps" in said
@@ -248,9 +265,7 @@ def test_a_failure_after_launch_is_one_line_and_the_fixed_command_reuses_the_fol
     assert (tmp_path / "R" / "final").is_dir()
     again = launch(run, cwd=tmp_path)  # a finished run keeps its protection
     assert again.returncode == 2 and "is not empty" in again.stderr
-    unnamed = tmp_path / "unnamed"  # the folder memrecipe named (runs/<recipe>-<time>) goes with the failed start
-    unnamed.mkdir()
-    failed = launch([word for word in run if word not in ("--output-dir", "R")], cwd=unnamed)
+    failed = beside.result()
     assert failed.returncode == 2 and "fewer than gradient_accumulation_steps" in failed.stdout + failed.stderr
     assert not list(unnamed.glob("runs/*")), list(unnamed.rglob("*"))
 
