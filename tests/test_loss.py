@@ -232,15 +232,27 @@ def test_fused_loss_holds_a_fraction_and_the_planner_counts_both(big_vocab_model
         assert planned[fused] == pytest.approx(measured[fused], rel=0.1), (fused, planned, measured)
 
 
+HEAD_MODES = ["lora", "mixed", "half", "fp32"]
+
+
+@pytest.fixture(scope="module")
+def head_bytes():
+    """tests/workers/head_loss_bytes.py for each mode, a fresh process each, two at a time (bytes, not time)."""
+    jobs = SideBySide({mode: lambda core, mode=mode: subprocess.run(
+        [sys.executable, str(REPO / "tests" / "workers" / "head_loss_bytes.py"), mode, "1024", "64"],
+        capture_output=True, text=True, env=child_env(), timeout=120) for mode in HEAD_MODES})
+    yield jobs
+    jobs.close()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["lora", "mixed", "half", "fp32"])
-def test_the_plan_counts_what_a_trained_heads_chunks_hold(mode):
+@pytest.mark.parametrize("mode", HEAD_MODES)
+def test_the_plan_counts_what_a_trained_heads_chunks_hold(head_bytes, mode):
     """A head whose weights outweigh a chunk's logits (hidden 1024, 64-token chunks, as Llama-3.1-8B's head does at
     512 tokens): backward's blocks of rows (the gradient written out, each block's fp32 sum) and forward's chunks
     with the autocast copy, measured in a fresh process each and planned, within 3%. (Summed whole in fp32 and cast,
     as a first version did, the head's gradient held 3 to 6 bytes x the head more.)"""
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "head_loss_bytes.py"), mode, "1024", "64"],
-                          capture_output=True, text=True, env=child_env(), timeout=120)
+    done = head_bytes(mode)
     assert done.returncode == 0, done.stderr[-2000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r["planned"] == pytest.approx(r["measured"], rel=0.03), r
