@@ -140,16 +140,6 @@ def test_batch_precision_and_clipping_are_written_once():
                 assert "gradient_accumulation_steps" not in flat
 
 
-def test_mixed_precision_auto_resolves_per_machine():
-    r = load_recipe("fsdp")
-    assert resolve_precision(r, Topology(2, cpu=True)) == "bf16"
-    assert resolve_precision(r, Topology(8, bf16=True)) == "bf16"
-    assert resolve_precision(r, Topology(8, bf16=False)) == "fp16"
-    assert resolve_precision(load_recipe("fsdp", ["mixed_precision=no"]), Topology(8)) == "no"
-    ds = deepspeed_config(load_recipe("zero3-offload"), Topology(1, bf16=False))
-    assert ds["fp16"]["enabled"] and ds["fp16"]["loss_scale"] == 0 and not ds["bf16"]["enabled"]
-
-
 def test_multi_node_configs_carry_the_rendezvous():
     topo = make_topology(16, 2, 1, "10.0.0.1", 29501)
     acc = accelerate_config(load_recipe("zero3-offload"), topo)

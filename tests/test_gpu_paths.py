@@ -2,8 +2,6 @@
 told about (stubbed), the launch it would build, the files it would write. docs/gpu.md lists the
 first command to run on a real GPU box for each."""
 
-import os
-import stat
 from types import SimpleNamespace
 
 import pytest
@@ -35,19 +33,6 @@ def test_auto_precision_is_fp16_on_a_v100_although_torch_can_emulate_bf16(volta)
     assert machine.gpus == 1 and machine.bf16 is False
     topo = make_topology(1, bf16=machine.bf16)
     assert resolve_precision(load_recipe("single-gpu-lora"), topo) == "fp16"
-
-
-@pytest.mark.parametrize("cap, bf16", [("7.0", False), ("8.0", True), (None, None)])
-def test_plan_reads_the_compute_capability_from_nvidia_smi(tmp_path, monkeypatch, cap, bf16):
-    """`plan` imports no torch: nvidia-smi says the capability (old drivers do not know the field)."""
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\ncase \"$1\" in\n  *memory.total*) echo 16384; echo 16384;;\n"
-                   + (f"  *compute_cap*) echo {cap}; echo {cap};;\n" if cap else "")
-                   + "  *) echo \"Field is not a valid field\" >&2; exit 2;;\nesac\n")
-    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    machine = Machine.from_nvidia_smi()
-    assert (machine.gpus, machine.gpu_memory, machine.bf16) == (2, 16 * 2**30, bf16)
 
 
 def test_a_gpu_deepspeed_launch_gives_each_rank_its_share_of_the_cores(monkeypatch, tmp_path):

@@ -167,25 +167,6 @@ def test_supports_cpu_agrees_with_what_is_known_to_fail_on_cpu():
         assert blocker is None or "supports.cpu" not in blocker, f"{name}: GPU-only without a measured reason"
 
 
-def test_other_machines_keep_their_own_launch_files_in_a_shared_folder(cli, tmp_path):
-    """Machine rank 1 of a run writes *.machine1.* files and its own lock, so a folder shared by the
-    machines holds both; machine rank 0 owns the plain names and ignores the others' files."""
-    from memrecipe.launching.run_folder import RunFolder
-
-    words = ["run", "sft", "--recipe", "zero2", "--cpu", "--num-processes", "2", "--num-machines", "2",
-             "--main-process-ip", "127.0.0.1", "--output-dir", str(tmp_path), "--dry-run"]
-    done = cli(*words, "--machine-rank", "1")
-    assert done.returncode == 0, done.stderr
-    for name in ("recipe.machine1.yaml", "accelerate_config.machine1.yaml", "deepspeed_config.machine1.json"):
-        assert f"==> {tmp_path / name} <==" in done.stdout
-    assert "--config_file accelerate_config.machine1.yaml" in done.stdout
-    assert "deepspeed_config_file: deepspeed_config.machine1.json" in done.stdout
-    assert "--recipe recipe.machine1.yaml" in done.stdout
-    for name in ("recipe.machine1.yaml", "train.machine1.log", ".lock.machine1"):
-        (tmp_path / name).write_text("x")
-    assert RunFolder(tmp_path).owned() == []  # machine 0 may start in this folder without --overwrite
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_exports(tmp_path):
@@ -268,31 +249,6 @@ def test_a_failure_after_launch_is_one_line_and_the_fixed_command_reuses_the_fol
     failed = beside.result()
     assert failed.returncode == 2 and "fewer than gradient_accumulation_steps" in failed.stdout + failed.stderr
     assert not list(unnamed.glob("runs/*")), list(unnamed.rglob("*"))
-
-
-def test_launch_output_keeps_the_loops_lines_and_drops_the_launchers_tracebacks():
-    """After the loop's error line nothing more; after a stop signal no KeyboardInterrupt traceback, but
-    any other traceback (a real crash while stopping) still shows; before either, output passes as it comes."""
-    from memrecipe.launching.launch import LaunchOutput
-
-    out = LaunchOutput()
-    shown, logged = out.feed(b"train: 10%\rtrain: 20%")  # a progress bar redraws in place
-    assert shown == b"train: 10%\rtrain: 20%" and logged == []
-    out.filtering = True  # Ctrl-C reached the launch
-    shown, logged = out.feed(b"\ncheckpoint checkpoints/step-3\nTraceback (most recent call last):\n  File \"a\"\n"
-                             b"KeyboardInterrupt\nstopped by SIGINT at step 3\nTraceback (most recent call last):\n"
-                             b"  File \"c\"\nsubprocess.CalledProcessError: Command '[sft.py]' returned non-zero exit "
-                             b"status 130.\nTraceback (most recent call last):\n"
-                             b"  File \"b\"\nRuntimeError: disk full\n")
-    assert logged == ["train: 20%", "checkpoint checkpoints/step-3", "stopped by SIGINT at step 3",
-                      "Traceback (most recent call last):", '  File "b"', "RuntimeError: disk full"]
-    assert shown.startswith(b"\ncheckpoint") and b"KeyboardInterrupt" not in shown  # the bar's text was shown already
-    failed = LaunchOutput()
-    shown, logged = failed.feed(b"data: train\nmemrecipe: error: the dataset gives 1 micro batch(es)\n"
-                                b"memrecipe: error: the dataset gives 1 micro batch(es)\nTraceback (most recent call "
-                                b"last):\n  File \"c\"\nsubprocess.CalledProcessError: exit status 2\n")
-    assert logged == ["data: train", "memrecipe: error: the dataset gives 1 micro batch(es)"] and failed.finish() == []
-    assert failed.error == "memrecipe: error: the dataset gives 1 micro batch(es)"
 
 
 @pytest.mark.parametrize("finished", [True, False])
