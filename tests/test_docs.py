@@ -9,7 +9,6 @@ import pytest
 from helpers import REPO
 from memrecipe.planning.architecture import structure
 from memrecipe.planning.planner import estimate
-from memrecipe.planning.recipe import cpu_blocker
 from memrecipe.planning.registry import load_recipe, recipe_names
 from memrecipe.planning.topology import Topology
 
@@ -53,6 +52,6 @@ def test_quoted_figures_are_the_planners(path, sentence, figures):
 
 def test_the_count_of_recipes_that_run_on_cpu_is_the_recipes_own():
     words = {9: "Nine", 10: "Ten", 11: "Eleven", 8: "Eight"}
-    runs = sum(cpu_blocker(load_recipe(name)) is None for name in recipe_names())
+    runs = sum(load_recipe(name).cpu_blocker is None for name in recipe_names())
     assert f"{words[runs]} recipes run end to end on CPU" in text("README.md")
     assert re.search(rf"which run end to end on CPU: {words[runs].lower()} do", text("docs/recipes.md"))

@@ -157,12 +157,11 @@ def test_a_gpu_only_recipe_is_refused_on_cpu_with_the_reason(cli, recipe, overri
 
 
 def test_supports_cpu_agrees_with_what_is_known_to_fail_on_cpu():
-    from memrecipe.planning.recipe import cpu_blocker
     from memrecipe.planning.registry import load_recipe, recipe_names
 
     for name in recipe_names():
         r = load_recipe(name)
-        blocker = cpu_blocker(r)
+        blocker = r.cpu_blocker
         assert (blocker is None) == r.supports.cpu, name
         assert blocker is None or "supports.cpu" not in blocker, f"{name}: GPU-only without a measured reason"
 

@@ -2,7 +2,7 @@ import textwrap
 
 import click
 
-from ..planning.recipe import cpu_blocker, processes_range, techniques
+from ..planning.recipe import processes_range, techniques
 from ..planning.registry import load_recipe, recipe_names
 from ..table import table, terminal_width
 
@@ -13,7 +13,7 @@ def command():
     rows = []
     for name in recipe_names():
         r = load_recipe(name)
-        tested = "runs, tested" if cpu_blocker(r) is None else "GPU only"
+        tested = "runs, tested" if r.cpu_blocker is None else "GPU only"
         rows.append([name, ", ".join(techniques(r)), processes_range(r), tested, r.saves, r.costs])
     headers = ["RECIPE", "TECHNIQUES", "PROCESSES", "ON CPU", "SAVES", "COSTS"]
     wide = table(headers, rows, widths={1: 30, 4: 30, 5: 28})

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from .recipe import Recipe, cpu_blocker
+from .recipe import Recipe
 from .topology import Topology, resolve_precision
 
 DISTRIBUTED_TYPE = {"no": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}
@@ -258,7 +258,7 @@ def default_topologies(recipe: Recipe) -> list[Topology]:
     s = recipe.supports
     fits = lambda n: s.min_processes <= n and (s.max_processes is None or n <= s.max_processes)  # noqa: E731
     out = [Topology(num_processes=n) for n in (1, 8) if fits(n)]
-    if cpu_blocker(recipe) is None:
+    if recipe.cpu_blocker is None:
         out.append(Topology(num_processes=2 if fits(2) else 1, cpu=True))
     return out
 

@@ -282,6 +282,34 @@ class Recipe:
         return OPTIMIZERS[self.optim].low_rank
 
     @property
+    def cpu_blocker(self) -> str | None:
+        """Why this recipe cannot run on a machine without a GPU (each measured), or None if it can."""
+        if self.parallelism:
+            return "accelerate refuses tensor parallelism (ParallelismConfig) on CPU"
+        if self.fsdp and self.fsdp.version == 1:
+            return "FSDP1 wants a CUDA compute device (torch: inconsistent compute device cpu vs cpu:0)"
+        if self.fsdp and self.fsdp.offload_params:
+            return "FSDP parameter offload needs an accelerator to fetch the parameters to"
+        if self.attn_implementation in ("flash_attention_2", "flex_attention"):
+            return (f"attn_implementation {self.attn_implementation} trains on CUDA only (flash-attn is a CUDA "
+                    "package; torch 2.13's flex_attention has no backward on CPU); attn_implementation=auto runs sdpa "
+                    "here")
+        if not self.supports.cpu:
+            return "the recipe says supports.cpu: false"
+        return None
+
+    @property
+    def fp16_blocker(self) -> str | None:
+        """Why this recipe cannot train in fp16 (None: it can). Read wherever the precision is decided: the recipe's
+        own mixed_precision, `auto` on a GPU without bf16 (topology.check_supported), a launch config's (the loop)."""
+        if self.weight_dtype == "bf16":
+            return "weight_dtype bf16 computes in bf16 (bf16 weights have no fp32 master for fp16's loss scaling)"
+        if self.optimizer_in_backward:
+            return ("optimizer_in_backward cannot use fp16's loss scaler: it skips or rescales a whole step once every "
+                    "gradient is seen, and each parameter is already updated by then")
+        return None
+
+    @property
     def script(self) -> str:
         """The loop script that trains this recipe once resolved (a run folder's): dpo where it has a dpo: section."""
         return "dpo" if self.dpo is not None else "sft"
@@ -480,17 +508,6 @@ def on_adapter(r: Recipe, path: str, config: dict) -> Recipe:
     return replace(r, lora=lora, model_name_or_path=base if given_as_model else r.model_name_or_path)
 
 
-def fp16_blocker(r: Recipe) -> str | None:
-    """Why this recipe cannot train in fp16 (None: it can). Read wherever the precision is decided: the recipe's
-    own mixed_precision, `auto` on a GPU without bf16 (topology.check_supported), a launch config's (the loop)."""
-    if r.weight_dtype == "bf16":
-        return "weight_dtype bf16 computes in bf16 (bf16 weights have no fp32 master for fp16's loss scaling)"
-    if r.optimizer_in_backward:
-        return ("optimizer_in_backward cannot use fp16's loss scaler: it skips or rescales a whole step once every "
-                "gradient is seen, and each parameter is already updated by then")
-    return None
-
-
 def check_optimizer(r: Recipe) -> None:
     """The optimizer's own keys: what each needs, and which engines leave it room."""
     engine = "FSDP" if r.fsdp else "DeepSpeed" if r.deepspeed else None
@@ -508,8 +525,8 @@ def check_optimizer(r: Recipe) -> None:
         if engine:
             raise RecipeError(f"weight_dtype bf16 is for one process or DDP: {engine} keeps its own weight copies "
                               "(set weight_dtype=fp32)")
-    if r.mixed_precision == "fp16" and fp16_blocker(r):
-        raise RecipeError(f"{fp16_blocker(r)}: set mixed_precision=bf16 (or auto on a GPU with bf16)")
+    if r.mixed_precision == "fp16" and r.fp16_blocker:
+        raise RecipeError(f"{r.fp16_blocker}: set mixed_precision=bf16 (or auto on a GPU with bf16)")
     if r.optimizer_in_backward:
         if r.distributed_type != "no":
             raise RecipeError("optimizer_in_backward runs on one process: under ddp, fsdp or deepspeed gradients are "
@@ -572,22 +589,6 @@ def check_lora(r: Recipe) -> None:
     if lora.use_dora and r.deepspeed and r.deepspeed.zero_stage == 3:
         raise RecipeError("lora.use_dora reads each base weight whole inside the adapter, where ZeRO-3 keeps it "
                           "partitioned: use fsdp-lora or one process (or use_dora=false)")
-
-
-def cpu_blocker(r: Recipe) -> str | None:
-    """Why this recipe cannot run on a machine without a GPU (each measured), or None if it can."""
-    if r.parallelism:
-        return "accelerate refuses tensor parallelism (ParallelismConfig) on CPU"
-    if r.fsdp and r.fsdp.version == 1:
-        return "FSDP1 wants a CUDA compute device (torch: inconsistent compute device cpu vs cpu:0)"
-    if r.fsdp and r.fsdp.offload_params:
-        return "FSDP parameter offload needs an accelerator to fetch the parameters to"
-    if r.attn_implementation in ("flash_attention_2", "flex_attention"):
-        return (f"attn_implementation {r.attn_implementation} trains on CUDA only (flash-attn is a CUDA package; "
-                "torch 2.13's flex_attention has no backward on CPU); attn_implementation=auto runs sdpa here")
-    if not r.supports.cpu:
-        return "the recipe says supports.cpu: false"
-    return None
 
 
 def techniques(r: Recipe) -> list[str]:

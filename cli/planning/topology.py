@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import RecipeError
-from .recipe import METHODS, Recipe, cpu_blocker, fp16_blocker, method
+from .recipe import METHODS, Recipe, method
 
 
 @dataclass(frozen=True)
@@ -146,10 +146,10 @@ def check_supported(recipe: Recipe, topo: Topology) -> None:
             raise RecipeError(f"recipe {recipe.name} splits each layer over parallelism.tp_size={tp} processes and "
                               f"shards the rest with FSDP2: --num-processes must be a multiple of {tp}, at least "
                               f"{2 * tp}; got {n}")
-    if resolve_precision(recipe, topo) == "fp16" and fp16_blocker(recipe):
+    if resolve_precision(recipe, topo) == "fp16" and recipe.fp16_blocker:
         raise RecipeError(f"recipe {recipe.name}: mixed_precision auto is fp16 on GPUs without bf16 (before Ampere), "
-                          f"and {fp16_blocker(recipe)}: run it on a GPU with bf16, or use another recipe")
-    blocker = cpu_blocker(recipe) if topo.cpu else None
+                          f"and {recipe.fp16_blocker}: run it on a GPU with bf16, or use another recipe")
+    blocker = recipe.cpu_blocker if topo.cpu else None
     if blocker:
         raise RecipeError(f"recipe {recipe.name} is GPU-only: {blocker}; generate and check its GPU configs with "
                           f"memrecipe config {recipe.name} (no --cpu), and run it where there are GPUs")

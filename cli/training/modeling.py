@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from ..errors import RecipeError
-from ..planning.recipe import fp16_blocker
 from ..planning.registry import EMBEDDED_MODEL
 
 
@@ -47,8 +46,8 @@ def make_accelerator(recipe, **kwargs):
     data = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.seed)
     accelerator = Accelerator(gradient_accumulation_plugin=plugin, dataloader_config=data, kwargs_handlers=handlers,
                               **kwargs)
-    if accelerator.mixed_precision == "fp16" and fp16_blocker(recipe):  # the launch config's precision wins
-        raise RecipeError(f"the launch config runs mixed_precision fp16, and {fp16_blocker(recipe)}: set "
+    if accelerator.mixed_precision == "fp16" and recipe.fp16_blocker:  # the launch config's precision wins
+        raise RecipeError(f"the launch config runs mixed_precision fp16, and {recipe.fp16_blocker}: set "
                           "mixed_precision: bf16 in it (or regenerate it with memrecipe config on a GPU with bf16)")
     return accelerator
 
