@@ -79,6 +79,12 @@ def card(report: dict) -> str:
         lines.append("(on CPU peak RSS is mostly libraries and kernel caches; the measured parameters, gradients and "
                      "optimizer state are exact byte counts of what each rank holds)")
     lines.append("(logits: planned for a full max_seq_length of targets, measured on the first micro batch)")
+    gathered = [(name, plan.get(f"gathered_{key}") or 0) for name, key in (("parameters", "params"),
+                                                                            ("gradients", "grads"))]
+    if any(size for _, size in gathered):
+        lines.append("(" + " and ".join(f"{name} {_gib(size)}" for name, size in gathered if size) + " GiB of the plan "
+                     "are gathered only while a layer computes (FSDP's running and prefetched unit, ZeRO-3's largest "
+                     "layer); held bytes are read after the step, when they are sharded again)")
     offloaded = report.get("setup", {}).get("offloaded_bytes_per_micro_batch")
     if offloaded is not None:
         planned = (plan.get("host_offload") or 0) / 2**20

@@ -300,6 +300,22 @@ def test_one_process_model_states_match_the_plan(runs, name):
         assert held[category] == pytest.approx(r["plan"][category], rel=0.01), category  # the planner's tolerance
 
 
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-lora"])
+def test_fsdp_holds_after_the_step_what_the_plan_says_without_its_gathered_units(runs, name):
+    """The plan counts a step's peak: the shards plus the units FSDP gathers while a layer computes (the running one
+    and the prefetched one) and, for a full fine-tune, a unit's full gradients before the reduce-scatter. Held bytes
+    are read after the step, resharded: the plan less what it calls gathered, and the card says so."""
+    from memrecipe.report import card
+
+    r = report(runs(name))
+    plan = r["plan"]
+    assert plan["gathered_params"] > 0 and (plan["gathered_grads"] > 0) is (name == "fsdp")
+    for p in r["processes"]:
+        assert p["held"]["parameters"] == pytest.approx(plan["parameters"] - plan["gathered_params"], rel=0.01)
+        assert p["held"]["gradients"] == pytest.approx(plan["gradients"] - plan["gathered_grads"], rel=0.01)
+    assert "GiB of the plan are gathered only while a layer computes" in card(r)
+
+
 @pytest.mark.parametrize("name, bytes_per_param", [("fsdp", 4), ("zero3-offload", 2)])
 def test_sharded_recipes_hold_half_the_parameters_per_process(runs, name, bytes_per_param):
     r = report(runs(name))

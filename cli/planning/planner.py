@@ -50,6 +50,10 @@ class Estimate:
     notes: tuple[str, ...] = field(default=())
     step: int = 0  # the optimizer step's temporaries beyond its state (in `working` when they are the peak)
     attention: str = "sdpa"  # the kernel planned: what `attn_implementation` resolves to (planning.attention)
+    # of `parameters` and `gradients`: what exists only while a layer computes (FSDP's running and prefetched unit,
+    # ZeRO-3's largest layer, gathered whole; a unit's full gradients before the reduce-scatter), resharded after it
+    gathered_params: int = 0
+    gathered_grads: int = 0
 
     @property
     def total(self) -> int:
@@ -69,7 +73,8 @@ class Estimate:
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("recipe", "processes", "machines", "micro_batch", "seq_length",
                                              *CATEGORIES, "host_offload", "host_load", "cpu", "speed_cost", "saved_peak",
-                                             "working", "step", "attention")}
+                                             "working", "step", "attention", "gathered_params",
+                                             "gathered_grads")}
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
 
 
@@ -421,13 +426,14 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     wb = weight_bytes(recipe) if recipe.lora is None else 4  # LoRA's adapters train in fp32
     optim = optimizer_state_bytes(recipe, train, wb)
     notes: list[str] = []
-    host = 0
+    host, gathered = 0, (0, 0)  # (parameters, gradients) gathered while a layer computes
     if recipe.deepspeed and recipe.deepspeed.zero_stage == 3:
         # DeepSpeed's own accounting (estimate_zero3_model_states_mem_needs): 16-bit params and grads of
         # the largest layer gathered on the GPU; 2 bytes/param of 16-bit weights, 16 of fp32 state per
         # trained param (master, two moments, fp32 grad) partitioned, or offloaded to host RAM.
         ds, L = recipe.deepspeed, s.largest_module
         params, grads, opt = 2 * L, 2 * L, 0
+        gathered = (2 * L, 2 * L)
         full_state = 16 * Pt + 2 * P  # = 18 P when everything trains
         if ds.offload_param != "none":
             host = full_state // machines
@@ -465,13 +471,14 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         # gathered: the running unit and the prefetched one, or (no reshard) all of it
         unit_bytes = max(base_bytes(recipe, s, cb, layer_only=True), cb * s.root_params) if recipe.quantization \
             else cb * unit
-        gathered = 2 * unit_bytes if f.reshard_after_forward else (base or cb * P // tp)
+        units = 2 * unit_bytes if f.reshard_after_forward else (base or cb * P // tp)
         unit_grads = 0 if recipe.lora else cb * unit  # a full unit's gradients before the reduce-scatter
+        gathered = (units, unit_grads)
         if f.offload_params:
-            params, grads, opt = gathered + scales, unit_grads, 0
+            params, grads, opt = units + scales, unit_grads, 0
             host = (sharded + 4 * Pt // n + optim // n) * local
         else:
-            params, grads, opt = sharded + gathered + scales, 4 * Pt // n + unit_grads, optim // n
+            params, grads, opt = sharded + units + scales, 4 * Pt // n + unit_grads, optim // n
         if scales:
             notes.append(f"each GPU keeps the whole base's quantization scales ({scales / GiB:.2f} GiB): FSDP shards "
                          "only the packed weights")
@@ -522,7 +529,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     return Estimate(recipe.name, n, machines, b, seq, int(params), int(grads), int(opt), int(act["activations"]),
                     int(act["logits"]), CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, int(host), topo.cpu,
                     speed_cost(recipe, precision), int(act["saved_peak"]), int(working), int(load), tuple(notes),
-                    int(step), attention.name)
+                    int(step), attention.name, *map(int, gathered))
 
 
 @dataclass(frozen=True)
