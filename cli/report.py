@@ -82,9 +82,11 @@ def card(report: dict) -> str:
     gathered = [(name, plan.get(f"gathered_{key}") or 0) for name, key in (("parameters", "params"),
                                                                             ("gradients", "grads"))]
     if any(size for _, size in gathered):
+        what = "ZeRO-3's largest layer" if report.get("setup", {}).get("distributed_type") == "DEEPSPEED" else \
+            "FSDP's running and prefetched unit"
         lines.append("(" + " and ".join(f"{name} {_gib(size)}" for name, size in gathered if size) + " GiB of the plan "
-                     "are gathered only while a layer computes (FSDP's running and prefetched unit, ZeRO-3's largest "
-                     "layer); held bytes are read after the step, when they are sharded again)")
+                     f"are gathered only while a layer computes ({what}); held bytes are read after the step, when "
+                     "they are sharded again)")
     offloaded = report.get("setup", {}).get("offloaded_bytes_per_micro_batch")
     if offloaded is not None:
         planned = (plan.get("host_offload") or 0) / 2**20

@@ -313,7 +313,7 @@ def test_fsdp_holds_after_the_step_what_the_plan_says_without_its_gathered_units
     for p in r["processes"]:
         assert p["held"]["parameters"] == pytest.approx(plan["parameters"] - plan["gathered_params"], rel=0.01)
         assert p["held"]["gradients"] == pytest.approx(plan["gradients"] - plan["gathered_grads"], rel=0.01)
-    assert "GiB of the plan are gathered only while a layer computes" in card(r)
+    assert "GiB of the plan are gathered only while a layer computes (FSDP's running and prefetched unit)" in card(r)
 
 
 @pytest.mark.parametrize("name, bytes_per_param", [("fsdp", 4), ("zero3-offload", 2)])
