@@ -58,7 +58,7 @@ def load(run_dir) -> dict:
 
 def card(report: dict) -> str:
     """The report card as text: memory predicted vs measured, throughput, MFU, loss, advice."""
-    plan, procs = report.get("plan") or {}, report["processes"]
+    plan, procs, setup = report.get("plan") or {}, report["processes"], report.get("setup", {})
     lines = [f"memrecipe report: {report['recipe']['name']} on {report['topology']['describe']}, "
              f"{report['steps']} steps in {report['wall_seconds']:.1f} s"]
     peak = peak_key(procs[0])
@@ -82,17 +82,16 @@ def card(report: dict) -> str:
     gathered = [(name, plan.get(f"gathered_{key}") or 0) for name, key in (("parameters", "params"),
                                                                             ("gradients", "grads"))]
     if any(size for _, size in gathered):
-        what = "ZeRO-3's largest layer" if report.get("setup", {}).get("distributed_type") == "DEEPSPEED" else \
+        what = "ZeRO-3's largest layer" if setup.get("distributed_type") == "DEEPSPEED" else \
             "FSDP's running and prefetched unit"
         lines.append("(" + " and ".join(f"{name} {_gib(size)}" for name, size in gathered if size) + " GiB of the plan "
                      f"are gathered only while a layer computes ({what}); held bytes are read after the step, when "
                      "they are sharded again)")
-    offloaded = report.get("setup", {}).get("offloaded_bytes_per_micro_batch")
+    offloaded = setup.get("offloaded_bytes_per_micro_batch")
     if offloaded is not None:
         planned = (plan.get("host_offload") or 0) / 2**20
         lines.append(f"activation offload: {offloaded / 2**20:,.2f} MiB of checkpointed inputs per micro batch waited "
                      f"in host memory (planned at full sequence length: {planned:,.2f} MiB per machine)")
-    setup = report.get("setup", {})
     if setup.get("attention"):
         lines.append(f"attention: {setup['attention']}" + (f" ({setup['attention_why']})" if setup.get("attention_why")
                                                           else ""))

@@ -89,9 +89,7 @@ def runs(tmp_path_factory):
         jobs[f"signal/{recipe}"] = partial(stopped_by_a_signal, base / f"signal-{recipe}", recipe, sig)
     jobs["locked"] = partial(a_locked_folder, base / "locked")
     jobs["nan"] = partial(a_non_finite_loss, base / "nan")
-    (base / "nan").mkdir()
     side = SideBySide(jobs)
-    side.base = base
     yield side
     side.close()
 
@@ -235,12 +233,12 @@ def stopped_by_a_signal(folder, recipe, sig, core):
     wait_for(lambda: "step 10/500" in (folder / "train.log").read_text() if (folder / "train.log").exists()
              else False, proc)
     proc.send_signal(sig)  # to the launcher alone (a scheduler's SIGTERM; Ctrl-C's SIGINT)
-    return proc.wait(timeout=120)
+    return proc.wait(timeout=120), folder
 
 
 @pytest.mark.parametrize("recipe, processes, sig", SIGNALS)
 def test_a_signal_checkpoints_and_names_the_resume_command(runs, recipe, processes, sig):
-    status, folder = runs(f"signal/{recipe}"), runs.base / f"signal-{recipe}"
+    status, folder = runs(f"signal/{recipe}")
     assert status == 128 + sig
     log = open(f"{folder}.log").read()
     assert f"resume with: memrecipe run sft --resume --output-dir {folder}" in log
@@ -260,13 +258,12 @@ def resumed_with_changes(folder, core):
     refused = [resume("learning_rate=1e-2"), resume("fsdp.activation_checkpointing=false"),
                resume("--num-processes", "1")]
     longer = resume("max_steps=4", "save_steps=1", "save_total_limit=10", timeout=600)  # (unchanged keys are fine)
-    return refused, longer, longer.returncode == 0 and export(folder, folder.parent / "keeps-exported",
+    return folder, refused, longer, longer.returncode == 0 and export(folder, folder.parent / "keeps-exported",
                                                               "--checkpoint", "step-4")
 
 
 def test_resume_keeps_the_recipe_and_the_process_count(runs):
-    folder = runs.base / "keeps"
-    (changed, activation, fewer), longer, exported = runs("keeps")
+    folder, (changed, activation, fewer), longer, exported = runs("keeps")
     assert changed.returncode == 2 and "learning_rate cannot change on --resume" in changed.stderr
     assert activation.returncode == 2 and "fsdp.activation_checkpointing cannot change on --resume" in activation.stderr
     assert fewer.returncode == 2 and "trained by 2 processes: resume it with --num-processes 2" in fewer.stderr
@@ -305,6 +302,7 @@ def a_non_finite_loss(base, core):
 
     from memrecipe.training.modeling import embedded_model
 
+    base.mkdir()
     poisoned = base / "poisoned-model"  # one NaN weight: the very first loss is NaN
     model = AutoModelForCausalLM.from_pretrained(embedded_model())
     with torch.no_grad():

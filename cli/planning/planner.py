@@ -427,7 +427,8 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     optim = optimizer_state_bytes(recipe, train, wb)
     notes: list[str] = []
     host, gathered = 0, (0, 0)  # (parameters, gradients) gathered while a layer computes
-    if recipe.deepspeed and recipe.deepspeed.zero_stage == 3:
+    zero3 = recipe.deepspeed is not None and recipe.deepspeed.zero_stage == 3
+    if zero3:
         # DeepSpeed's own accounting (estimate_zero3_model_states_mem_needs): 16-bit params and grads of
         # the largest layer gathered on the GPU; 2 bytes/param of 16-bit weights, 16 of fp32 state per
         # trained param (master, two moments, fp32 grad) partitioned, or offloaded to host RAM.
@@ -490,7 +491,6 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         elif n > 1:
             grads += wb * Pt  # DDP's gradient buckets: a second copy of the trainable gradients
         opt = optim
-    zero3 = recipe.deepspeed is not None and recipe.deepspeed.zero_stage == 3
     if recipe.dpo_reference == "copy":
         # DPO's reference as a frozen copy of the initial model (loaded as the policy is), sharded under FSDP,
         # partitioned under ZeRO-3 in the engine's compute dtype (and offloaded with the policy's parameters)
