@@ -126,7 +126,11 @@ def advice(report: dict, gpu_memory: int | None, bigger_micro_batch: int | None)
     """One line drawn from the figures: raise the micro batch, or the next technique in the flow."""
     recipe, procs = report["recipe"], report["processes"]
     if gpu_memory is None:  # the run folder's resolved recipe: a command that works for a user's recipe file too
-        resolved = Path(report["output_dir"]) / RECIPE
+        # (but a shipped recipe's own numbers for a real model, where the run trained the embedded one at its own)
+        from .planning.registry import is_embedded, recipe_names
+
+        shipped = is_embedded(recipe.get("model_name_or_path")) and recipe.get("name") in recipe_names()
+        resolved = recipe["name"] if shipped else Path(report["output_dir"]) / RECIPE
         return (f"CPU smoke test passed; before renting GPUs, check the real run with "
                 f"`memrecipe plan --recipe {resolved} --model MODEL --gpu-memory 80GB`")
     peak = max(p.get("cuda_max_reserved_bytes", 0) for p in procs)

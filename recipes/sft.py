@@ -273,6 +273,10 @@ def say_setup(recipe, accelerator, setup, train_loader, checkpoints, total_steps
     say(f"memrecipe {'dpo' if recipe.dpo else 'sft'}: recipe {recipe.name} | {world} process(es), {setup['engine']} on "
         f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
         f"{setup['params']:,} parameters train")
+    if setup["embedded_model"]:
+        say(f"model: memrecipe's embedded tiny Llama (random weights), at its own settings: learning_rate "
+            f"{recipe.learning_rate:g}, max_seq_length {recipe.max_seq_length}, {recipe.num_train_epochs:g} epochs "
+            "(the recipe's numbers are a real model's: --model gives them)")
     say(f"batch: {recipe.per_device_train_batch_size} sequences x {accumulation} accumulation x {world} "
         f"process(es) per step | {total_steps} steps ({steps_per_epoch} per epoch)")
     rows, per_step = len(train_loader.dataset), recipe.per_device_train_batch_size * accumulation * (world // tp_share)

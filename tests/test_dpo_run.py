@@ -15,6 +15,7 @@ from helpers import SideBySide, finish, start, stop_at_a_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXACT = ["mixed_precision=no", "lora.dropout=0", "save_steps=6"]  # fp32 and no dropout: runs compare exactly
+SHIPPED = EXACT[1:]  # the recipes' own precision (bf16 on CPU), where no other run is compared step by step
 
 
 def history(report, key):
@@ -28,7 +29,8 @@ TWO = ["--num-processes", "2", "gradient_accumulation_steps=2"]
 
 # the recipes no other test here launches: 2 steps each (their objective is the one tested above; what differs is
 # the engine, the 4-bit base, the 8-bit optimizer)
-OTHERS = {"qlora": [], "zero2": ["--num-processes", "2"], "adamw-8bit": ["--num-processes", "1"]}
+OTHERS = {"qlora": [], "zero2": ["--num-processes", "2"], "adamw-8bit": ["--num-processes", "1"],
+          "fsdp-lora": ["--num-processes", "2"]}  # (all in bf16: FSDP2 + LoRA with the adapters off once crashed there)
 SMOKE = ["max_steps=2", "eval_steps=null", "gradient_accumulation_steps=1"]
 
 
@@ -58,8 +60,8 @@ def runs(tmp_path_factory):
         "fsdp": lambda core: run("fsdp", ["--recipe", "fsdp-lora", "--num-processes", "2", *EXACT]),
         "simpo": lambda core: run("simpo", ["--recipe", "single-gpu-lora", "dpo.loss_type=simpo", "dpo.beta=2.0",
                                             "eval_steps=null"], core),
-        "on": lambda core: run("on", ["--recipe", "fsdp-lora", "--num-processes", "2", "--model",
-                                      str(jobs("whole") / "final"), "eval_steps=null", *EXACT]),  # a saved adapter
+        "on": lambda core: run("on", ["--recipe", "fsdp-lora", "--num-processes", "2", "--model",  # a saved adapter,
+                                      str(jobs("whole") / "final"), "eval_steps=null", *SHIPPED]),  # in bf16
         "ddp": killed_and_resumed,
         "zero3": lambda core: run("zero3", ["--recipe", "zero3-offload", *TWO, *SAME]),
         "copy3": lambda core: run("copy3", ["--recipe", "zero3-offload", *TWO, FROZEN, *SAME]),
@@ -206,20 +208,23 @@ def test_full_fine_tunes_with_a_precomputed_reference_or_a_frozen_copy_train_as_
 
 @pytest.mark.parametrize("name", OTHERS)
 def test_every_other_recipe_runs_dpo(runs, name):
-    """run dpo on the recipes the tests above do not launch: QLoRA (its 4-bit base with the adapters off is the
-    reference), ZeRO-2 and adamw-8bit (full fine-tunes against their precomputed store)."""
+    """run dpo on the recipes the tests above do not launch, in the precision they ship (bf16 here): QLoRA and FSDP2 +
+    LoRA on 2 processes (the base with the adapters off is the reference), ZeRO-2 and adamw-8bit (full fine-tunes
+    against their precomputed store)."""
     folder = runs(name)
     report, log = report_of(folder), (folder.parent / f"{name}.log").read_text()
     assert report["recipe"]["name"] == name and [h["step"] for h in report["history"]] == [1, 2]
+    assert report["setup"]["mixed_precision"] == "bf16"
     assert all(h["pairs"] > 0 and 0.3 < h["loss"] < 1.2 and "rewards/margins" in h for h in report["history"])
-    full = name != "qlora"
+    full = name not in ("qlora", "fsdp-lora")
     assert ("reference: its log-probs precomputed" if full else "reference: the base with the adapters off") in log
     assert (folder / "reference_logps.pt").exists() == full and (folder / "final").is_dir()
 
 
 @pytest.mark.parametrize("words, says", [
     (["--recipe", "single-gpu-lora", "lora.init_lora_weights=pissa"], "rewrites the base"),
-    (["--recipe", "tp"], "run dpo does not run tensor parallelism")])
+    (["--recipe", "tp"], "run dpo does not run tensor parallelism"),
+    (["--recipe", "single-gpu-lora", "dpo.max_length=200"], "dpo.max_length=200 lets a pair's two sequences fill 400")])
 def test_what_run_dpo_does_not_run_yet_is_refused_in_one_line(cli, tmp_path, words, says):
     out = cli("run", "dpo", "--output-dir", str(tmp_path / "run"), *words)
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
@@ -267,6 +272,7 @@ def test_dpo_on_a_saved_adapter_trains_it_on_against_its_frozen_copy(whole, runs
     assert f"lora: trains on the saved adapter {start_adapter}" in log
     assert "reference: the saved adapter's frozen copy" in log
     first = trained["history"][0]
+    assert trained["setup"]["mixed_precision"] == "bf16"  # the recipe's own precision
     assert abs(first["rewards/margins"]) < 1e-6 and abs(first["rewards/chosen"]) < 1e-6  # policy = reference
     # the start is the trained adapter: its log-probs are the README run's last ones, not the base's first
     assert abs(first["logps/chosen"] - report["history"][0]["logps/chosen"]) > 1

@@ -121,8 +121,7 @@ def test_a_broken_model_config_is_one_line_in_plan_and_run(cli, tmp_path, conten
 
 
 def test_plan_shows_each_rows_batch_and_what_binds_when_nothing_fits(cli, tmp_path):
-    """Each row's micro batch x tokens (recipes differ), a note when a GPU plan uses the recipes' smoke-test sizes,
-    the host RAM each recommendation needs, and, when the host RAM is what binds, that and its remedy."""
+    """Each row's micro batch x tokens (recipes differ; a real model's rows, the embedded model's own), the host RAM each recommendation needs, and, when the host RAM is what binds, that and its remedy."""
     folder = tmp_path / "llama-8b"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(LLAMA_8B))
@@ -130,11 +129,11 @@ def test_plan_shows_each_rows_batch_and_what_binds_when_nothing_fits(cli, tmp_pa
     assert done.returncode == 0, done.stderr
     rows = {line.split()[0]: line.split()[1:4] for line in done.stdout.splitlines() if line.split()[:1] in
             (["single-gpu-full"], ["single-gpu-lora"])}
-    assert rows == {"single-gpu-full": ["8", "x", "256"], "single-gpu-lora": ["4", "x", "256"]}
-    assert "sized for the CPU smoke test" in done.stdout and "max_seq_length=4096" in done.stdout
+    assert rows == {"single-gpu-full": ["8", "x", "2048"], "single-gpu-lora": ["4", "x", "2048"]}  # a real job's
     assert "host RAM 119.7 GiB per machine (not checked: give --host-memory)" in done.stdout  # zero2's
-    sized = cli("plan", "--model", str(folder), "--gpu-memory", "24GB", "max_seq_length=2048")
-    assert "sized for the CPU smoke test" not in sized.stdout
+    small = cli("plan", "--cpu")  # the embedded model: its own rows of 256 tokens
+    assert [line.split()[1:4] for line in small.stdout.splitlines() if line.startswith("single-gpu-lora ")] == \
+        [["4", "x", "256"]]
     host = cli("plan", "--model", str(folder), "--gpu-memory", "24GB", "--host-memory", "64GiB", "--method", "full")
     assert host.returncode == 2 and "nothing fits in host RAM: the least is zero2 at 119.7 GiB per machine" in host.stderr
     assert "more host RAM, use more machines" in host.stderr and "per_device_train_batch_size=1" not in host.stderr

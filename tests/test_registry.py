@@ -3,6 +3,7 @@ adapter as the model turned into its base plus lora.adapter."""
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -92,3 +93,53 @@ def test_a_saved_adapter_as_the_model_trains_on_with_its_own_shape_on_its_base(t
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3", "base_model_name_or_path": "x"}))
     with pytest.raises(RecipeError, match="holds a IA3 adapter: memrecipe trains LoRA adapters on"):
         load_recipe("single-gpu-lora", [f"model_name_or_path={adapter}"])
+
+
+RECIPE_FILES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.stem)
+def test_every_shipped_recipe_holds_a_real_models_numbers(path):
+    """What a recipe file says is what a real model needs (the embedded model's own settings live in the library):
+    LoRA at most 3e-4, a full fine-tune at most 5e-5, rows of at least 1024 tokens."""
+    data = yaml.safe_load(path.read_text())
+    assert data["learning_rate"] <= (3e-4 if data.get("lora") else 5e-5), path.name
+    assert isinstance(data["max_seq_length"], int) and data["max_seq_length"] >= 1024, path.name
+
+
+def test_the_embedded_model_trains_at_its_own_settings_and_a_real_one_at_the_recipes(tmp_path):
+    """Its own learning rate, rows and epochs when it is the model (the README's main job learns in seconds); the
+    recipe's when a model is named; key=value overrides win over both. The resolved recipe (a run folder's) loads
+    back to the same numbers, with or without an override in it."""
+    for name, rate in (("single-gpu-lora", 5e-3), ("qlora", 5e-3), ("fsdp", 1e-3), ("zero3-offload", 1e-3)):
+        small, real = load_recipe(name), load_recipe(name, ["model_name_or_path=org/model"])
+        assert (small.learning_rate, small.max_seq_length, small.num_train_epochs) == (rate, 256, 3)
+        assert (real.learning_rate, real.max_seq_length, real.num_train_epochs) == \
+            (yaml.safe_load((RECIPE_FILES[0].parent / f"{name}.yaml").read_text())["learning_rate"], 2048, 1)
+    mine = load_recipe("single-gpu-lora", ["learning_rate=1e-2", "max_seq_length=128"])
+    assert (mine.learning_rate, mine.max_seq_length, mine.num_train_epochs) == (1e-2, 128, 3)
+    for recipe in (mine, load_recipe("fsdp")):
+        (tmp_path / "recipe.yaml").write_text(recipe.to_yaml())
+        assert load_recipe(str(tmp_path / "recipe.yaml")) == recipe
+
+
+def test_run_dpo_trains_at_a_preference_tuning_rate():
+    """run dpo's rate is dpo.learning_rate (alignment-handbook's: LoRA 5e-6, full 5e-7), not SFT's; a
+    `learning_rate=` word under run dpo sets it; the embedded model keeps its own rate under DPO too."""
+    real = ["model_name_or_path=org/model"]
+    for name, rate in (("single-gpu-lora", 5e-6), ("fsdp", 5e-7)):
+        r = load_recipe(name, real, script="dpo")
+        assert r.learning_rate == r.dpo.learning_rate == rate
+    r = load_recipe("qlora", [*real, "learning_rate=2e-5"], script="dpo")
+    assert r.learning_rate == r.dpo.learning_rate == 2e-5
+    assert load_recipe("qlora", [*real, "learning_rate=2e-5"], script="sft").learning_rate == 2e-5
+    assert load_recipe("single-gpu-lora", script="dpo").learning_rate == 5e-3
+
+
+def test_dpo_rows_never_exceed_what_the_plan_counts():
+    """A pair's chosen and rejected share a row: 2 x dpo.max_length above max_seq_length is refused, naming the key."""
+    with pytest.raises(RecipeError, match=r"dpo.max_length=200 .* above max_seq_length=256 .* <= 128"):
+        load_recipe("single-gpu-lora", ["dpo.max_length=200"], script="dpo")
+    assert load_recipe("single-gpu-lora", ["dpo.max_length=128"], script="dpo").dpo.max_length == 128
+    with pytest.raises(RecipeError, match="dpo.max_length=2048"):
+        load_recipe("qlora", ["model_name_or_path=org/model", "dpo.max_length=2048"], script="dpo")

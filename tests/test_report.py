@@ -46,6 +46,13 @@ def test_advice_on_cpu_points_to_the_planner():
     assert "`memrecipe plan --recipe /runs/my-1/recipe.yaml --model MODEL --gpu-memory 80GB`" in said
 
 
+def test_advice_after_the_embedded_model_plans_the_shipped_recipe_for_a_real_one():
+    """The run folder's recipe holds the embedded model's own settings (256-token rows): for a real model the plan
+    starts from the shipped recipe's numbers instead."""
+    said = advice(_report(0, model_name_or_path=None) | {"output_dir": "/runs/adamw-8bit-1"}, None, None)
+    assert "`memrecipe plan --recipe adamw-8bit --model MODEL --gpu-memory 80GB`" in said
+
+
 def _run_folder(folder, tokens_per_second, peak):
     import json
 

@@ -86,11 +86,6 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
                                                    for m, (best, why) in picks.items()}}, indent=2))
     else:
         echo_table(rows, gpu, host, topo, global_batch, shapes)
-        given = {word.partition("=")[0] for word in overrides}
-        if not topo.cpu and rows and "max_seq_length" not in given:
-            click.echo("note: each recipe is planned at its own defaults (BATCH), sized for the CPU smoke test: plan "
-                       "your job with its own sizes, e.g. max_seq_length=4096 per_device_train_batch_size=2 "
-                       "(or --global-batch)")
         for name, why in skipped:
             click.echo(f"  {name}: {why}")
     if plot:

@@ -103,6 +103,7 @@ class OptimArgs:
 # the DPO family's objectives, under TRL's names (trl 1.16, DPOConfig.loss_type); `sft` is the NLL of the chosen
 # completions (RPO: loss_type [sigmoid, sft] with loss_weights [1, alpha]). simpo (trl.experimental's CPOTrainer,
 # loss_type simpo) and orpo (its ORPOTrainer, the chosen NLL included) use no reference model.
+DPO_LEARNING_RATE = {"lora": 5e-6, "full": 5e-7}  # dpo.learning_rate's defaults (see Dpo.learning_rate)
 DpoLoss = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft"]
 SMOOTHED_LOSSES = ("robust", "simpo")  # the ones that read label_smoothing
 REFERENCE_FREE = ("simpo", "orpo", "sft")  # the ones that need no reference model
@@ -125,6 +126,10 @@ class Dpo:
     # tokens per sequence (prompt + completion), the start kept; a pair whose completion would be cut away entirely
     # is dropped; null: half of max_seq_length (a pair's two sequences share a packed row)
     max_length: int | None = spec(None, low=2)
+    # run dpo's peak learning rate (a `learning_rate=` override under run dpo sets it); null: 5e-6 with LoRA, 5e-7 for
+    # a full fine-tune (alignment-handbook's Zephyr-7B DPO recipes, QLoRA and full; TRL's DPOConfig default: 1e-6):
+    # preference tuning moves a trained model a little, at SFT's rate it forgets what SFT taught
+    learning_rate: float | None = spec(None, low=0, low_open=True, high=1.0)
 
     @property
     def losses(self) -> tuple[str, ...]:
@@ -269,6 +274,10 @@ class Recipe:
     save_steps: int | None = spec(None, low=1)
     save_total_limit: int | None = spec(2, low=1)
     report_to: Literal["none", "tensorboard", "wandb"] = "none"
+    # true: when the model is memrecipe's embedded tiny one, its own settings (registry.EMBEDDED_SETTINGS: the
+    # learning rates that make random weights learn in seconds, 256-token rows, 3 epochs) replace the recipe's, which
+    # are a real model's; key=value overrides still win. A run folder's resolved recipe says false: applied already
+    embedded_settings: bool = True
     # keys of your own for a copied loop script (read as recipe.extra["my_key"]; set with extra.my_key=VALUE):
     # any YAML, checked by nothing but the script that reads it
     extra: dict = field(default_factory=dict)
@@ -350,6 +359,11 @@ def check_combinations(r: Recipe) -> None:
     """Refuse technique combinations that fail, or silently do the wrong thing."""
     if r.dpo is not None:
         check_dpo(r.dpo)
+        if r.dpo.max_length is not None and 2 * r.dpo.max_length > r.max_seq_length:
+            raise RecipeError(f"dpo.max_length={r.dpo.max_length} lets a pair's two sequences fill {2 * r.dpo.max_length} "
+                              f"tokens of one row, above max_seq_length={r.max_seq_length} (what the memory plan "
+                              f"counts): set dpo.max_length <= {r.max_seq_length // 2}, or max_seq_length >= "
+                              f"{2 * r.dpo.max_length}")
     if r.distributed_type == "fsdp" and r.fsdp is None:
         raise RecipeError("distributed_type fsdp needs an fsdp: section (e.g. fsdp: {version: 2})")
     if r.distributed_type == "deepspeed" and r.deepspeed is None:
@@ -458,8 +472,8 @@ def check_dpo(d: Dpo) -> None:
 
 def for_script(r: Recipe, script: str) -> Recipe:
     """The recipe as a loop script reads it: its objective's section is its own (`run sft` refuses a `dpo:` section,
-    which it would leave unread; `run dpo` gives a recipe without one TRL's defaults), and what the preference
-    loop does not run yet is refused, saying so."""
+    which it would leave unread; `run dpo` gives a recipe without one TRL's defaults, and trains at
+    dpo.learning_rate, a preference-tuning rate), and what the preference loop does not run yet is refused, saying so."""
     from dataclasses import replace
 
     if script == "sft" and r.dpo is not None:
@@ -467,6 +481,8 @@ def for_script(r: Recipe, script: str) -> Recipe:
     if script != "dpo":
         return r
     r = r if r.dpo is not None else replace(r, dpo=Dpo())
+    rate = r.dpo.learning_rate or (DPO_LEARNING_RATE["lora"] if r.lora else DPO_LEARNING_RATE["full"])
+    r = replace(r, learning_rate=rate, dpo=replace(r.dpo, learning_rate=rate))  # the rate the loop reads, said once
     if r.parallelism is not None:
         raise RecipeError("run dpo does not run tensor parallelism in this release: use fsdp-lora or fsdp for a model "
                           "that one GPU cannot hold")

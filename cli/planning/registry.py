@@ -3,6 +3,7 @@ read, `base:` chains merged, `key=value` overrides applied (recipe.make_recipe v
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -16,6 +17,22 @@ PACKAGE = Path(__file__).resolve().parents[1]  # memrecipe/ (cli/ in a checkout)
 EMBEDDED_MODEL = PACKAGE / "data" / "tiny-llama"
 EMBEDDED_DATASET = PACKAGE / "data" / "chat.jsonl"
 EMBEDDED_PREFERENCES = PACKAGE / "data" / "preferences.jsonl"  # the chat set's answers against wrong ones (run dpo)
+# The embedded model's own settings, which replace a recipe's (real-model) numbers when it is the model: its random
+# weights learn in seconds only at a learning rate that would wreck a real model (as the LoRA and full fine-tune
+# rates differ), and its chat set fits rows of 256 tokens. The DPO rate is SFT's here, dpo.max_length half the row.
+EMBEDDED_SETTINGS = {"max_seq_length": 256, "num_train_epochs": 3}
+EMBEDDED_LEARNING_RATE = {"lora": 5e-3, "full": 1e-3}
+
+
+def model_cache() -> Path:
+    """Where the embedded model is built (modeling.embedded_model): a folder per config and torch version."""
+    return Path(os.environ.get("MEMRECIPE_CACHE", Path.home() / ".cache" / "memrecipe"))
+
+
+def is_embedded(model: str | None) -> bool:
+    """The model is memrecipe's embedded tiny Llama: null, or its built folder (a saved adapter's base)."""
+    folder = Path(model).expanduser().resolve() if model else None
+    return folder is None or (folder.parent == model_cache().expanduser().resolve() and folder.name.startswith("tiny-llama-"))
 
 
 def data_dir(name: str) -> Path:
@@ -75,10 +92,38 @@ def load_recipe(name_or_path: str, overrides=(), script: str | None = None) -> R
     with `script`, checked for that loop script (its objective's section, e.g. no dpo: under sft)."""
     path = recipe_path(name_or_path)
     try:
-        recipe = trained_on(make_recipe(merge(resolve(path), parse_overrides(overrides))))
+        given = parse_overrides(overrides)
+        if script == "dpo" and "learning_rate" in given:  # run dpo's rate is dpo.learning_rate: the word means it
+            given = merge({"dpo": {"learning_rate": given.pop("learning_rate")}}, given)
+        recipe = trained_on(make_recipe(with_embedded_settings(merge(resolve(path), given), given, script)))
         return recipe if script is None else for_script(recipe, script)
     except RecipeError as e:
         raise RecipeError(f"recipe {name_or_path}: {e}") from None
+
+
+def with_embedded_settings(data: dict, given: dict, script: str | None) -> dict:
+    """A recipe's keys as the embedded tiny model trains them: its own settings (EMBEDDED_SETTINGS; under run dpo
+    its rate as dpo.learning_rate) in place of the recipe's, but for what the overrides `given` set, and
+    embedded_settings false, so that a run folder's resolved recipe keeps what it was resolved to. Any other model
+    (a saved adapter's base included): the keys as they are."""
+    if data.get("embedded_settings", True) is False or not is_embedded(base_model(data)):
+        return data
+    rate = EMBEDDED_LEARNING_RATE["lora" if data.get("lora") else "full"]
+    changes = {key: value for key, value in EMBEDDED_SETTINGS.items() if key not in given}
+    if script == "dpo" or data.get("dpo") is not None:
+        changes["dpo"] = {"learning_rate": rate}
+    changes.update({"learning_rate": rate, "embedded_settings": False})
+    return merge(merge(data, changes), given)  # (the overrides again: they win)
+
+
+def base_model(data: dict) -> str | None:
+    """The model a recipe's keys train: model_name_or_path, or a saved adapter's base (trained_on)."""
+    model, lora = data.get("model_name_or_path"), data.get("lora")
+    adapter = lora.get("adapter") if isinstance(lora, dict) else None
+    if adapter or not isinstance(model, str):
+        return model
+    config = read_adapter(model)  # the model is a saved adapter's folder: its base
+    return config.get("base_model_name_or_path") or model if config else model
 
 
 def trained_on(recipe: Recipe) -> Recipe:

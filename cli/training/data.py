@@ -72,6 +72,42 @@ def _check_json_lines(path: Path) -> None:
                               f"{type(row).__name__}")
 
 
+# Message roles as the chat formats people have name them -> the chat template's. ShareGPT (axolotl's and
+# LLaMA-Factory's `sharegpt` type) writes {from, value} turns as human / gpt / system; others name the assistant
+# model, chatgpt, bing or bard, and tool results function, observation or ipython.
+ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "model": "assistant",
+         "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system", "tool": "tool",
+         "function": "tool", "observation": "tool", "ipython": "tool"}
+
+
+def conversation(messages, where: str = "") -> list[dict]:
+    """A conversation as the chat template takes it: {role, content} turns, ShareGPT's {from, value} turns and the
+    role names in ROLES mapped; anything else is one line naming what the turns need."""
+    if not isinstance(messages, (list, tuple)):
+        raise RecipeError(f"{where}a conversation is a list of {{role, content}} messages, got {_kind(messages)}")
+    out = []
+    for n, message in enumerate(messages, 1):
+        # (datasets reads a file's turns as one struct: keys a row lacks are None)
+        sharegpt = isinstance(message, dict) and message.get("role") is None and message.get("from") is not None
+        keys = ("from", "value") if sharegpt else ("role", "content")
+        if not isinstance(message, dict) or any(message.get(k) is None for k in keys):
+            raise RecipeError(f"{where}message {n} is {_kind(message)}: each message needs role and content (or "
+                              "ShareGPT's from and value)")
+        role, content = message[keys[0]], message[keys[1]]
+        if role not in ROLES:
+            raise RecipeError(f"{where}message {n} has role {role!r}{did_you_mean(str(role), list(ROLES))}; known: "
+                              f"{', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise RecipeError(f"{where}message {n}'s content is {_kind(content)}, not text")
+        out.append({"role": ROLES[role], "content": content})
+    return out
+
+
+def _kind(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
 def detect_format(columns, declared: str = "auto") -> str:
     """The dataset's format from its columns; a one-line error naming the columns it has."""
     columns = list(columns)
@@ -145,6 +181,9 @@ def load_source(source, seed: int = 0, where: str = ""):
     if paired:
         raise RecipeError(f"{where}columns.{paired[0]} maps preference pairs, which run dpo trains: remove it here")
     raw = map_columns(load_any(source.path, source.split), source.columns, where)
+    if "conversations" in raw.column_names and "messages" not in raw.column_names and source.format in ("auto",
+                                                                                                        "messages"):
+        raw = raw.rename_column("conversations", "messages")  # ShareGPT's column: its turns are mapped in tokenize
     fmt = detect_format(raw.column_names, source.format)
     total = len(raw)
     if source.fraction < 1:
@@ -167,7 +206,7 @@ def tokenize(example: dict, tokenizer, fmt: str, max_seq_length: int, train_on_i
         completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + eos
         ids, labels = prompt + completion, [IGNORE] * len(prompt) + completion
     else:
-        ids, labels = _tokenize_chat(example["messages"], tokenizer)
+        ids, labels = _tokenize_chat(conversation(example["messages"]), tokenizer)
     if train_on_inputs:
         labels = list(ids)
     return {"input_ids": ids[:max_seq_length], "labels": labels[:max_seq_length], "cut": max(0, len(ids) - max_seq_length)}
@@ -263,8 +302,11 @@ def check_targets(raw, fmt: str, tokenizer, recipe, where: str = "", sample: int
     lengths, verbosity = [], hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its notice that a text is longer than the model's maximum: the point here
     try:
-        for row in rows:
-            example = tokenize(row, tokenizer, fmt, recipe.max_seq_length, recipe.train_on_inputs)
+        for n, row in enumerate(rows, 1):
+            try:
+                example = tokenize(row, tokenizer, fmt, recipe.max_seq_length, recipe.train_on_inputs)
+            except RecipeError as e:
+                raise RecipeError(f"{where}row {n}: {e}") from None
             if learnable(example["labels"]):
                 return
             lengths.append(len(example["input_ids"]) + example["cut"])
@@ -283,7 +325,7 @@ def fingerprint(ds, options: dict, *functions) -> str:
 
     from datasets.fingerprint import Hasher
 
-    code = [inspect.getsource(f) for f in functions or (tokenize, _tokenize_chat)]
+    code = [inspect.getsource(f) for f in functions or (tokenize, _tokenize_chat, conversation)]
     return Hasher.hash([ds._fingerprint, code, options])
 
 

@@ -13,6 +13,7 @@ import torch
 
 from .. import ALLOCATOR_CONF
 from ..planning.optimizers import OPTIMIZERS, bf16_rounding
+from ..planning.registry import is_embedded
 
 # accelerate's distributed types, in words for the start-up line
 ENGINES = {"NO": "plain (no DDP/FSDP/DeepSpeed)", "MULTI_CPU": "DDP (gloo)", "MULTI_GPU": "DDP", "FSDP": "FSDP",
@@ -315,6 +316,8 @@ class Meter:
         self.setup = describe_setup(accelerator, model, optimizer)
         # the optimizer as the recipe chose it: how updates reach bf16 weights, what its first step costs on a GPU
         self.setup["bf16_update_rounding"] = bf16_rounding(recipe)
+        # memrecipe's tiny model, trained at its own settings (registry.with_embedded_settings), not the recipe's
+        self.setup["embedded_model"] = is_embedded(recipe.model_name_or_path)
         self.setup["optimizer_first_use"] = OPTIMIZERS[recipe.optim].first_use_on_cuda \
             if accelerator.device.type == "cuda" else ""
         self.tracking = start_trackers(accelerator, recipe, out)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..errors import RecipeError
-from ..planning.registry import EMBEDDED_MODEL
+from ..planning.registry import EMBEDDED_MODEL, model_cache
 
 
 def make_accelerator(recipe, **kwargs):
@@ -68,7 +68,7 @@ def embedded_model(timeout: float = 600.0) -> str:
     digest = hashlib.sha256(torch.__version__.encode())
     for name in ("config.json", "tokenizer.json"):
         digest.update((EMBEDDED_MODEL / name).read_bytes())
-    cache = Path(os.environ.get("MEMRECIPE_CACHE", Path.home() / ".cache" / "memrecipe"))
+    cache = model_cache()
     folder = cache / f"tiny-llama-{digest.hexdigest()[:12]}"
     if not folder.is_dir() and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         staging = cache / f".{folder.name}.{os.getpid()}"

@@ -255,22 +255,29 @@ class PairCollator:
 def reference_weights(model):
     """The reference model within the policy's own weights, for a no_grad pass: a saved adapter's frozen copy made
     the active one (an adapter trained on, `modeling.add_lora`; TRL's ref_adapter_name), the adapters off (LoRA),
-    or the model as it is (a full fine-tune, before its first step). `model` unwrapped (peft's PeftModel)."""
+    or the model as it is (a full fine-tune, before its first step). `model` unwrapped (peft's PeftModel).
+
+    peft switches adapters by setting requires_grad (off for the adapters it disables): the flags are put back at
+    once, inside the switch. FSDP2 fixes each unit's gradient dtype at its first forward from the parameters that
+    require grad then, and DPO's first forward is this one: with no trainable parameter seen, a unit under bf16
+    mixed precision would hand its fp32 adapters bf16 gradients (a RuntimeError in its post-backward). Under
+    no_grad the flags change nothing in this pass."""
     from .modeling import REFERENCE_ADAPTER
 
-    if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):
-        trains = {p: p.requires_grad for p in model.parameters()}  # peft's set_adapter sets requires_grad: put back
-        model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
-        try:
-            yield
-        finally:
-            model.set_adapter("default")
-            for p, flag in trains.items():
-                p.requires_grad_(flag)
-    elif hasattr(model, "disable_adapter"):
-        with model.disable_adapter():
-            yield
-    else:
+    trains = {p: p.requires_grad for p in model.parameters()}
+
+    def restore():
+        for p, flag in trains.items():
+            p.requires_grad_(flag)
+
+    with contextlib.ExitStack() as switched:
+        switched.callback(restore)  # (last, after the switch back: peft's set_adapter sets the flags again)
+        if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):
+            model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+            switched.callback(model.set_adapter, "default")
+        elif hasattr(model, "disable_adapter"):
+            switched.enter_context(model.disable_adapter())
+        restore()
         yield
 
 
