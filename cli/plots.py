@@ -1,4 +1,4 @@
-"""Charts a person reads at a glance (matplotlib is the optional `plot` extra)."""
+"""Charts a person reads at a glance (matplotlib, part of the base install)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RecipeError("plots need matplotlib: pip install 'memrecipe[plot]'") from None
+        raise RecipeError("plots need matplotlib (a dependency of memrecipe): pip install matplotlib") from None
     return plt
 
 

@@ -227,7 +227,7 @@ def write_report(run, recipe, accelerator, model_path, measured) -> str:
     run.report.write_text(json.dumps(report, indent=2))
     plotted = plot_loss(report, run.loss_plot)
     return card(report) + f"\nrun folder {run.path.resolve()}: final/, report.json" + (
-        ", loss.png" if plotted else " (pip install 'memrecipe[plot]' for loss.png)")
+        ", loss.png" if plotted else " (no loss.png: matplotlib is missing, pip install matplotlib)")
 
 
 def compare_rows(reports: list[dict]) -> tuple[list[str], list[list[str]]]:

@@ -93,3 +93,14 @@ def test_a_mixture_of_experts_with_dense_first_layers_is_planned_block_by_block(
     assert (s.experts, s.top_k, s.layers) == (4, 2, 3) and "1 of its 3 layers are dense" in s.notes[-1]
     experts = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 3)
     assert sum(g.layers * g.expert_params for g in s.groups()) == experts > 0
+
+
+def test_an_unknown_model_type_is_named_in_one_whole_sentence():
+    """transformers follows an unknown model type with every known one: the line keeps its first sentence, whole."""
+    from memrecipe.training.meta import first_sentence, structure_from_meta
+
+    with pytest.raises(RecipeError) as refused:
+        structure_from_meta({"model_type": "no_such_model_type_" + "x" * 150})
+    said = str(refused.value)
+    assert said.endswith("x)") and "Should contain" not in said
+    assert first_sentence("alpha beta gamma. Delta", limit=12) == "alpha beta ..."

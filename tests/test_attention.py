@@ -150,5 +150,5 @@ def test_a_cuda_only_kernel_is_refused_on_cpu_before_anything_is_written(cli, tm
     out = cli("run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(tmp_path / "run"),
               f"attn_implementation={kernel}")
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert f"attn_implementation {kernel} trains on CUDA only" in out.stderr and "attn_implementation=auto" in out.stderr
+    assert f"error: attn_implementation={kernel} trains on CUDA only" in out.stderr and "attn_implementation=auto" in out.stderr
     assert not (tmp_path / "run").exists()

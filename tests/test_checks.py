@@ -10,17 +10,15 @@ from memrecipe.planning.architecture import read_config, structure
 from memrecipe.planning.planner import estimate, judge
 from memrecipe.planning.registry import EMBEDDED_MODEL, load_recipe
 from memrecipe.planning.topology import Topology
-from model_configs import LLAMA_8B
+from model_configs import LLAMA_8B, model_folder
 
 CPU1 = Topology(1, cpu=True)
 
 
 def test_run_refuses_what_will_not_fit_and_names_what_would(cli, tmp_path):
-    folder = tmp_path / "llama-70b"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(
-        {"model_type": "llama", "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
-         "intermediate_size": 28672, "vocab_size": 128256, "num_hidden_layers": 80}))
+    folder = model_folder(tmp_path / "llama-70b", {
+        "model_type": "llama", "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "intermediate_size": 28672, "vocab_size": 128256, "num_hidden_layers": 80})
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # run checks them before the fit
         (folder / name).write_text((EMBEDDED_MODEL / name).read_text())
     out = tmp_path / "run"
@@ -43,3 +41,28 @@ def test_run_suggests_a_recipe_of_the_same_method_first_and_says_when_it_cannot(
         check_fits(load_recipe("adamw-8bit", words), Topology(1), replace(gpu, host_memory=512 * 2**30), words,
                    force=False, shape=structure(LLAMA_8B))
     assert "zero3-offload would fit" in str(refused.value) and "QLoRA" not in str(refused.value)
+
+
+def test_deepspeeds_first_use_compile_is_said_before_it_happens_and_refused_without_a_compiler(tmp_path, monkeypatch):
+    """zero2 on 2 CPU processes compiles DeepSpeed's CPU Adam and its shared-memory collectives the first time (~1-3
+    silent minutes): a note says so before the launch, none once both are built; without ninja (or a compiler) one
+    line names what is missing."""
+    from memrecipe.errors import RecipeError
+    from memrecipe.launching.checks import deepspeed_builds
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.planning.topology import Topology
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    recipe, two = load_recipe("zero2"), Topology(2, cpu=True)
+    (note,) = deepspeed_builds(recipe, two)
+    assert "its CPU Adam and its shared-memory collectives" in note and str(tmp_path) in note
+    assert deepspeed_builds(load_recipe("fsdp"), two) == []
+    for op in ("cpu_adam", "deepspeed_shm_comm"):
+        (tmp_path / op).mkdir()
+        (tmp_path / op / f"{op}.so").write_bytes(b"")
+    assert deepspeed_builds(recipe, two) == []
+    (tmp_path / "cpu_adam" / "cpu_adam.so").unlink()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no ninja, no compiler
+    with pytest.raises(RecipeError, match=r"DeepSpeed compiles its CPU Adam on first use, and this machine lacks a C\+\+ "
+                                          r"compiler \(g\+\+\), ninja \(pip install ninja\)"):
+        deepspeed_builds(recipe, two)

@@ -273,3 +273,48 @@ def test_chat_template_comes_from_the_recipe_and_a_model_without_one_names_the_k
     assert read_chat_template("{{ messages }}") == "{{ messages }}"  # a template given inline
     with pytest.raises(RecipeError, match="chat_template nowhere.jinja is neither a file nor a Jinja template"):
         read_chat_template("nowhere.jinja")
+
+
+SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def sharegpt(path, rows):
+    """The embedded chat set's first rows as ShareGPT writes them: `conversations` of {from, value} turns."""
+    lines = [{"conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in row["messages"]]}
+             for row in rows]
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    return path
+
+
+def test_sharegpt_trains_as_the_messages_it_holds_with_or_without_a_mapping(tok, tmp_path):
+    """ShareGPT (axolotl's and LLaMA-Factory's `sharegpt` type) needs no mapping: `conversations` of human / gpt /
+    system turns tokenize to the same ids and targets as the same messages under their own names; so does
+    `columns: {messages: conversations}`."""
+    from memrecipe.planning.registry import EMBEDDED_DATASET
+
+    rows = [json.loads(line) for line in EMBEDDED_DATASET.read_text().splitlines()[:24]]
+    (tmp_path / "messages.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    path = sharegpt(tmp_path / "sharegpt.jsonl", rows)
+    (tmp_path / "mapped.yaml").write_text(f"base: single-gpu-lora\ndataset: [{{path: {path}, columns: {{messages: "
+                                          "conversations}}]\n")
+    common = ["eval_size=0", "packing=false"]
+    reference, _ = prepare_datasets(load_recipe("single-gpu-lora", [*common, f"dataset={tmp_path}/messages.jsonl"]),
+                                    tok)
+    for recipe in (load_recipe("single-gpu-lora", [*common, f"dataset={path}"]),
+                   load_recipe(str(tmp_path / "mapped.yaml"), common)):
+        got, _ = prepare_datasets(recipe, tok)
+        assert got["input_ids"] == reference["input_ids"] and got["labels"] == reference["labels"]
+
+
+@pytest.mark.parametrize("turn, says", [
+    ({"speaker": "human", "text": "Hi"}, "message 1 is dict {'speaker': 'human', 'text': 'Hi'}: each message needs "
+                                         "role and content (or ShareGPT's from and value)"),
+    ({"role": "robot", "content": "Hi"}, "message 1 has role 'robot'"),
+    ("Hi", "message 1 is str 'Hi'")])
+def test_a_conversation_that_is_not_messages_is_one_line_naming_the_row(tok, tmp_path, turn, says):
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [turn]}))
+    with pytest.raises(RecipeError, match=re.escape(f"row 1: {says}")):
+        from memrecipe.training.data import check_targets
+
+        recipe = load_recipe("single-gpu-lora", [f"dataset={tmp_path}/bad.jsonl"])
+        check_targets(load_any(str(tmp_path / "bad.jsonl")), "messages", tok, recipe)

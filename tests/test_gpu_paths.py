@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import loop_model
+from model_configs import model_folder
 from memrecipe.planning.hardware import Machine
 from memrecipe.training import device
 from memrecipe.training.device import detect_machine
@@ -108,9 +109,7 @@ def test_fsdp_counts_every_ranks_copy_of_the_model_while_it_loads(monkeypatch, t
     lora = estimate(load_recipe("fsdp-lora"), s, Topology(8))
     assert lora.host_load == 2 * s.params  # the bf16 base, mapped once per machine
     assert estimate(load_recipe("zero3-offload"), s, Topology(8)).host_load == 0  # built partitioned
-    folder = tmp_path / "llama-70b"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA_70B))
+    folder = model_folder(tmp_path / "llama-70b", LLAMA_70B)
     node = Machine(gpus=8, gpu_memory=80 * 2**30, bf16=True, cores=96, host_memory=512 * 2**30)
     monkeypatch.setattr(device, "detect_machine", lambda: node)
     with pytest.raises(SystemExit) as done:

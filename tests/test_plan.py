@@ -21,7 +21,7 @@ def test_plan_recommends_and_finds_micro_batch_and_accumulation(cli, tmp_path):
                "max_seq_length=2048", "per_device_train_batch_size=1")
     assert done.returncode == 0, done.stderr
     assert "8.030B parameters" in done.stdout and "LoRA: single-gpu-lora: the fastest" in done.stdout
-    assert "adamw-8bit" in done.stdout and "no (-" in done.stdout
+    assert "adamw-8bit" in done.stdout and "no (GPU -" in done.stdout  # which resource is short
     data = json.loads(cli("plan", "--model", str(folder), "--gpu-memory", "80GB", "--num-processes", "8",
                           "--host-memory", "1TiB", "--global-batch", "512", "--json", "max_seq_length=2048").stdout)
     fsdp = next(e for e in data["estimates"] if e["recipe"] == "fsdp")
@@ -136,4 +136,7 @@ def test_plan_shows_each_rows_batch_and_what_binds_when_nothing_fits(cli, tmp_pa
         [["4", "x", "256"]]
     host = cli("plan", "--model", str(folder), "--gpu-memory", "24GB", "--host-memory", "64GiB", "--method", "full")
     assert host.returncode == 2 and "nothing fits in host RAM: the least is zero2 at 119.7 GiB per machine" in host.stderr
+    table = cli("plan", "--model", str(folder), "--gpu-memory", "80GB", "--host-memory", "64GiB")
+    zero2 = next(line for line in table.stdout.splitlines() if line.startswith("zero2 "))
+    assert "no (host -" in zero2
     assert "more host RAM, use more machines" in host.stderr and "per_device_train_batch_size=1" not in host.stderr

@@ -370,3 +370,55 @@ def test_a_saved_adapter_loads_as_the_start_and_its_frozen_copy_is_the_reference
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trains
     sft, _ = loop_model(load_recipe("single-gpu-lora", words, script="sft"), embedded_model())
     assert list(sft.peft_config) == ["default"] and sum(p.requires_grad for p in sft.parameters()) == len(trains)
+
+
+def ultrafeedback(pairs):
+    """The same pairs in HuggingFaceH4/ultrafeedback_binarized's layout: a text prompt, and chosen and rejected as
+    whole conversations that repeat it as their first turn."""
+    return [{"prompt": p["prompt"][0]["content"], "chosen": p["prompt"] + p["chosen"],
+             "rejected": p["prompt"] + p["rejected"]} for p in pairs]
+
+
+def test_ultrafeedbacks_layout_and_sharegpts_turns_tokenize_as_the_explicit_prompt_form(tokenizer):
+    """TRL's maybe_extract_prompt: beside whole conversations the text prompt is left aside for the turns they share;
+    ShareGPT's {from, value} turns are the same messages."""
+    explicit = [tokenize_pair(p, tokenizer, MAX_LENGTH) for p in chat_pairs()]
+    sharegpt = [{key: [{"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in turns]
+                 for key, turns in p.items()} for p in chat_pairs()]
+    for layout in (ultrafeedback(chat_pairs()), sharegpt):
+        assert [tokenize_pair(p, tokenizer, MAX_LENGTH) for p in layout] == explicit
+    trl_form = [trl.data_utils.maybe_extract_prompt(p) for p in ultrafeedback(chat_pairs())]
+    assert [p["prompt"] for p in trl_form] == [p["prompt"] for p in chat_pairs()]
+
+
+BAD_PAIRS = {  # file -> (its rows, what the one line says)
+    "numbers": ([{"prompt": "Hi", "chosen": 1, "rejected": 2}], "row 1: chosen is int 1: give text, or a list of"),
+    "dicts": ([{"prompt": "Hi", "chosen": {"text": " a"}, "rejected": {"text": " b"}}], "row 1: chosen is dict"),
+    "turns": ([{"prompt": "Hi", "chosen": [{"speaker": "bot", "text": "a"}], "rejected": [{"speaker": "bot",
+                                                                                          "text": "b"}]}],
+              "row 1: chosen: message 1 is dict {'speaker': 'bot', 'text': 'a'}: each message needs role and content"),
+    "role": ([{"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "bot", "content": "a"}],
+               "rejected": [{"role": "assistant", "content": "b"}]}], "row 1: chosen: message 1 has role 'bot'"),
+    "no-prompt": ([{"chosen": "Yes.", "rejected": "No."}, {"chosen": "A.", "rejected": "B."}],
+                  "no pair has a prompt: give a prompt column"),
+    "too-long": ([{"prompt": "word " * 400, "chosen": " a.", "rejected": " b."}] * 2,
+                 "no pair of its 2 keeps a completion token within dpo.max_length=128 (the prompt alone fills it)"),
+}
+
+
+def test_bad_pair_data_is_one_line_before_anything_is_written(tmp_path, capsys):
+    """Through `memrecipe run dpo` (in process): each bad file refused in preflight, exit 2, no folder."""
+    import json
+
+    from memrecipe.main import main
+
+    for name, (rows, says) in BAD_PAIRS.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(json.dumps(row) for row in rows))
+        with pytest.raises(SystemExit) as done:
+            main(["run", "dpo", "--recipe", "single-gpu-lora", "--dataset", str(path), "--output-dir",
+                  str(tmp_path / name), "eval_size=0"])
+        said = capsys.readouterr().err
+        assert done.value.code == 2 and says in said and "Traceback" not in said and len(said.splitlines()) == 1, \
+            (name, said)
+        assert not (tmp_path / name).exists()

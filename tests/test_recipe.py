@@ -98,6 +98,7 @@ def test_bad_values_are_refused_naming_the_key(override, words):
     ("zero3-offload", ["quantization.bits=4", "lora.r=8"], "not supported with DeepSpeed"),
     ("fsdp", ["quantization.bits=4", "lora.r=8", "fsdp.activation_checkpointing=false"], "fsdp.version=1"),
     ("ddp", ["activation_offload=true"], "set gradient_checkpointing=true"),
+    ("fsdp", ["activation_offload=true"], "set gradient_checkpointing=true fsdp.activation_checkpointing=false"),
 ])
 def test_incompatible_combinations_are_refused_with_the_reason(recipe, override, reason):
     with pytest.raises(RecipeError, match=reason):

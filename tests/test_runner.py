@@ -10,7 +10,7 @@ from memrecipe.errors import RecipeError
 from memrecipe.launching.runner import plan_run
 from memrecipe.planning.hardware import Machine
 from memrecipe.units import GiB
-from model_configs import LLAMA_70B
+from model_configs import LLAMA_70B, model_folder
 
 LAPTOP = Machine(gpus=0, gpu_memory=None, bf16=None, cores=2, host_memory=24 * GiB)
 NODE = Machine(gpus=8, gpu_memory=80 * GiB, bf16=True, cores=96, host_memory=1024 * GiB)
@@ -57,9 +57,7 @@ def test_a_process_pinned_to_one_core_launches_one_thread(tmp_path):
 
 
 def test_a_dry_run_names_what_a_run_would_be_refused_for(tmp_path):
-    folder = tmp_path / "llama-70b"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA_70B))
+    folder = model_folder(tmp_path / "llama-70b", LLAMA_70B)
     plan = plan_run("sft", "fsdp", [f"model_name_or_path={folder}"], tmp_path / "run", {"num_processes": 8},
                     dry_run=True, machine=Machine(8, 80 * GiB, True, 96, 512 * GiB))
     assert any("recipe fsdp will not fit" in line and "host RAM" in line for line in plan.refused)

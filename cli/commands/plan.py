@@ -115,7 +115,8 @@ def echo_table(rows, gpu, host, topo, global_batch, shapes):
     body = []
     for r, v, note in rows:
         e = v.estimate
-        fits = ("yes" if v.fits else "no") + (f" ({v.headroom / GiB:+.1f})" if v.headroom is not None else "")
+        short = f"{'host' if topo.cpu else v.binding} " if not v.fits else ""  # which resource is short
+        fits = ("yes" if v.fits else "no") + (f" ({short}{v.headroom / GiB:+.1f})" if v.headroom is not None else "")
         body.append([r.name, f"{e.micro_batch} x {e.seq_length}", *(f"{getattr(e, c) / GiB:.2f}" for c in CATEGORIES[:5]),
                      f"{e.total / GiB:.2f}",
                      f"{e.host_total() / GiB:.1f}", fits, f"x{e.speed_cost}"] + ([note] if global_batch else []))

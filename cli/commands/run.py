@@ -48,6 +48,8 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
         click.echo(plan.banner, err=True)
         for why in plan.refused:
             click.echo(f"memrecipe: a run on this machine would be refused: {why}", err=True)
+        for note in plan.notes:
+            click.echo(f"memrecipe: note: {note}", err=True)
         made = "" if plan.folder.is_dir() else "create it, "
         click.echo(f"# memrecipe run would {made}write the {len(plan.files)} file(s) shown below into {plan.folder}, "
                    "then run:")

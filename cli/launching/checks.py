@@ -32,12 +32,14 @@ def preflight(recipe):
     sources, chat = [], False  # (where, rows, format) of each source of the train and eval data
     splits = [(name, spec) for name, spec in (("train", recipe.dataset), ("eval", recipe.eval_dataset))
               if spec or name == "train"]
-    if recipe.dpo is not None:  # preference pairs: their columns (the pairs' tokenization needs the loop's model)
-        from ..training.preference import load_pairs
+    pair_sets = []  # (where, pairs) of the train and eval data under run dpo
+    if recipe.dpo is not None:  # preference pairs: their columns and values (load_pairs checks them)
+        from ..training.preference import check_pair_lengths, load_pairs
 
         for name, spec in splits:
             pairs = load_pairs(spec, recipe, name)
             chat = chat or (len(pairs) > 0 and not isinstance(pairs[0]["chosen"], str))
+            pair_sets.append((f"{name} dataset: ", pairs))
         splits = []
     for name, spec in splits:
         for i, (source, raw, fmt, _) in enumerate(load_sources(spec, recipe, name)):
@@ -51,6 +53,55 @@ def preflight(recipe):
                                 recipe.chat_template, chat=chat or any(fmt == "messages" for _, _, fmt in sources))
     for where, raw, fmt in sources:  # examples too long for max_seq_length: known before launch
         check_targets(raw, fmt, tokenizer, recipe, where)
+    for where, pairs in pair_sets:  # and pairs too long for dpo.max_length
+        check_pair_lengths(pairs, tokenizer, recipe, where)
+
+
+def deepspeed_builds(recipe, topo: Topology) -> list[str]:
+    """What DeepSpeed will compile before the first step, not built yet on this machine: its CPU Adam (an offloaded
+    optimizer) and, for several CPU processes, its shared-memory collectives. Each is ~1-3 minutes of silence on 2
+    cores the first time, then loads in seconds from the extensions folder. Compiling needs a C++ compiler, ninja
+    and the Python headers: without them, one line naming what is missing."""
+    import shutil
+    import sys
+    import sysconfig
+
+    if recipe.deepspeed is None:
+        return []
+    ops = {"cpu_adam": "its CPU Adam"} if recipe.deepspeed.offload_optimizer != "none" else {}
+    if topo.cpu and topo.num_processes > 1:
+        ops["deepspeed_shm_comm"] = "its shared-memory collectives for CPU processes"
+    folder = extensions_folder()
+    missing = {name: what for name, what in ops.items() if not any((folder / name).glob("*.so"))}
+    if not missing:
+        return []
+    lacking = [tool for tool, found in (("a C++ compiler (g++)", shutil.which("c++") or shutil.which("g++")),
+                                        ("ninja (pip install ninja)", shutil.which("ninja")),
+                                        ("the Python headers (python3-dev)",
+                                         (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()))
+               if not found]
+    if lacking:
+        raise RecipeError(f"DeepSpeed compiles {' and '.join(missing.values())} on first use, and this machine lacks "
+                          f"{', '.join(lacking)} (for {sys.executable}): install it, or use a recipe without "
+                          "DeepSpeed's offload (e.g. fsdp)")
+    return [f"DeepSpeed compiles {' and '.join(missing.values())} before the first step: once, ~1-3 minutes without "
+            f"output on a few cores, kept in {folder}"]
+
+
+def extensions_folder() -> Path:
+    """Where torch's JIT extensions (DeepSpeed's ops) are built: TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions/py<version>_<cpu|cuXY> (torch.utils.cpp_extension._get_build_directory, torch 2.13)."""
+    import os
+    import sys
+
+    import torch
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    from torch.utils.cpp_extension import get_default_build_root
+
+    cuda = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+    return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_{cuda}"
 
 
 def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=None):

@@ -17,7 +17,7 @@ from ..planning.recipe import Recipe
 from ..planning.registry import load_recipe
 from ..planning.topology import Topology, plan_topology
 from ..units import GiB
-from .checks import check_fits, preflight, resumable
+from .checks import check_fits, deepspeed_builds, preflight, resumable
 from .launch import SCRIPTS, launch, stream
 from .run_folder import RunFolder, default_run_folder, run_files
 
@@ -34,6 +34,7 @@ class RunPlan:
     env: dict[str, str]  # on top of the user's environment
     resume: bool
     refused: tuple[str, ...] = ()  # a dry run's: what a run here would be refused for (this machine, the fit)
+    notes: tuple[str, ...] = ()  # what the user should know before the launch (a first-use compile)
 
     @property
     def banner(self) -> str:
@@ -93,7 +94,14 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
         files = {name: text for name, text in files.items() if name.startswith("recipe.")}
     extra = [flag for flag, on in (("--resume", resume), ("--memory-snapshot", memory_snapshot)) if on]
     command, env = launch(script, r, topo, machine.cores, extra)
-    return RunPlan(r, topo, verdict, folder, files, command, env, resume, tuple(refused))
+    try:
+        notes = deepspeed_builds(r, topo)
+    except RecipeError as e:
+        if not dry_run:
+            raise
+        refused.append(str(e))
+        notes = []
+    return RunPlan(r, topo, verdict, folder, files, command, env, resume, tuple(refused), tuple(notes))
 
 
 def start(plan: RunPlan, overwrite=False, say=print) -> Outcome:
@@ -113,6 +121,8 @@ def start(plan: RunPlan, overwrite=False, say=print) -> Outcome:
         if lock.taken_over:
             say(f"memrecipe: {folder}/.lock belonged to process {lock.taken_over}, which is gone: taken over")
         say(plan.banner)
+        for note in plan.notes:
+            say(f"memrecipe: note: {note}")
         write_files(folder, plan.files, force=True)
         return Outcome(*stream(plan.command, folder, plan.env, run.train_log))
     finally:

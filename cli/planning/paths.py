@@ -76,14 +76,71 @@ def from_recipe_file(data: dict, folder: Path) -> dict:
 
 
 def check_paths(recipe: Recipe) -> None:
-    """A local path that does not exist, refused in one line (before launch, in validate and in a dry run)."""
+    """A local path that does not exist, or a local model folder without whole weights, refused in one line (before
+    launch, in validate and in a dry run)."""
     for key in PATH_KEYS:
         value = getattr(recipe, key)
         for i, path in enumerate(e.path for e in value) if isinstance(value, tuple) else [(None, value)]:
             if looks_local(key, path) and not Path(path).expanduser().exists():
                 where = f"{key}[{i}].path" if i is not None else key
+                adapter = recipe.lora.adapter if key == "model_name_or_path" and recipe.lora else None
+                if adapter and (read_adapter(adapter) or {}).get("base_model_name_or_path") == path:
+                    raise RecipeError(f"{key}: {path} does not exist; it is the base_model_name_or_path of the "
+                                      f"adapter {adapter}/adapter_config.json: give the base as --model and the "
+                                      f"adapter as lora.adapter={adapter}")
                 raise RecipeError(f"{where}: {path} does not exist (a recipe file's relative paths are read from "
                                   "its own folder; a key=value word's from the current one)")
+    model = recipe.model_name_or_path
+    if model and Path(model).expanduser().is_dir():
+        check_weights(Path(model).expanduser())
+
+
+def check_weights(folder: Path) -> None:
+    """A model folder holds whole weights: a weights file, or an index and every shard it lists; each safetensors
+    file as long as its own header says (a copy cut short would fail deep inside from_pretrained)."""
+    if not (folder / "config.json").is_file():
+        return  # not a model folder (the config check names what it is)
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (folder / index).is_file():
+            try:
+                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError):
+                raise RecipeError(f"model folder {folder}: {index} is not a weight index (no weight_map)") from None
+            missing = [name for name in shards if not (folder / name).is_file()]
+            if missing:
+                raise RecipeError(f"model folder {folder}: {missing[0]} (listed in {index}) is missing"
+                                  + (f", and {len(missing) - 1} more" if len(missing) > 1 else ""))
+            break
+        if (folder / single).is_file():
+            shards = [single]
+            break
+    else:
+        raise RecipeError(f"model folder {folder} has a config.json but no weights (model.safetensors, its shards "
+                          "with model.safetensors.index.json, or pytorch_model.bin): save the model there with "
+                          "save_pretrained")
+    for name in shards:
+        if name.endswith(".safetensors"):
+            check_safetensors(folder / name)
+
+
+def check_safetensors(path: Path) -> None:
+    """The file is as long as its header says: 8 bytes of header length, the JSON header, then every tensor's
+    bytes up to the largest end offset it lists."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        try:
+            header = json.loads(f.read(length)) if 0 < length <= size - 8 else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        raise RecipeError(f"{path} is not a whole safetensors file (its header is unreadable): copy or save it again")
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)),
+              default=0)
+    if size < 8 + length + end:
+        raise RecipeError(f"{path} is cut short ({size:,} of {8 + length + end:,} bytes): copy or save it again")
 
 
 def absolute_word(word: str) -> str:

@@ -560,6 +560,14 @@ class Verdict:
             spare.append(self.host_capacity - self.estimate.host_total())
         return min(spare) if spare else None
 
+    @property
+    def binding(self) -> str | None:
+        """The tightest resource, "GPU" or "host" (None when neither is known)."""
+        spare = {"GPU": None if self.device_capacity is None else self.device_capacity - self.estimate.total,
+                 "host": None if self.host_capacity is None else self.host_capacity - self.estimate.host_total()}
+        known = {name: bytes_ for name, bytes_ in spare.items() if bytes_ is not None}
+        return min(known, key=known.get) if known else None
+
 
 def judge(est: Estimate, gpu_memory: int | None, host_memory: int | None) -> Verdict:
     return Verdict(est, None if est.cpu else gpu_memory, host_memory)

@@ -300,7 +300,7 @@ class Recipe:
         if self.fsdp and self.fsdp.offload_params:
             return "FSDP parameter offload needs an accelerator to fetch the parameters to"
         if self.attn_implementation in ("flash_attention_2", "flex_attention"):
-            return (f"attn_implementation {self.attn_implementation} trains on CUDA only (flash-attn is a CUDA "
+            return (f"attn_implementation={self.attn_implementation} trains on CUDA only (flash-attn is a CUDA "
                     "package; torch 2.13's flex_attention has no backward on CPU); attn_implementation=auto runs sdpa "
                     "here")
         if not self.supports.cpu:
@@ -379,9 +379,12 @@ def check_combinations(r: Recipe) -> None:
         raise RecipeError(f"supports.max_processes ({s.max_processes}) is below supports.min_processes ({s.min_processes})")
     if r.warmup_steps and r.warmup_ratio:
         raise RecipeError("set warmup_steps or warmup_ratio, not both")
-    if r.activation_offload and not r.gradient_checkpointing:
-        raise RecipeError("activation_offload moves the inputs that gradient checkpointing keeps: set "
-                          "gradient_checkpointing=true (fsdp.activation_checkpointing cannot offload)")
+    if r.activation_offload and not r.gradient_checkpointing:  # (the fix comes first: plan's table cuts at the colon)
+        fsdp = ", fsdp.activation_checkpointing=false" if r.fsdp and r.fsdp.activation_checkpointing else ""
+        cannot = "; FSDP's own checkpointing cannot" if fsdp else ""
+        raise RecipeError(f"activation_offload works with gradient_checkpointing=true{fsdp} (it moves the inputs that "
+                          f"checkpointing keeps to host RAM{cannot}): set gradient_checkpointing=true"
+                          f"{fsdp.replace(',', '')}")
     q = r.quantization
     if q is not None:
         if r.lora is None:

@@ -150,6 +150,8 @@ def check_supported(recipe: Recipe, topo: Topology) -> None:
         raise RecipeError(f"recipe {recipe.name}: mixed_precision auto is fp16 on GPUs without bf16 (before Ampere), "
                           f"and {recipe.fp16_blocker}: run it on a GPU with bf16, or use another recipe")
     blocker = recipe.cpu_blocker if topo.cpu else None
+    if blocker and blocker.startswith("attn_implementation="):  # a key's choice, not what the recipe is
+        raise RecipeError(f"{blocker}: set it so, or run where there are GPUs")
     if blocker:
         raise RecipeError(f"recipe {recipe.name} is GPU-only: {blocker}; generate and check its GPU configs with "
                           f"memrecipe config {recipe.name} (no --cpu), and run it where there are GPUs")

@@ -14,6 +14,16 @@ from ..planning.architecture import Linear, Structure, Tensor
 from .modeling import lora_config
 
 
+def first_sentence(text: str, limit: int = 200) -> str:
+    """A library's message, its first sentence only (transformers follows an unknown model type with every known
+    one), and cut at a word, never inside one."""
+    text = " ".join(text.split())
+    head = text.split(". ")[0].rstrip(".")
+    if len(head) <= limit:
+        return head
+    return head[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+
+
 def structure_from_meta(c: dict) -> Structure:
     """Any causal LM: build it without memory on the meta device and read its modules."""
     try:
@@ -21,7 +31,7 @@ def structure_from_meta(c: dict) -> Structure:
         config = model.config
     except Exception as e:
         raise RecipeError(f"model type {c.get('model_type')!r} is not a causal language model transformers can "
-                          f"build ({' '.join(str(e).split())[:200]})") from None
+                          f"build ({first_sentence(str(e))})") from None
     blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=None)
     if blocks is None or len(blocks) == 0:
         raise RecipeError(f"cannot find the decoder layers of model type {c.get('model_type')!r}")

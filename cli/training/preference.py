@@ -23,8 +23,11 @@ PAIR_COLUMNS = ("chosen", "rejected")  # with "prompt", or without (the implicit
 
 def split_prompt(example: dict) -> dict:
     """The implicit prompt (TRL's extract_prompt): the longest shared start of chosen and rejected, as text (a
-    space before the split goes with the completions) or as messages; a given prompt is kept."""
-    if "prompt" in example and example["prompt"] is not None:
+    space before the split goes with the completions) or as messages; a given prompt of the completions' kind is
+    kept. A text prompt beside full conversations (UltraFeedback's layout, which repeats it as their first turn) is
+    left aside for the turns they share, as TRL's maybe_extract_prompt does."""
+    prompt = example.get("prompt")
+    if prompt is not None and isinstance(prompt, str) == isinstance(example["chosen"], str):
         return example
     chosen, rejected = example["chosen"], example["rejected"]
     at = 0
@@ -57,11 +60,13 @@ def load_pairs(spec, recipe, name: str):
                               "(map yours with a dataset entry's columns:, e.g. chosen: response_a)")
         raw = raw.select_columns([c for c in ("prompt", *PAIR_COLUMNS) if c in raw.column_names])
         for column in PAIR_COLUMNS:  # a row without one (a JSON line that lacks the key reads as null)
-            empty = next((n for n, value in enumerate(raw[column]) if value is None or len(value) == 0), None)
+            empty = next((n for n, value in enumerate(raw[column]) if value is None
+                          or isinstance(value, (str, list)) and len(value) == 0), None)
             if empty is not None:
                 raise RecipeError(f"{where}row {empty + 1} has no {column}: every pair needs chosen and rejected")
         if len(raw) and all(r["chosen"] == r["rejected"] for r in raw):
             raise RecipeError(f"{where}chosen equals rejected in every row: nothing to prefer")
+        check_pairs(raw, where)
         if source.fraction < 1:
             raw = raw.shuffle(seed=recipe.seed).select(range(max(1, int(source.fraction * len(raw)))))
         parts.append(raw)
@@ -85,7 +90,7 @@ def prepare_pairs(recipe, tokenizer, say=None):
     def finish(raw, name, first=0):
         options = {"tokenizer": tokenizer, "max_length": max_length}
         ds = raw.map(tokenize_pair, fn_kwargs=options, remove_columns=raw.column_names,
-                     new_fingerprint=fingerprint(raw, options, tokenize_pair, split_prompt))
+                     new_fingerprint=fingerprint(raw, options, tokenize_pair, split_prompt, as_messages))
         kept = ds.filter(learnable_pair)
         if len(kept) == 0:
             raise RecipeError(f"no {name} pair keeps a completion token within dpo.max_length={max_length} (all "
@@ -165,7 +170,7 @@ def tokenize_pair(example: dict, tokenizer, max_length: int) -> dict:
     missing), messages go through the chat template (the prompt with the generation prompt); the completion starts
     where the tokenized prompt and prompt + completion diverge. Each sequence (prompt + completion) is cut to
     max_length keeping its start; `cut`: the completion tokens cut off."""
-    example = split_prompt(example)
+    example = split_prompt(as_messages(example))
     prompt, chosen, rejected = example["prompt"], example["chosen"], example["rejected"]
     if isinstance(chosen, str):
         eos = tokenizer.eos_token or ""
@@ -184,6 +189,58 @@ def tokenize_pair(example: dict, tokenizer, max_length: int) -> dict:
     completions = [f[start:] for f in full]
     return {"prompt_ids": prompt_ids[:max_length], "chosen_ids": completions[0][:room],
             "rejected_ids": completions[1][:room], "cut": sum(max(len(c) - room, 0) for c in completions)}
+
+
+def as_messages(example: dict, where: str = "") -> dict:
+    """A pair with its conversations as the chat template takes them (data.conversation: ShareGPT's turns and role
+    names mapped); text as it is; anything else one line naming the column."""
+    from ..errors import RecipeError
+    from .data import _kind, conversation
+
+    out = dict(example)
+    for column in ("prompt", *PAIR_COLUMNS):
+        value = example.get(column)
+        if value is None and column == "prompt" or isinstance(value, str):
+            continue
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{where}{column} is {_kind(value)}: give text, or a list of {{role, content}} messages")
+        out[column] = conversation(value, f"{where}{column}: ")
+    return out
+
+
+def check_pairs(raw, where: str = "") -> None:
+    """Every pair's columns are text or conversations (one line naming the row and what is wrong), and some pair
+    has a prompt: given, or the start chosen and rejected share (without one, nothing conditions the preference)."""
+    from ..errors import RecipeError
+
+    prompted = False
+    for n, row in enumerate(raw, 1):
+        pair = split_prompt(as_messages(row, f"{where}row {n}: "))
+        prompted = prompted or len(pair["prompt"]) > 0
+    if not prompted:
+        raise RecipeError(f"{where}no pair has a prompt: give a prompt column, or chosen and rejected that start with "
+                          "the same prompt (text, or the same first turns)")
+
+
+def check_pair_lengths(raw, tokenizer, recipe, where: str = "", sample: int = 256) -> None:
+    """Refuse, before launch, pairs none of whose first `sample` keeps a completion token within dpo.max_length (the
+    loop would drop them all)."""
+    from transformers.utils import logging as hf_logging
+
+    from ..errors import RecipeError
+
+    max_length = recipe.dpo.max_length or recipe.max_seq_length // 2
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notice that a text is longer than the model's maximum: the point here
+    try:
+        rows = raw.select(range(min(sample, len(raw))))
+        if any(learnable_pair(tokenize_pair(row, tokenizer, max_length)) for row in rows):
+            return
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    raise RecipeError(f"{where}no pair of {'its' if len(rows) == len(raw) else 'its first'} {len(rows)} keeps a "
+                      f"completion token within dpo.max_length={max_length} (the prompt alone fills it): raise "
+                      f"dpo.max_length (and max_seq_length to twice it), or shorten the prompts")
 
 
 def learnable_pair(example: dict) -> bool:
