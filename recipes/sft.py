@@ -353,7 +353,8 @@ def train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, 
             stopping = stop.agreed(accelerator)  # every process stops at the same step
             if (recipe.save_steps and (step % recipe.save_steps == 0 or step == total_steps)) or stopping:
                 path = checkpoints.save({"step": step, "epoch": epoch, "consumed": consumed, "history": meter.history,
-                                         "num_processes": accelerator.num_processes, "total_steps": total_steps})
+                                         "num_processes": accelerator.num_processes, "total_steps": total_steps,
+                                         "recipe": recipe.to_dict()})  # (a hand-edited recipe.yaml is named on resume)
                 say(f"checkpoint {path}")
             if stopping:
                 say(f"stopped by {stop.name} at step {step}; resume with: {run.resume_hint()}")

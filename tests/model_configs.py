@@ -46,12 +46,17 @@ LLAMA_70B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "
 
 
 def model_folder(folder, config):
-    """A model folder for the checks before a launch: its config.json, and a weights file that holds no tensor (a
-    whole safetensors file by its header, which is all they read), so a model too big to build here can be given."""
+    """A model folder for the checks before a launch: its config.json, the embedded model's tokenizer, and a weights
+    file that holds no tensor (a whole safetensors file by its header, which is all they read), so a model too big
+    to build here can be given."""
     import json
+
+    from memrecipe.planning.registry import EMBEDDED_MODEL
 
     header = b'{"__metadata__": {}}'
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).write_text((EMBEDDED_MODEL / name).read_text())
     return folder

@@ -318,3 +318,19 @@ def test_a_conversation_that_is_not_messages_is_one_line_naming_the_row(tok, tmp
 
         recipe = load_recipe("single-gpu-lora", [f"dataset={tmp_path}/bad.jsonl"])
         check_targets(load_any(str(tmp_path / "bad.jsonl")), "messages", tok, recipe)
+
+
+def test_a_dry_run_reads_the_data_as_the_run_does(tmp_path, capsys):
+    """--dry-run runs the checks before launch (it once accepted data the run then failed on): one line, exit 2,
+    nothing written; good data previews the launch."""
+    from memrecipe.main import main
+
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"speaker": "x", "text": "y"}]}) + "\n")
+    for data, status in ((tmp_path / "bad.jsonl", 2), (sharegpt(tmp_path / "good.jsonl", [
+            {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}] * 4), 0)):
+        with pytest.raises(SystemExit) as done:
+            main(["run", "sft", "--recipe", "single-gpu-lora", "--dataset", str(data), "--dry-run", "--output-dir",
+                  str(tmp_path / "run")])
+        said = capsys.readouterr().err
+        assert done.value.code == status, said
+        assert ("row 1: message 1 is dict" in said) == (status == 2) and not (tmp_path / "run").exists()

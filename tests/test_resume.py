@@ -322,3 +322,35 @@ def test_a_non_finite_loss_stops_in_one_line_naming_the_step(runs):
     assert "memrecipe: error: the loss is nan at step 1: stopped without saving" in log
     assert not list((folder / "checkpoints").glob("step-*")) if (folder / "checkpoints").exists() else True
     assert not (folder / "final").exists()
+
+
+def test_a_checkpoint_that_lost_a_file_or_a_hand_edited_recipe_is_named_before_a_resume(runs, tmp_path):
+    """A copy of the uninterrupted single-gpu-lora run (checkpoints step-4 and step-6, each listing its files as
+    written): with a file of step-6 gone, `--resume` names it and the newest whole checkpoint; with a file cut short,
+    the same; with recipe.yaml's lora.r edited by hand, it names the key the checkpoint cannot load. Each is one
+    line, exit 2, and the folder's files are as they were."""
+    import hashlib
+
+    folder = tmp_path / "run"
+    shutil.copytree(runs("single-gpu-lora/whole"), folder)
+    listed = json.loads((folder / "checkpoints" / "step-6" / "trainer_state.json").read_text())["files"]
+    assert "model.safetensors" in listed and listed["model.safetensors"] > 0
+
+    def sums():
+        return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+    weights = folder / "checkpoints" / "step-6" / "model.safetensors"
+    kept = weights.read_bytes()
+    recipe = (folder / "recipe.yaml").read_text()
+    for damage, says in ((lambda: weights.unlink(), "step-6/model.safetensors is missing or cut short; the newest whole "
+                                                     f"checkpoint is step-4: move {folder}/checkpoints/step-6 out"),
+                         (lambda: weights.write_bytes(kept[:100]), "step-6/model.safetensors is missing or cut short"),
+                         (lambda: (folder / "recipe.yaml").write_text(recipe.replace("  r: 16", "  r: 8")),
+                          "recipe.yaml says lora.r: 8, and step-6 was trained with 16: its weights cannot load")):
+        damage()
+        before = sums()
+        done = run_cli("run", "sft", "--resume", "--output-dir", str(folder), "max_steps=8")
+        assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert sums() == before
+        weights.write_bytes(kept)
+        (folder / "recipe.yaml").write_text(recipe)

@@ -14,11 +14,12 @@ from ..errors import RecipeError, did_you_mean
 from ..planning.architecture import read_config, structure
 from ..planning.hardware import Machine
 from ..planning.planner import breakdown, estimate, judge, judge_each, recommend
+from ..planning.paths import PATH_KEYS
 from ..planning.recipe import METHODS, method
 from ..planning.registry import load_recipe, recipe_names
 from ..planning.topology import Topology, make_topology
 from ..units import GiB
-from .run_folder import RunFolder, complete_checkpoints
+from .run_folder import STATE, RunFolder, complete_checkpoints, lost_files
 
 RESUMABLE_KEYS = ("max_steps", "num_train_epochs")
 
@@ -146,14 +147,23 @@ def resumable(folder, recipe_ref, words, num_processes, machine: Machine, machin
     recipe_file, launch_config = run.recipe, run.launch_config
     if not recipe_file.is_file() or not launch_config.is_file():
         raise RecipeError(f"{folder} is not a memrecipe run folder (no {recipe_file.name} / {launch_config.name})")
-    if not complete_checkpoints(folder):
+    checkpoints = complete_checkpoints(folder)
+    if not checkpoints:
         raise RecipeError(f"{folder} has no complete checkpoint to resume from (the run needs save_steps)")
+    check_whole(checkpoints)
     r = load_recipe(str(recipe_file), words)
     changed = [key for key in differences(load_recipe(str(recipe_file)).to_dict(), r.to_dict())
                if key not in RESUMABLE_KEYS]  # the first command's words again are fine
     if changed:
         raise RecipeError(f"a resumed run keeps its recipe: {changed[0]} cannot change on --resume "
                           f"(only {' and '.join(RESUMABLE_KEYS)} can)")
+    trained = json.loads((checkpoints[-1] / STATE).read_text()).get("recipe")  # what the checkpoint was trained as
+    edited = [key for key in differences(trained, r.to_dict()) if key not in RESUMABLE_KEYS
+              and key.split(".")[0] not in PATH_KEYS] if trained else []  # (paths: read from where the file is)
+    if edited:
+        raise RecipeError(f"{recipe_file} says {edited[0]}: {lookup(r.to_dict(), edited[0])!r}, and "
+                          f"{checkpoints[-1].name} was trained with {lookup(trained, edited[0])!r}: its weights cannot "
+                          f"load into the other shape; put {edited[0]} back to resume")
     if recipe_ref and recipe_ref not in (r.name, str(recipe_file)):
         raise RecipeError(f"{folder} is a run of recipe {r.name}, not {recipe_ref}")
     config = yaml.safe_load(launch_config.read_text())
@@ -165,6 +175,26 @@ def resumable(folder, recipe_ref, words, num_processes, machine: Machine, machin
                          config.get("main_process_ip"), config.get("main_process_port"),
                          cpu=machine.gpus == 0, bf16=machine.bf16)
     return r, topo
+
+
+def check_whole(checkpoints: list[Path]) -> None:
+    """The newest checkpoint still holds every file it was written with; else one line naming the lost file and the
+    newest whole checkpoint, and nothing in the folder is changed."""
+    newest = checkpoints[-1]
+    lost = lost_files(newest)
+    if not lost:
+        return
+    whole = next((c for c in reversed(checkpoints[:-1]) if not lost_files(c)), None)
+    after = (f"the newest whole checkpoint is {whole.name}: move {newest} out of checkpoints/ to resume from it"
+             if whole else "no other checkpoint is whole: start the run again")
+    raise RecipeError(f"{newest.name}/{lost[0]} is missing or cut short"
+                      + (f" (and {len(lost) - 1} more of its files)" if len(lost) > 1 else "") + f"; {after}")
+
+
+def lookup(recipe: dict, dotted: str):
+    for part in dotted.split("."):
+        recipe = (recipe or {}).get(part)
+    return recipe
 
 
 def differences(before: dict, after: dict, path: str = ""):

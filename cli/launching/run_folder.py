@@ -52,6 +52,22 @@ def complete_checkpoints(out) -> list[Path]:
     return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)))
 
 
+def checkpoint_files(checkpoint: Path) -> dict[str, int]:
+    """Every file of a checkpoint being written, by its path in it: its size (written into its trainer state,
+    so that a file lost or cut short later is known before a resume tries to load it)."""
+    return {str(p.relative_to(checkpoint)): p.stat().st_size for p in sorted(checkpoint.rglob("*")) if p.is_file()}
+
+
+def lost_files(checkpoint: Path) -> list[str]:
+    """The files a complete checkpoint listed when it was written that are gone or of another size now (none for a
+    checkpoint written before it listed them)."""
+    import json
+
+    listed = json.loads((checkpoint / STATE).read_text()).get("files", {})
+    return [name for name, size in listed.items()
+            if not (checkpoint / name).is_file() or (checkpoint / name).stat().st_size != size]
+
+
 def machine_file(name: str, machine_rank: int = 0) -> str:
     """A launch file's name in the run folder: machine rank 0 owns the plain names; the other machines
     of a multi-machine run (sharing the folder, or not) keep their own, e.g. accelerate_config.machine1.yaml."""

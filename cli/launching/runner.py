@@ -58,8 +58,8 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
     """Everything `memrecipe run` checks before it touches the disk. `words` are the KEY=VALUE overrides
     (the --model/--dataset/--report-to flags among them); `topology` the topology flags (num_processes,
     num_machines, machine_rank, main_process_ip, main_process_port, cpu). A real run loads the model's config,
-    the tokenizer and the datasets' columns first (preflight); a dry run reads nothing, and what this machine or
-    the fit would refuse becomes the plan's `refused` lines (a GPU launch line can be previewed on a laptop)."""
+    the tokenizer and the datasets first (preflight), a dry run too; what this machine or the fit would refuse
+    becomes a dry run's `refused` lines (a GPU launch line can be previewed on a laptop)."""
     if script not in SCRIPTS:
         raise RecipeError(f"unknown script {script!r}{did_you_mean(script, SCRIPTS)}; scripts: {', '.join(SCRIPTS)}")
     if machine is None:
@@ -79,8 +79,7 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
         r = absolute_paths(load_recipe(recipe_ref, words, script))
         check_paths(r)  # also in a dry run: a missing file is known without reading anything
         topo = plan_topology(r, machine, **topology, refused=refused if dry_run else None)
-        if not dry_run:
-            preflight(r)
+        preflight(r)  # the model, the tokenizer and the data, read as the run reads them (a dry run too)
     try:
         verdict = check_fits(r, topo, machine, words, force)
     except RecipeError as e:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import RecipeError
 from ..files import readable_files
-from ..launching.run_folder import CHECKPOINTS, NAME, PROBE, STATE, complete_checkpoints
+from ..launching.run_folder import CHECKPOINTS, NAME, PROBE, STATE, checkpoint_files, complete_checkpoints
 
 
 @contextmanager
@@ -98,8 +98,8 @@ class Checkpoints:
         accelerator.wait_for_everyone()
         with frozen_base_left_out(accelerator, self.model):
             accelerator.save_state(str(staging))
-        if self.owner:
-            (staging / STATE).write_text(json.dumps(state))
+        if self.owner:  # with the list of what it holds: a file lost later is named before a resume
+            (staging / STATE).write_text(json.dumps({**state, "files": checkpoint_files(staging)}))
         accelerator.wait_for_everyone()
         if self.owner:
             shutil.rmtree(final, ignore_errors=True)
