@@ -2,15 +2,22 @@
 reference beside each step or precomputed) against TRL's DPOTrainer (its padded [chosen; rejected] batch, its own
 fused head) on the same model, pairs and settings, in one process on CPU.
 
-    python benchmarks/dpo_vs_trl.py [--pairs 16] [--repeats 3]
+    python benchmarks/dpo_vs_trl.py [--pairs 16] [--warmup 3] [--blocks 5] [--steps 2]
 
 Per setting (LoRA r 16 on every linear layer with the reference = adapters off; a full fine-tune with the
 reference's log-probs precomputed, as both tools do it), each step: the same `--pairs` pairs of the embedded
 preference set, AdamW, bf16 autocast, gradient checkpointing, beta 0.1, sigmoid loss. Measured: real (non-padding)
-tokens per second over a step (forward, backward, optimizer step; for LoRA the reference's forward too), median of
-`--repeats` steps run interleaved (ours, TRL's, ours, ...) after one warm-up each; and the bytes a step allocates
-at its peak above what is held before it (the CPU profiler's allocation events: not RSS), from one profiled step
-each. The table gives each figure and ours / TRL's. On CPU the speed says little about a GPU's; the bytes carry.
+tokens per second (forward, backward, optimizer step; for LoRA the reference's forward too) over blocks of `--steps`
+steps, ours and TRL's blocks interleaved, `--blocks` of each, after `--warmup` steps each; the ratio is taken block
+pair by block pair (so a machine that slows down slows both), min / median / max. And the bytes a step allocates at
+its peak above what is held before it (the CPU profiler's allocation events: not RSS), from one profiled step each,
+after the timing. On CPU the speed says little about a GPU's; the bytes carry.
+
+Why the warm-up and the blocks (the old 3 single steps after one warm-up gave LoRA 3.11x, 0.83x and 1.24x in three
+runs): the first steps of each tool meet their shapes for the first time (oneDNN builds and caches a kernel per
+shape and bf16 layout; TRL's padded batch and ours differ, so each pays it on its own first steps), and a single
+step on 2 shared cores takes whatever else the machine does in that second. Interleaved multi-step blocks after a
+warm-up that has met every shape, and the ratio per block pair, repeat within ~10% run to run.
 """
 
 import argparse
@@ -111,10 +118,17 @@ class Trl:
         return float(loss)
 
 
-def timed(runner) -> float:
+def timed(runner, steps: int) -> float:
+    """Real tokens per second over `steps` steps."""
+    gc.collect()
     tick = time.perf_counter()
-    runner.step()
-    return runner.tokens / (time.perf_counter() - tick)
+    for _ in range(steps):
+        runner.step()
+    return runner.tokens * steps / (time.perf_counter() - tick)
+
+
+def spread(values) -> str:
+    return f"{min(values):,.2f} / {statistics.median(values):,.2f} / {max(values):,.2f}"
 
 
 def peak(runner) -> int:
@@ -127,8 +141,11 @@ def peak(runner) -> int:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=16, help="pairs per step")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="steps each before timing (every shape met)")
+    parser.add_argument("--blocks", type=int, default=5, help="timed blocks of each, interleaved")
+    parser.add_argument("--steps", type=int, default=2, help="steps per timed block")
     args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())  # (fixed for the whole run)
     tokenizer = load_tokenizer(embedded_model())
     pairs = [json.loads(line) for line in open(EMBEDDED_PREFERENCES)][:args.pairs]
     rows = []
@@ -137,23 +154,24 @@ def main():
             ours, theirs = Ours(build(lora), pairs, tokenizer, lora), Trl(build(lora), copy.deepcopy(pairs), tokenizer,
                                                                           lora, folder)
             for runner in (ours, theirs):
-                runner.step()  # warm-up
+                for _ in range(args.warmup):
+                    runner.step()
             speeds = {"ours": [], "trl": []}
-            for _ in range(args.repeats):  # interleaved
-                speeds["ours"].append(timed(ours))
-                speeds["trl"].append(timed(theirs))
+            for _ in range(args.blocks):  # interleaved
+                speeds["ours"].append(timed(ours, args.steps))
+                speeds["trl"].append(timed(theirs, args.steps))
+            ratios = [a / b for a, b in zip(speeds["ours"], speeds["trl"])]
             bytes_ = {"ours": peak(ours), "trl": peak(theirs)}
-            tok_s = {k: statistics.median(v) for k, v in speeds.items()}
-            rows.append((name, ours.tokens, theirs.tokens, tok_s, bytes_))
-    print(f"{args.pairs} pairs a step, ~55M-parameter Llama (vocab 32000), bf16 autocast, checkpointing, CPU; "
-          f"median of {args.repeats} interleaved steps\n")
-    print("| setting | real tokens (ours / TRL's batch) | tokens/s ours | tokens/s TRL | ratio | "
+            rows.append((name, ours.tokens, theirs.tokens, speeds, ratios, bytes_))
+    print(f"{args.pairs} pairs a step, ~55M-parameter Llama (vocab 32000), bf16 autocast, checkpointing, CPU, "
+          f"{torch.get_num_threads()} threads; {args.blocks} interleaved blocks of {args.steps} steps after "
+          f"{args.warmup} warm-up steps each; min / median / max\n")
+    print("| setting | real tokens (ours / TRL's batch) | tokens/s ours | tokens/s TRL | ratio (per block pair) | "
           "step's peak MiB ours | TRL | ratio |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, ours_tokens, trl_tokens, tok_s, b in rows:
-        print(f"| {name} | {ours_tokens:,} / {trl_tokens:,} | {tok_s['ours']:,.0f} | {tok_s['trl']:,.0f} | "
-              f"{tok_s['ours'] / tok_s['trl']:.2f} | {b['ours'] / 2**20:,.1f} | {b['trl'] / 2**20:,.1f} | "
-              f"{b['ours'] / b['trl']:.2f} |")
+    for name, ours_tokens, trl_tokens, speeds, ratios, b in rows:
+        print(f"| {name} | {ours_tokens:,} / {trl_tokens:,} | {spread(speeds['ours'])} | {spread(speeds['trl'])} | "
+              f"{spread(ratios)} | {b['ours'] / 2**20:,.1f} | {b['trl'] / 2**20:,.1f} | {b['ours'] / b['trl']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import run_cli
 from helpers import loop_model
 from model_configs import model_folder
 from memrecipe.planning.hardware import Machine
@@ -92,9 +93,11 @@ LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28
              "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
 
 
-def test_fsdp_counts_every_ranks_copy_of_the_model_while_it_loads(monkeypatch, tmp_path, capsys):
-    """FSDP2 full fine-tuning: each of a node's 8 ranks loads (and accelerate upcasts) a whole fp32 copy
-    before sharding: a 70B needs ~2.2 TB of host RAM per node at load. `run` says so before launching."""
+def test_fsdp_counts_the_copies_of_the_model_its_ranks_load(monkeypatch, tmp_path, capsys):
+    """FSDP2 full fine-tuning with cpu_ram_efficient_loading (the recipe's): rank 0 alone loads the whole fp32 model,
+    the others build it without weights and receive shards: a 70B needs ~263 GiB of host RAM at load (`plan --json`'s
+    host_total for micro batch 1 x 4096 on 8 x 80 GB <= 700 GiB). Without it each of a node's 8 ranks loads (and
+    accelerate upcasts) its own copy, ~2.1 TB; `run` says so before launching."""
     import json
 
     from memrecipe.planning.architecture import structure
@@ -103,17 +106,24 @@ def test_fsdp_counts_every_ranks_copy_of_the_model_while_it_loads(monkeypatch, t
     from memrecipe.planning.topology import Topology
 
     s = structure(LLAMA_70B)
-    full = estimate(load_recipe("fsdp"), s, Topology(8))
+    assert estimate(load_recipe("fsdp"), s, Topology(8)).host_load == 4 * s.params
+    every = ["fsdp.cpu_ram_efficient_loading=false"]
+    full = estimate(load_recipe("fsdp", every), s, Topology(8))
     assert full.host_load == 4 * s.params * 8 and full.host_total() / 2**40 > 2
-    assert estimate(load_recipe("fsdp"), s, Topology(16, 2)).host_load == full.host_load  # per machine
+    assert estimate(load_recipe("fsdp", every), s, Topology(16, 2)).host_load == full.host_load  # per machine
     lora = estimate(load_recipe("fsdp-lora"), s, Topology(8))
     assert lora.host_load == 2 * s.params  # the bf16 base, mapped once per machine
     assert estimate(load_recipe("zero3-offload"), s, Topology(8)).host_load == 0  # built partitioned
     folder = model_folder(tmp_path / "llama-70b", LLAMA_70B)
+    planned = json.loads(run_cli("plan", "--model", str(folder), "--recipe", "fsdp", "--num-processes", "8",
+                                 "--gpu-memory", "80GB", "--json", "per_device_train_batch_size=1",
+                                 "max_seq_length=4096").stdout)
+    assert planned["estimates"][0]["host_total"] <= 700 * 2**30
     node = Machine(gpus=8, gpu_memory=80 * 2**30, bf16=True, cores=96, host_memory=512 * 2**30)
     monkeypatch.setattr(device, "detect_machine", lambda: node)
     with pytest.raises(SystemExit) as done:
-        main(["run", "sft", "--recipe", "fsdp", "--model", str(folder), "--dry-run", "--output-dir", str(tmp_path / "r")])
+        main(["run", "sft", "--recipe", "fsdp", "--model", str(folder), "--dry-run", "--output-dir", str(tmp_path / "r"),
+              *every])
     said = capsys.readouterr().err  # a dry run shows the launch, and what a run would be refused for
     assert done.value.code == 0 and "a run on this machine would be refused: recipe fsdp will not fit" in said
     assert "loading: every process's copy of the model" in said and "> 512.0 GiB" in said

@@ -59,11 +59,57 @@ def runs(tmp_path_factory):
             memrecipe_run(folder, name, core=core)
         return folder
 
+    def loading(efficient):  # FSDP2 on a 42M-parameter model (170 MB in fp32): what each rank holds as it loads
+        folder = base / f"loading-{efficient}"
+        done = launch(["memrecipe", "run", "sft", "--recipe", "fsdp", "--num-processes", "2", "--model",
+                       str(jobs("mid-model")), "--output-dir", str(folder), "--main-process-port", str(free_port()),
+                       "max_steps=1", "eval_size=0", "max_seq_length=64", "per_device_train_batch_size=2",
+                       "gradient_accumulation_steps=1", f"fsdp.cpu_ram_efficient_loading={efficient}"])
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return folder
+
     order = ["single-gpu-lora", "fsdp", "zero3-offload", "ddp", "zero2", "adamw-8bit", "single-gpu-full", "fsdp-lora",
              "qlora"]
-    jobs = SideBySide({name: (lambda core, name=name: start(name, core)) for name in order})
+    jobs = SideBySide({**{name: (lambda core, name=name: start(name, core)) for name in order},
+                       "mid-model": lambda core: mid_model(base / "mid"),
+                       **{f"loading-{e}": (lambda core, e=e: loading(e)) for e in ("true", "false")}})
     yield jobs
     jobs.close()
+
+
+def mid_model(folder):
+    """The embedded model's shape widened to 42M parameters, saved in bf16 as real checkpoints are (a full fine-tune
+    loads them as fp32 masters: each loading rank converts, and so holds, the whole model), with its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from memrecipe.planning.registry import EMBEDDED_MODEL
+
+    config = AutoConfig.from_pretrained(EMBEDDED_MODEL)
+    config.update({"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 6,
+                   "num_key_value_heads": 6, "head_dim": 128})
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(EMBEDDED_MODEL).save_pretrained(folder)
+    return folder
+
+
+def test_fsdp2_loads_the_weights_on_rank_0_alone_and_broadcasts_them(runs):
+    """fsdp's cpu_ram_efficient_loading (its config's, on CPU too): rank 1 builds the model without weights and holds
+    less host RAM up to its first step than rank 0 by most of the model's bytes; every rank loading its own copy,
+    the two hold about the same. The shards rank 1 received are rank 0's weights: the step's loss and the saved
+    model are the same as when every rank loaded them."""
+    from safetensors.torch import load_file
+
+    efficient, every = report(runs("loading-true")), report(runs("loading-false"))
+    model_bytes = 4 * efficient["setup"]["params"]
+    rank0, rank1 = (p["load_peak_rss_bytes"] for p in sorted(efficient["processes"], key=lambda p: p["process_index"]))
+    assert rank0 - rank1 > 0.4 * model_bytes, (rank0, rank1, model_bytes)
+    both = [p["load_peak_rss_bytes"] for p in every["processes"]]
+    assert abs(both[0] - both[1]) < 0.25 * model_bytes, (both, model_bytes)
+    assert efficient["history"][0]["loss"] == every["history"][0]["loss"]
+    saved = [load_file(Path(runs(f"loading-{e}")) / "final" / "model.safetensors") for e in ("true", "false")]
+    assert saved[0].keys() == saved[1].keys() and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
 
 
 def report(folder):

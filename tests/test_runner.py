@@ -58,7 +58,8 @@ def test_a_process_pinned_to_one_core_launches_one_thread(tmp_path):
 
 def test_a_dry_run_names_what_a_run_would_be_refused_for(tmp_path):
     folder = model_folder(tmp_path / "llama-70b", LLAMA_70B)
-    plan = plan_run("sft", "fsdp", [f"model_name_or_path={folder}"], tmp_path / "run", {"num_processes": 8},
+    plan = plan_run("sft", "fsdp", [f"model_name_or_path={folder}", "fsdp.cpu_ram_efficient_loading=false"],
+                    tmp_path / "run", {"num_processes": 8},
                     dry_run=True, machine=Machine(8, 80 * GiB, True, 96, 512 * GiB))
     assert any("recipe fsdp will not fit" in line and "host RAM" in line for line in plan.refused)
     assert plan.command and not plan.folder.exists()  # the launch line is still shown; nothing is written

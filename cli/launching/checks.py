@@ -13,7 +13,7 @@ import yaml
 from ..errors import RecipeError, did_you_mean
 from ..planning.architecture import read_config, structure
 from ..planning.hardware import Machine
-from ..planning.planner import breakdown, estimate, judge, judge_each, recommend
+from ..planning.planner import breakdown, estimate, judge, judge_each, rank0_loads, recommend
 from ..planning.paths import PATH_KEYS
 from ..planning.recipe import METHODS, method
 from ..planning.registry import load_recipe, recipe_names
@@ -125,7 +125,8 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
     same, why = recommend([v for m, v in judged.values() if m == method(recipe)])
     best, why = (same, why) if same else recommend([v for _, v in judged.values()])
     est = verdict.estimate
-    loading = " (loading: every process's copy of the model)" if est.host_load >= est.host_total() else ""
+    copies = "rank 0's copy" if rank0_loads(recipe) else "every process's copy"
+    loading = f" (loading: {copies} of the model)" if est.host_load >= est.host_total() else ""
     where = (f"host RAM {est.host_total() / GiB:.1f} GiB{loading} > {machine.host_memory / GiB:.1f} GiB"
              if not verdict.host_fits else f"{est.total / GiB:.1f} GiB per GPU > {machine.gpu_memory / GiB:.1f} GiB")
     if best:

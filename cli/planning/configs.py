@@ -138,9 +138,10 @@ def accelerate_config(recipe: Recipe, topo: Topology, deepspeed_config_file: str
 
 def _fsdp_section(recipe: Recipe, topo: Topology) -> dict:
     f = recipe.fsdp
-    # On CPU, FSDP1 asks for a GPU to sync module states, so each rank builds the same
-    # seeded model instead; rank-0-only loading needs that sync, so it goes too.
-    efficient_loading = f.cpu_ram_efficient_loading and not topo.cpu
+    # Rank 0 loads the weights, the other ranks build the model without them, and FSDP2 broadcasts rank 0's
+    # as shards (accelerate's fsdp2_load_full_state_dict; modeling.load_pretrained builds the empty ones). On CPU,
+    # FSDP1 asks for a GPU to sync module states, so there each rank loads the weights itself.
+    efficient_loading = f.cpu_ram_efficient_loading and not (topo.cpu and f.version == 1)
     section: dict = {"fsdp_version": f.version, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
     if f.transformer_layer_cls_to_wrap:
         section["fsdp_transformer_layer_cls_to_wrap"] = f.transformer_layer_cls_to_wrap
@@ -153,7 +154,7 @@ def _fsdp_section(recipe: Recipe, topo: Topology) -> dict:
         "fsdp_offload_params": f.offload_params,
         "fsdp_state_dict_type": f.state_dict_type,
         "fsdp_cpu_ram_efficient_loading": efficient_loading,
-        "fsdp_sync_module_states": efficient_loading,
+        "fsdp_sync_module_states": efficient_loading,  # (accelerate launch asks for it beside efficient loading)
         "fsdp_activation_checkpointing": f.activation_checkpointing,
     }
     return section

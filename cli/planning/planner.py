@@ -362,7 +362,8 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
 def loading_bytes(recipe: Recipe, s: Structure, cb: int, local: int) -> int:
     """Host RAM per machine while the model loads. Every process reads the whole model into host memory
     before FSDP shards it or accelerate moves it to the GPU (transformers 5.x loads real weights on every
-    rank). Weights converted as they load (fp32 masters from a 16-bit checkpoint, 4-bit quantization)
+    rank), but under FSDP2 with cpu_ram_efficient_loading, where rank 0 alone loads them and broadcasts them
+    as shards. Weights converted as they load (fp32 masters from a 16-bit checkpoint, 4-bit quantization)
     are each process's private copy; a 16-bit frozen base stays mapped from the checkpoint, one copy per
     machine. Under FSDP2 accelerate upcasts trainable weights to fp32 on every rank before sharding
     (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model), so loading in bf16 would not save the copies.
@@ -373,7 +374,15 @@ def loading_bytes(recipe: Recipe, s: Structure, cb: int, local: int) -> int:
         return base_bytes(recipe, s, cb) * local
     if recipe.lora is not None:
         return cb * s.params
+    if rank0_loads(recipe):  # the other processes build the model without weights and receive rank 0's as shards
+        return weight_bytes(recipe) * s.params
     return weight_bytes(recipe) * s.params * local  # (tensor parallelism too: each rank loads all, keeps its slices)
+
+
+def rank0_loads(recipe: Recipe) -> bool:
+    """FSDP2 with cpu_ram_efficient_loading: rank 0 alone loads the weights (modeling.rank0_loads, the loop's side of
+    the same rule; the generated config turns it on wherever FSDP2 runs, CPU included)."""
+    return recipe.fsdp is not None and recipe.fsdp.version == 2 and recipe.fsdp.cpu_ram_efficient_loading
 
 
 def weight_bytes(recipe: Recipe) -> int:

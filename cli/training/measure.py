@@ -314,6 +314,9 @@ class Meter:
         self.accelerator, self.model, self.optimizer, self.offload = accelerator, model, optimizer, offload
         self.out, self.take_snapshot = out, snapshot
         self.setup = describe_setup(accelerator, model, optimizer)
+        # this process's peak host RAM up to here: loading and preparing the model, before any step (under FSDP2's
+        # cpu_ram_efficient_loading rank 0 alone holds the whole model)
+        self.load_peak = peak_memory(torch.device("cpu"))["peak_rss_bytes"]
         # the optimizer as the recipe chose it: how updates reach bf16 weights, what its first step costs on a GPU
         self.setup["bf16_update_rounding"] = bf16_rounding(recipe)
         # memrecipe's tiny model, trained at its own settings (registry.with_embedded_settings), not the recipe's
@@ -385,7 +388,8 @@ class Meter:
             self.held = held_bytes(self.model, self.optimizer, self.beside) | {"logits": None}
         processes = gather_object([{"process_index": self.accelerator.process_index,
                                     "num_processes": self.accelerator.num_processes, "held": self.held,
-                                    "tokens": self.tokens, **peak_memory(self.accelerator.device)}])
+                                    "tokens": self.tokens, "load_peak_rss_bytes": self.load_peak,
+                                    **peak_memory(self.accelerator.device)}])
         if self.snapshot is not None and not self.snapshot.saved:
             self.snapshot.save()
         return Measured(self.setup, self.history, processes, self.wall, eval_loss,

@@ -341,9 +341,11 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
                    flash=flash, flex=flex)
 
 
-def load_pretrained(recipe, name_or_path: str, precision: str, device=None):
+def load_pretrained(recipe, name_or_path: str, precision: str, device=None, own_weights: bool = False):
     """from_pretrained in the recipe's weight dtype, and with its quantization (bitsandbytes 4- or 8-bit, quantized
-    as it loads): what the base holds. No KV cache (it is for generation)."""
+    as it loads): what the base holds. No KV cache (it is for generation). Under FSDP2's cpu_ram_efficient_loading
+    the processes but rank 0 build it without weights (rank0_loads), unless `own_weights` (a copy that accelerate
+    does not prepare, so that nothing broadcasts into it)."""
     from transformers import AutoModelForCausalLM
 
     # A frozen LoRA base is stored in the compute dtype (2 bytes/param); trained weights stay fp32
@@ -367,8 +369,11 @@ def load_pretrained(recipe, name_or_path: str, precision: str, device=None):
         elif device is not None and device.type == "cuda":
             extra["device_map"] = {"": device}  # quantize straight onto this process's GPU
     kernel = attention(recipe, name_or_path, precision, device)  # attn_implementation: auto, resolved here
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=kernel.name,
-                                                 trust_remote_code=recipe.trust_remote_code, **extra)
+    if q is None and not own_weights and rank0_loads(recipe):
+        model = without_weights(name_or_path, dtype, kernel.name, recipe.trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=kernel.name,
+                                                     trust_remote_code=recipe.trust_remote_code, **extra)
     model.memrecipe_attention = kernel  # why this kernel, for the start-up log and the report (measure.describe_setup)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if q is not None and q.upcast_unquantized:
@@ -385,6 +390,38 @@ def load_pretrained(recipe, name_or_path: str, precision: str, device=None):
         for module in model.modules():
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def rank0_loads(recipe) -> bool:
+    """This process builds the model without its weights, which FSDP2 then receives from rank 0 as shards: the launch
+    config's cpu_ram_efficient_loading (the FSDP plugin has set FSDP_CPU_RAM_EFFICIENT_LOADING by now), on a process
+    other than the global rank 0, whose full state dict accelerate broadcasts (fsdp2_load_full_state_dict, src 0).
+    transformers 5 loads every rank's weights itself, so without this each process holds the whole model once."""
+    from accelerate.utils import str_to_bool
+
+    return (recipe.fsdp is not None and recipe.fsdp.version == 2 and int(os.environ.get("RANK", "0")) != 0
+            and str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false")) == 1
+            and str_to_bool(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")) == 1)
+
+
+def without_weights(name_or_path: str, dtype, attn_implementation: str, trust_remote_code: bool):
+    """The model built from its config with storage for its parameters that nothing writes (untouched pages hold no
+    host RAM), its buffers computed as usual (the rotary frequencies: FSDP2 does not broadcast non-persistent
+    buffers). Tied weights stay tied."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers real
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
+    made = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+            module._parameters[name] = made[id(p)]
     return model
 
 
@@ -517,7 +554,7 @@ def frozen_copy(recipe, name_or_path: str, accelerator):
     engine of its own, without an optimizer); else each process holds it whole (DDP and ZeRO-1/2, as TRL does)."""
     from .loss import fuse_head
 
-    model = load_pretrained(recipe, name_or_path, accelerator.mixed_precision, accelerator.device)
+    model = load_pretrained(recipe, name_or_path, accelerator.mixed_precision, accelerator.device, own_weights=True)
     model.requires_grad_(False).eval()
     if recipe.fused_loss:
         fuse_head(model, recipe.loss_chunk_tokens)
