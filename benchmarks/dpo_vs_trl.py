@@ -127,8 +127,8 @@ def timed(runner, steps: int) -> float:
     return runner.tokens * steps / (time.perf_counter() - tick)
 
 
-def spread(values) -> str:
-    return f"{min(values):,.2f} / {statistics.median(values):,.2f} / {max(values):,.2f}"
+def spread(values, digits: int = 0) -> str:
+    return " / ".join(f"{v:,.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
 
 
 def peak(runner) -> int:
@@ -171,7 +171,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for name, ours_tokens, trl_tokens, speeds, ratios, b in rows:
         print(f"| {name} | {ours_tokens:,} / {trl_tokens:,} | {spread(speeds['ours'])} | {spread(speeds['trl'])} | "
-              f"{spread(ratios)} | {b['ours'] / 2**20:,.1f} | {b['trl'] / 2**20:,.1f} | {b['ours'] / b['trl']:.2f} |")
+              f"{spread(ratios, 2)} | {b['ours'] / 2**20:,.1f} | {b['trl'] / 2**20:,.1f} | {b['ours'] / b['trl']:.2f} |")
 
 
 if __name__ == "__main__":
