@@ -1,7 +1,9 @@
 """memrecipe: memory-saving fine-tuning recipes for Hugging Face Accelerate.
 
-The CLI lives in memrecipe.main; recipes/sft.py imports the training helpers from
-memrecipe.training.data, memrecipe.training.modeling and memrecipe.training.measure. Importing this package imports no torch.
+The CLI lives in memrecipe.main; the loop scripts (recipes/sft.py, recipes/dpo.py) import what they use from
+memrecipe.loop. Importing this package imports no torch. It is the one place that sets process-wide state: the
+logging levels and warning filters below, and environment variables that torch reads once, when it is first imported
+(so this runs first: the loop imports memrecipe before torch, and `memrecipe run`'s launch inherits the variables).
 """
 
 import logging

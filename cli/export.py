@@ -13,7 +13,8 @@ from pathlib import Path
 
 from .errors import RecipeError
 from .files import readable_files
-from .launching.run_folder import RunFolder, complete_checkpoints
+from .launching.run_folder import RunFolder
+from .layout import complete_checkpoints
 
 EXPORT_DTYPES = ("bf16", "fp32")
 

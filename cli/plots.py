@@ -84,14 +84,17 @@ def plot_loss(report: dict, path) -> str | None:
     return save(plt, fig, path)
 
 
+def peak_key(process: dict) -> str:
+    """The peak a process record has: the CUDA allocator's on GPUs, peak RSS on CPU (measure.peak_memory)."""
+    return "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in process else "peak_rss_bytes"
+
+
 def compare_chart(reports: list[dict], path) -> str:
     """Bars per run: peak memory per process and tokens/s."""
     plt = pyplot()
     names = [f"{Path(r['output_dir']).name}\n{r['recipe']['name']}" for r in reports]
     at = list(range(len(reports)))  # one bar per run, at its own place: equal labels never merge two runs
     fig, (mem, speed) = plt.subplots(1, 2, figsize=(4 + 2 * len(reports), 4))
-    from .report import peak_key
-
     mem.bar(at, [max(p[peak_key(r["processes"][0])] for p in r["processes"]) / GiB for r in reports], color="#4c72b0")
     mem.set_ylabel("peak GiB per process")
     mem.set_title("memory")

@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 
 from .errors import RecipeError
-from .launching.run_folder import RECIPE, RunFolder
+from .launching.run_folder import RunFolder
+from .layout import RECIPE
+from .plots import peak_key, plot_loss
 from .table import table
 from .units import GiB
 
@@ -35,11 +37,6 @@ def flops_per_token(params: int, trainable: int, layers: int, hidden: int, seq: 
     adapters train (no weight gradients for the frozen base), plus attention's 12 x layers x hidden x seq."""
     weights = 6 * params if trainable >= params else 4 * params + 2 * trainable
     return weights + 12 * layers * hidden * seq
-
-
-def peak_key(process: dict) -> str:
-    """The peak a process record has: the CUDA allocator's on GPUs, peak RSS on CPU (measure.peak_memory)."""
-    return "cuda_max_allocated_bytes" if "cuda_max_allocated_bytes" in process else "peak_rss_bytes"
 
 
 def load(run_dir) -> dict:
@@ -221,7 +218,6 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
 
 def write_report(run, recipe, accelerator, model_path, measured) -> str:
     """report.json and loss.png in the run folder (main process); returns the card and where they are."""
-    from .plots import plot_loss
 
     report = build(run.path, recipe, accelerator, model_path, measured)
     run.report.write_text(json.dumps(report, indent=2))

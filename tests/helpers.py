@@ -111,7 +111,7 @@ def stop_at_a_checkpoint(proc, folder) -> int:
     """SIGSTOP every process of the run as soon as a checkpoint is complete, then SIGKILL them: no chance to clean up
     (the lock and maybe a .tmp checkpoint stay). Returns the newest complete checkpoint's step, the one a resume
     must start from: pinned, not guessed, however far the run got before the stop."""
-    from memrecipe.launching.run_folder import NAME, complete_checkpoints
+    from memrecipe.layout import NAME, complete_checkpoints
 
     wait_for(lambda: complete_checkpoints(folder), proc)
     signal_tree(proc, signal.SIGSTOP)

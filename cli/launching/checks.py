@@ -19,7 +19,8 @@ from ..planning.recipe import METHODS, method
 from ..planning.registry import load_recipe, recipe_names
 from ..planning.topology import Topology, make_topology
 from ..units import GiB
-from .run_folder import STATE, RunFolder, complete_checkpoints, lost_files
+from ..layout import STATE, complete_checkpoints, lost_files
+from .run_folder import RunFolder
 
 RESUMABLE_KEYS = ("max_steps", "num_train_epochs")
 

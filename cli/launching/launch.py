@@ -15,10 +15,10 @@ from ..planning.configs import launch_env, launch_words
 from ..planning.recipe import Recipe
 from ..planning.registry import data_dir
 from ..planning.topology import Topology
-from .run_folder import LAUNCH_CONFIG, RECIPE, machine_file
+from ..layout import LAUNCH_CONFIG, RECIPE, machine_file
+from .run_folder import LAUNCHED_BY
 
 SCRIPTS = ("sft", "dpo")  # recipes/<name>.py: the loop scripts
-LAUNCHED_BY = "MEMRECIPE_RUN"  # in a launch's environment: started by `memrecipe run` (the loop's resume hint says so)
 ERROR_LINE = b"memrecipe: error: "  # how the loop reports a RecipeError (recipes/sft.py's __main__)
 TRACEBACK = b"Traceback (most recent call last)"
 

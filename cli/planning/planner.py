@@ -247,7 +247,7 @@ def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
     if recipe.quantization is not None and recipe.quantization.upcast_unquantized:
         return "qlora"  # 4-bit linears; PEFT's k-bit preparation puts embeddings, norms and head in fp32
     if recipe.lora is not None:
-        return "lora"  # frozen base stored in half precision (see modeling.load_base)
+        return "lora"  # frozen base stored in half precision (see modeling.load_pretrained)
     if recipe.fsdp is not None or recipe.deepspeed is not None or recipe.weight_dtype == "bf16":
         return "half"  # FSDP casts gathered params, DeepSpeed keeps the module in half precision
     return "mixed"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import RecipeError
 from ..files import readable_files
-from ..launching.run_folder import CHECKPOINTS, NAME, PROBE, STATE, checkpoint_files, complete_checkpoints
+from ..layout import CHECKPOINTS, NAME, PROBE, STATE, checkpoint_files, complete_checkpoints
 
 
 @contextmanager

@@ -356,7 +356,7 @@ class Meter:
             self.setup["offloaded_bytes_per_micro_batch"] = self.offload.bytes // self.accelerator.gradient_accumulation_steps
 
     def record(self, step: int, window: list[dict], loss: float, targets: int, lr: float, started: float,
-               grad_norm=None, evaluated: dict | float | None = None, metrics: dict | None = None) -> dict:
+               grad_norm=None, evaluated: dict | None = None, metrics: dict | None = None) -> dict:
         """The step's record, kept in the history and logged to the trackers: with the objective's own metrics
         (e.g. preference tuning's rewards/...) and an eval's ({"eval_loss": ..., "eval_rewards/...": ...})."""
         reduce = lambda t: self.accelerator.reduce(t.to(self.accelerator.device), "sum")  # noqa: E731
@@ -366,8 +366,6 @@ class Meter:
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
         record.update(metrics or {})
-        if isinstance(evaluated, float):  # (a loop script of 0.2 gives the eval loss alone)
-            evaluated = {"eval_loss": evaluated}
         record.update(evaluated or {})
         self.history.append(record)
         if self.tracking:

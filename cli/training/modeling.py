@@ -425,16 +425,6 @@ def without_weights(name_or_path: str, dtype, attn_implementation: str, trust_re
     return model
 
 
-def load_base(recipe, name_or_path: str, precision: str, device=None, device_mesh=None):
-    """Deprecated (recipes/sft.py before 0.2 called it): load_pretrained, tensor_parallel and enable_checkpointing in
-    one call, as recipes/sft.py's setup_model now calls them. Returns (model, activation offload hooks or None)."""
-    model = load_pretrained(recipe, name_or_path, precision, device)
-    if recipe.parallelism is not None:
-        tensor_parallel(model, recipe.parallelism.tp_size, device_mesh)
-    offload = enable_checkpointing(model, recipe.activation_offload) if recipe.gradient_checkpointing else None
-    return model, offload
-
-
 def compile_layers(model) -> int:
     """Compile each decoder layer in place (nn.Module.compile), as torchtune does and accelerate's regional
     compilation: the layers share one graph (dynamo treats their weights as inputs), checkpointing wraps

@@ -1,0 +1,90 @@
+"""The layers of the package, read off its imports (module-level and inside functions alike): nothing reaches back up.
+The training side (what the loop runs) never imports the launching side (what `memrecipe run` runs); both read the
+run folder's layout below them (memrecipe/layout.py). No two modules import each other, directly or round a circle,
+but for the one that is documented: planning/architecture.py reads a model type it has no reader for on the meta
+device (training/meta.py), which reads the architecture's records back (docs/architecture.md)."""
+
+import ast
+
+from conftest import REPO
+
+PACKAGE = REPO / "cli"  # the import package memrecipe
+ALLOWED_CIRCLES = [{"planning.architecture", "training.meta"}]
+
+
+def module_name(path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """memrecipe's modules (dotted, without the package's name) -> the memrecipe modules each imports."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            elif node.module and node.module.startswith("memrecipe"):
+                target = node.module.removeprefix("memrecipe").lstrip(".")
+            else:
+                continue
+            for candidate in [target, *(f"{target}.{a.name}".lstrip(".") for a in node.names)]:
+                if candidate in paths and candidate != name:
+                    graph[name].add(candidate)
+    return graph
+
+
+def circles(graph) -> list[set[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, found, counter = {}, {}, [], [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(group)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_reaches_back_round_a_circle_but_the_documented_one():
+    assert circles(import_graph()) == ALLOWED_CIRCLES
+
+
+def test_the_training_side_never_imports_the_launching_side():
+    graph = import_graph()
+    assert [(m, t) for m, targets in graph.items() if m.startswith("training") for t in targets
+            if t.startswith("launching")] == []
+    assert "layout" in graph["training.checkpoint"] and "layout" in graph["launching.run_folder"]
+
+
+def test_the_graph_sees_imports_inside_functions_and_relative_ones():
+    """The reader itself: a lazy import (report.py's run of its own, architecture's meta read) is an edge."""
+    graph = import_graph()
+    assert "training.meta" in graph["planning.architecture"]  # imported inside a function
+    assert "errors" in graph["planning.recipe"] and "planning.schema" in graph["planning.recipe"]
+    looped = {**graph, "errors": {"planning.recipe"}}  # a planted circle is found
+    assert any({"errors", "planning.recipe"} <= circle for circle in circles(looped))
