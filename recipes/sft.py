@@ -22,6 +22,8 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 # first: importing memrecipe quiets library notices that say nothing about the run
 from memrecipe.loop import (Checkpoints, Collator, Meter, RecipeError, add_lora, compile_layers,  # isort: skip
@@ -34,6 +36,28 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
+
+
+@dataclass
+class Run:
+    """One run's parts, built by main's setup steps in order; `train` and `finish` take it whole."""
+    args: argparse.Namespace
+    recipe: object  # memrecipe's Recipe
+    accelerator: object
+    folder: object  # the run folder (open_run): path, final, initial_adapter, resume_hint()
+    say: Callable
+    tokenizer: object = None
+    model_path: str = ""
+    model: object = None
+    initial_adapter: object = None  # PiSSA/OLoRA's adapter as initialized, to convert the final one back
+    optimizer: object = None
+    scheduler: object = None
+    train_loader: object = None
+    eval_loader: object = None
+    total_steps: int = 0
+    checkpoints: object = None
+    meter: object = None
+    objective: object = None
 
 
 def parse_args(argv=None):
@@ -244,30 +268,32 @@ def main(argv=None, script="sft", setup_data=setup_data, objective=Objective):
     recipe = load_recipe(args.recipe, args.overrides, script=script)  # (sft refuses a dpo: section)
     # (the embedded default model is built first: under ZeRO-3 the Accelerator makes every model a collective)
     model_path = recipe.model_name_or_path or embedded_model()
-    accelerator, run, say = setup_run(args, recipe)
-    tokenizer = load_tokenizer(model_path, recipe.trust_remote_code, recipe.chat_template)  # + the chat template
-    model, offload, initial_adapter = setup_model(recipe, model_path, accelerator, run, say)
-    train_loader, eval_loader = setup_data(recipe, tokenizer, accelerator, say)
-    model, optimizer = setup_optimizer(recipe, accelerator, model)
+    run = Run(args, recipe, *setup_run(args, recipe), model_path=model_path)
+    run.tokenizer = load_tokenizer(model_path, recipe.trust_remote_code, recipe.chat_template)  # + the chat template
+    model, offload, run.initial_adapter = setup_model(recipe, model_path, run.accelerator, run.folder, run.say)
+    train_loader, eval_loader = setup_data(recipe, run.tokenizer, run.accelerator, run.say)
+    model, optimizer = setup_optimizer(recipe, run.accelerator, model)
     # wraps the model (DDP / FSDP / DeepSpeed engine) and the optimizer, shards the data
-    model, optimizer, train_loader, eval_loader = prepare(accelerator, recipe, model, optimizer, train_loader,
-                                                          eval_loader)
-    scheduler, total_steps, steps_per_epoch = setup_schedule(recipe, optimizer, train_loader, accelerator)
-    checkpoints = Checkpoints(accelerator, model, run.path, recipe.save_total_limit)  # one folder, or one per machine
-    meter = Meter(accelerator, recipe, run.path, model, optimizer, offload, args.memory_snapshot)
-    say_setup(recipe, accelerator, meter.setup, train_loader, checkpoints, total_steps, steps_per_epoch, say)
-    objective = objective(recipe)
-    if objective.describe():
-        say(objective.describe())
-    objective.start(model, train_loader, eval_loader, accelerator, run, say)
-    meter.hold(*objective.held)  # their parameters count as held, beside the model's
-    train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, checkpoints, meter,
-          total_steps, run, say, objective)
-    finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapter, eval_loader, meter, say, objective)
+    run.model, run.optimizer, run.train_loader, run.eval_loader = prepare(run.accelerator, recipe, model, optimizer,
+                                                                          train_loader, eval_loader)
+    run.scheduler, run.total_steps, steps_per_epoch = setup_schedule(recipe, run.optimizer, run.train_loader,
+                                                                     run.accelerator)
+    # one folder of checkpoints, or one per machine
+    run.checkpoints = Checkpoints(run.accelerator, run.model, run.folder.path, recipe.save_total_limit)
+    run.meter = Meter(run.accelerator, recipe, run.folder.path, run.model, run.optimizer, offload, args.memory_snapshot)
+    say_setup(run, steps_per_epoch)
+    run.objective = objective(recipe)
+    if run.objective.describe():
+        run.say(run.objective.describe())
+    run.objective.start(run.model, run.train_loader, run.eval_loader, run.accelerator, run.folder, run.say)
+    run.meter.hold(*run.objective.held)  # their parameters count as held, beside the model's
+    train(run)
+    finish(run)
 
 
-def say_setup(recipe, accelerator, setup, train_loader, checkpoints, total_steps, steps_per_epoch, say):
+def say_setup(run, steps_per_epoch):
     """The start-up lines: what runs where, the batch arithmetic, what the data leaves out."""
+    recipe, accelerator, setup, say = run.recipe, run.accelerator, run.meter.setup, run.say
     world, accumulation = accelerator.num_processes, accelerator.gradient_accumulation_steps
     tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch
     say(f"memrecipe {'dpo' if recipe.dpo else 'sft'}: recipe {recipe.name} | {world} process(es), {setup['engine']} on "
@@ -278,14 +304,15 @@ def say_setup(recipe, accelerator, setup, train_loader, checkpoints, total_steps
             f"{recipe.learning_rate:g}, max_seq_length {recipe.max_seq_length}, {recipe.num_train_epochs:g} epochs "
             "(the recipe's numbers are a real model's: --model gives them)")
     say(f"batch: {recipe.per_device_train_batch_size} sequences x {accumulation} accumulation x {world} "
-        f"process(es) per step | {total_steps} steps ({steps_per_epoch} per epoch)")
-    rows, per_step = len(train_loader.dataset), recipe.per_device_train_batch_size * accumulation * (world // tp_share)
+        f"process(es) per step | {run.total_steps} steps ({steps_per_epoch} per epoch)")
+    rows = len(run.train_loader.dataset)
+    per_step = recipe.per_device_train_batch_size * accumulation * (world // tp_share)
     if rows > steps_per_epoch * per_step:  # drop_last (train_loader): whole global batches only
         say(f"data: each epoch trains {steps_per_epoch * per_step:,} of its {rows:,} rows ({steps_per_epoch} steps of "
             f"{per_step}); the other {rows - steps_per_epoch * per_step:,}, a new draw each epoch, are left out")
-    if checkpoints.machines > 1:
-        say(f"{checkpoints.machines} machines " + ("share the run folder: machine 0 writes the checkpoints" if
-            checkpoints.shared else "each keep their own run folder and write whole checkpoints into it"))
+    if run.checkpoints.machines > 1:
+        say(f"{run.checkpoints.machines} machines " + ("share the run folder: machine 0 writes the checkpoints" if
+            run.checkpoints.shared else "each keep their own run folder and write whole checkpoints into it"))
     say(f"attention: {setup['attention']}" + (f" ({setup['attention_why']})" if setup["attention_why"] else ""))
     if setup["bf16_update_rounding"]:  # the optimizer's choice, said: never a silent fallback
         say(f"weights: bf16, no fp32 master; optim {recipe.optim} rounds each update {setup['bf16_update_rounding']}")
@@ -296,33 +323,39 @@ def say_setup(recipe, accelerator, setup, train_loader, checkpoints, total_steps
             "brings a new shape), batches are padded to a multiple of 64 tokens")
 
 
-def train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, checkpoints, meter,
-          total_steps, run, say, objective):
+def resume(run) -> tuple[int, int, int]:
+    """The newest complete checkpoint loaded into the prepared objects (model, optimizer, scheduler, RNG states):
+    (step, epoch, micro batches of the epoch already trained). The optimizer trains on at this run's schedule."""
+    state = run.checkpoints.resume(run.scheduler)
+    run.meter.resumed(state)
+    run.say(f"resumed from {state['path']} at step {state['step']} (epoch {state['epoch']}, {state['consumed']} "
+            "micro batches in)")
+    if state.get("total_steps", run.total_steps) != run.total_steps:  # a run extended (or cut short)
+        run.say(f"note: {state['total_steps']} -> {run.total_steps} steps: the {run.recipe.lr_scheduler_type} "
+                f"schedule is rebuilt for {run.total_steps} steps: step {state['step'] + 1} trains at "
+                f"{run.scheduler.get_last_lr()[0]:.3e} (the {state['total_steps']}-step schedule: "
+                f"{state['saved_lr']:.3e})")
+    return state["step"], state["epoch"], state["consumed"]
+
+
+def train(run):
     """The loop: one optimizer step per window of micro batches; log, eval and checkpoint as the recipe says;
     a stop request (SIGTERM, Ctrl-C) checkpoints and exits."""
+    recipe, accelerator, model, optimizer, meter = run.recipe, run.accelerator, run.model, run.optimizer, run.meter
     accumulation = accelerator.gradient_accumulation_steps
     deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
-    step, epoch, consumed = 0, 0, 0
-    if args.resume:  # model, optimizer, scheduler and RNG states, and where the data stood
-        state = checkpoints.resume(scheduler)  # the optimizer then trains at this run's schedule's rate
-        step, epoch, consumed = state["step"], state["epoch"], state["consumed"]
-        meter.resumed(state)
-        say(f"resumed from {state['path']} at step {step} (epoch {epoch}, {consumed} micro batches in)")
-        if state.get("total_steps", total_steps) != total_steps:  # a run extended (or cut short)
-            say(f"note: {state['total_steps']} -> {total_steps} steps: the {recipe.lr_scheduler_type} schedule is "
-                f"rebuilt for {total_steps} steps: step {step + 1} trains at {scheduler.get_last_lr()[0]:.3e} (the "
-                f"{state['total_steps']}-step schedule: {state['saved_lr']:.3e})")
+    step, epoch, consumed = resume(run) if run.args.resume else (0, 0, 0)
     stop = StopRequest()
     meter.start()
-    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
+    bar = tqdm(total=run.total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     model.train()
-    while step < total_steps:
-        if hasattr(train_loader, "set_epoch"):
-            train_loader.set_epoch(epoch)  # a new, seeded shuffle each epoch, the same on every process
-        batches = accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader
+    while step < run.total_steps:
+        if hasattr(run.train_loader, "set_epoch"):
+            run.train_loader.set_epoch(epoch)  # a new, seeded shuffle each epoch, the same on every process
+        batches = accelerator.skip_first_batches(run.train_loader, consumed) if consumed else run.train_loader
         for window in windows(batches, accumulation):
             tick = time.perf_counter()
-            result = objective.window(model, window, accelerator)
+            result = run.objective.window(model, window, accelerator)
             loss, targets = result.pop("loss"), result.pop("targets")
             consumed += accumulation
             if not math.isfinite(loss):  # stop before the update; the last checkpoint stays the last good one
@@ -333,34 +366,19 @@ def train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, 
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
             lr = float(optimizer.param_groups[0]["lr"])  # the rate this step trains with (the scheduler sets the next one)
             optimizer.step()
-            scheduler.step()
+            run.scheduler.step()
             if step == 0 and recipe.torch_compile:
-                say(f"torch_compile: the first step took {time.perf_counter() - tick:.1f} s, compiling included")
+                run.say(f"torch_compile: the first step took {time.perf_counter() - tick:.1f} s, compiling included")
             meter.updated()  # the first time: what the model states hold, once the optimizer state exists
             optimizer.zero_grad()
             step += 1
-
-            evaluating = eval_loader is not None and recipe.eval_steps and step % recipe.eval_steps == 0
+            evaluating = run.eval_loader is not None and recipe.eval_steps and step % recipe.eval_steps == 0
             record = meter.record(step, window, loss, targets, lr, tick, grad_norm,
-                                  objective.evaluate(model, eval_loader, accelerator) if evaluating else None, result)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}",
-                            tok_s=f"{record['tokens'] / record['seconds']:,.0f}")
-            if step % recipe.logging_steps == 0 or step == total_steps:
-                say(f"step {step}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                    f"{record['tokens'] / record['seconds']:,.0f} tok/s"
-                    + (f" | eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
-            stopping = stop.agreed(accelerator)  # every process stops at the same step
-            if (recipe.save_steps and (step % recipe.save_steps == 0 or step == total_steps)) or stopping:
-                path = checkpoints.save({"step": step, "epoch": epoch, "consumed": consumed, "history": meter.history,
-                                         "num_processes": accelerator.num_processes, "total_steps": total_steps,
-                                         "recipe": recipe.to_dict()})  # (a hand-edited recipe.yaml is named on resume)
-                say(f"checkpoint {path}")
-            if stopping:
-                say(f"stopped by {stop.name} at step {step}; resume with: {run.resume_hint()}")
-                accelerator.end_training()
-                sys.exit(128 + stop.signum)
-            if step >= total_steps:
+                                  run.objective.evaluate(model, run.eval_loader, accelerator) if evaluating else None,
+                                  result)
+            log(run, bar, record)
+            checkpoint_or_stop(run, stop, {"step": step, "epoch": epoch, "consumed": consumed})
+            if step >= run.total_steps:
                 break
         else:
             epoch, consumed = epoch + 1, 0
@@ -368,16 +386,44 @@ def train(args, recipe, accelerator, model, optimizer, scheduler, train_loader, 
     meter.stop()
 
 
-def finish(recipe, accelerator, model, tokenizer, model_path, run, initial_adapter, eval_loader, meter, say,
-           objective):
+def log(run, bar, record):
+    """The progress bar every step; a log line every logging_steps and at the last step."""
+    bar.update(1)
+    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}",
+                    tok_s=f"{record['tokens'] / record['seconds']:,.0f}")
+    step = record["step"]
+    if step % run.recipe.logging_steps == 0 or step == run.total_steps:
+        run.say(f"step {step}/{run.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                f"{record['tokens'] / record['seconds']:,.0f} tok/s"
+                + (f" | eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
+
+
+def checkpoint_or_stop(run, stop, where: dict):
+    """A checkpoint every save_steps, at the last step, and when a stop was asked for (every process agrees on it:
+    then the run exits after saving, naming the command that resumes it). `where`: step, epoch, consumed."""
+    step = where["step"]
+    stopping = stop.agreed(run.accelerator)  # every process stops at the same step
+    if (run.recipe.save_steps and (step % run.recipe.save_steps == 0 or step == run.total_steps)) or stopping:
+        path = run.checkpoints.save({**where, "history": run.meter.history, "total_steps": run.total_steps,
+                                     "num_processes": run.accelerator.num_processes,
+                                     "recipe": run.recipe.to_dict()})  # (a hand-edited recipe.yaml is named on resume)
+        run.say(f"checkpoint {path}")
+    if stopping:
+        run.say(f"stopped by {stop.name} at step {step}; resume with: {run.folder.resume_hint()}")
+        run.accelerator.end_training()
+        sys.exit(128 + stop.signum)
+
+
+def finish(run):
     """The final eval; the save (the full weights gathered from FSDP shards or ZeRO-3 partitions, or the LoRA
     adapter); report.json, loss.png and the card: what was measured next to what was planned."""
-    evaluated = objective.evaluate(model, eval_loader, accelerator) if eval_loader is not None else {}
-    save_final(accelerator, model, run.final, initial_adapter)
-    measured = meter.finish(evaluated.get("eval_loss"), evaluated)
+    accelerator = run.accelerator
+    evaluated = run.objective.evaluate(run.model, run.eval_loader, accelerator) if run.eval_loader is not None else {}
+    save_final(accelerator, run.model, run.folder.final, run.initial_adapter)
+    measured = run.meter.finish(evaluated.get("eval_loss"), evaluated)
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(run.final)  # with its chat template
-        say(write_report(run, recipe, accelerator, model_path, measured))
+        run.tokenizer.save_pretrained(run.folder.final)  # with its chat template
+        run.say(write_report(run.folder, run.recipe, accelerator, run.model_path, measured))
     # all ranks tear down together: a gloo rank that destroyed its process group while rank 0 still wrote the
     # report was once aborted at exit ("terminate called without an active exception", SIGABRT)
     accelerator.wait_for_everyone()

@@ -53,10 +53,15 @@ def model_folder(folder, config):
 
     from memrecipe.planning.registry import EMBEDDED_MODEL
 
-    header = b'{"__metadata__": {}}'
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    stub_weights(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (folder / name).write_text((EMBEDDED_MODEL / name).read_text())
     return folder
+
+
+def stub_weights(folder):
+    """A model.safetensors that holds no tensor: whole by its header (the weights check reads nothing more)."""
+    header = b'{"__metadata__": {}}'
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)

@@ -8,7 +8,7 @@ import torch
 
 from helpers import loop_model
 from memrecipe.planning.architecture import read_config, structure
-from memrecipe.planning.attention import resolve
+from memrecipe.planning.attention import pick_attention
 from memrecipe.planning.planner import activation_bytes, activation_mode, estimate
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology
@@ -26,8 +26,8 @@ from test_packing import documents, packed_batch, segments
     (dict(cuda=False, half=True, packing=True, flash=True, flex=True), "sdpa"),  # CPU: no flex backward
 ])
 def test_auto_picks_the_fastest_kernel_that_can_run(facts, picked):
-    assert resolve("auto", **facts).name == picked
-    assert resolve("eager", **facts).name == "eager"  # a named kernel is taken as asked
+    assert pick_attention("auto", **facts).name == picked
+    assert pick_attention("eager", **facts).name == "eager"  # a named kernel is taken as asked
 
 
 def cuda_facts(monkeypatch, flash: bool, triton: bool):

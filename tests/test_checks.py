@@ -1,6 +1,5 @@
 """What is checked before a run starts: a run that will not fit is refused with what would fit instead."""
 
-import json
 from dataclasses import replace
 
 import pytest
@@ -8,7 +7,7 @@ import pytest
 from memrecipe.errors import RecipeError
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.planning.planner import estimate, judge
-from memrecipe.planning.registry import EMBEDDED_MODEL, load_recipe
+from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology
 from model_configs import LLAMA_8B, model_folder
 

@@ -10,10 +10,12 @@ from helpers import REPO, child_env
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_the_acceptance_script_runs_sft_and_dpo_resumes_one_and_compares_kernels(tmp_path):
+    # ~80 s on a quiet 2-core machine; the bound catches a hang, not a busy machine (a CI run beside other work
+    # once took over 280 s here)
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_acceptance.py"), "--cpu", "--out",
-                           str(tmp_path)], capture_output=True, text=True, env=child_env(), timeout=280)
+                           str(tmp_path)], capture_output=True, text=True, env=child_env(), timeout=840)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "acceptance.json").read_text())
     assert [(r["recipe"], r["processes"], r["status"]) for r in rows] == [

@@ -311,7 +311,7 @@ def a_non_finite_loss(base, core):
     AutoTokenizer.from_pretrained(embedded_model()).save_pretrained(poisoned)
     folder = base / "run"
     proc = start(["--recipe", "adamw-8bit", "--num-processes", "1", "--model", str(poisoned), "save_steps=1",
-                  "max_steps=5"], folder, core)
+                  "max_steps=5", "max_seq_length=256"], folder, core)  # (a real model's rows would hold the set in 2)
     return proc.wait(timeout=600), folder
 
 

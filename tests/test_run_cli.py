@@ -5,6 +5,7 @@ import json
 import pytest
 
 from helpers import REPO, child_env, launch, pin, wait_for
+from model_configs import stub_weights
 
 
 @pytest.mark.slow
@@ -83,6 +84,8 @@ def _bad_runs(tmp_path):
     no_template.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (no_template / name).write_text((REPO / "cli" / "data" / "tiny-llama" / name).read_text())
+    for folder in (remote, not_causal, no_tokenizer, no_template):  # (their weights pass: what is checked is later)
+        stub_weights(folder)
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "notes.txt").write_text("mine")
@@ -288,3 +291,36 @@ def test_a_signal_after_the_last_step_says_the_run_finished(tmp_path, monkeypatc
         assert "--resume" not in done.output
     else:
         assert done.exit_code == 128 + signals.SIGINT and "resume with: memrecipe run sft --resume" in done.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_data_people_have_trains_as_it_is(tmp_path):
+    """A ShareGPT file (`conversations` of human / gpt turns) trains SFT with no mapping and through
+    `columns: {messages: conversations}` (both sources of one run); an UltraFeedback-shaped file (a text prompt,
+    chosen and rejected as whole conversations repeating it) trains DPO. Each 2 steps, side by side; that they
+    tokenize as the messages / explicit-prompt forms do is test_data's and test_preference's."""
+    from helpers import finish, start
+    from memrecipe.planning.registry import EMBEDDED_DATASET
+
+    chats = [json.loads(line) for line in EMBEDDED_DATASET.read_text().splitlines()[:64]]
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    (tmp_path / "sharegpt.jsonl").write_text("\n".join(json.dumps(
+        {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in c["messages"]]}) for c in chats))
+    (tmp_path / "mine.yaml").write_text("base: single-gpu-lora\ndataset:\n  - {path: sharegpt.jsonl}\n"
+                                        "  - {path: sharegpt.jsonl, columns: {messages: conversations}}\n")
+    pairs = [{"prompt": c["messages"][0]["content"], "chosen": c["messages"][:2],
+              "rejected": [c["messages"][0], {"role": "assistant", "content": "No idea."}]}
+             for c in chats if len(c["messages"]) >= 2 and c["messages"][0]["role"] == "user"]
+    (tmp_path / "ultrafeedback.jsonl").write_text("\n".join(json.dumps(p) for p in pairs))
+    short = ["max_steps=2", "eval_size=0", "gradient_accumulation_steps=1"]
+    sft = start(["--recipe", str(tmp_path / "mine.yaml"), *short], tmp_path / "sharegpt", core=0)
+    dpo = start(["--recipe", "single-gpu-lora", "--dataset", str(tmp_path / "ultrafeedback.jsonl"), *short],
+                tmp_path / "ultrafeedback", core=1, script="dpo")
+    finish(sft, dpo)
+    for name in ("sharegpt", "ultrafeedback"):
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        assert [h["step"] for h in report["history"]] == [1, 2] and all(h["targets"] > 0 for h in report["history"])
+    sources = [line for line in (tmp_path / "sharegpt.log").read_text().splitlines() if "data: train source" in line]
+    assert len(sources) == 2 and all(": messages, 64 of 64 rows" in line for line in sources), sources
+    assert f"data: train: {len(pairs):,} pairs kept" in (tmp_path / "ultrafeedback.log").read_text()

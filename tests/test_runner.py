@@ -1,6 +1,5 @@
 """runner.plan_run, called directly: what `memrecipe run` checks and lays out before it touches the disk."""
 
-import json
 from pathlib import Path
 
 import pytest

@@ -41,9 +41,9 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
     memrecipe run sft --resume --output-dir runs/fsdp-20261122-010000 max_steps=2000
     """
     words = [*overrides, *flag_overrides(model=model, dataset=dataset, report_to=report_to)]
-    topology = {"num_processes": num_processes, "num_machines": num_machines, "machine_rank": machine_rank,
+    topology_flags = {"num_processes": num_processes, "num_machines": num_machines, "machine_rank": machine_rank,
                 "main_process_ip": main_process_ip, "main_process_port": main_process_port, "cpu": cpu}
-    plan = plan_run(script, recipe, words, output_dir, topology, resume, force, memory_snapshot, dry_run)
+    plan = plan_run(script, recipe, words, output_dir, topology_flags, resume, force, memory_snapshot, dry_run)
     if dry_run:  # what `run` would do here, step by step; nothing is written
         click.echo(plan.banner, err=True)
         for why in plan.refused:

@@ -5,7 +5,7 @@ import click
 from ..errors import RecipeError
 from ..planning.paths import check_paths
 from ..planning.recipe import make_recipe
-from ..planning.registry import read_yaml, resolve
+from ..planning.registry import read_with_bases, read_yaml
 
 
 @click.command("validate")
@@ -26,7 +26,7 @@ def command(file):
         click.echo(f"ok: {file} is an accelerate config ({check_accelerate_config(file)})")
         return
     try:
-        recipe = make_recipe(resolve(file))
+        recipe = make_recipe(read_with_bases(file))
         check_paths(recipe)
     except RecipeError as e:
         raise RecipeError(f"{file}: {e}") from None

@@ -160,8 +160,10 @@ def resumable(folder, recipe_ref, words, num_processes, machine: Machine, machin
         raise RecipeError(f"a resumed run keeps its recipe: {changed[0]} cannot change on --resume "
                           f"(only {' and '.join(RESUMABLE_KEYS)} can)")
     trained = json.loads((checkpoints[-1] / STATE).read_text()).get("recipe")  # what the checkpoint was trained as
-    edited = [key for key in differences(trained, r.to_dict()) if key not in RESUMABLE_KEYS
-              and key.split(".")[0] not in PATH_KEYS] if trained else []  # (paths: read from where the file is)
+    # (not paths: read from where the file is; not mixed_precision: the launch config's wins, and the folder's
+    # recipe says the one that ran)
+    edited = [key for key in differences(trained, r.to_dict()) if key not in (*RESUMABLE_KEYS, "mixed_precision")
+              and key.split(".")[0] not in PATH_KEYS] if trained else []
     if edited:
         raise RecipeError(f"{recipe_file} says {edited[0]}: {lookup(r.to_dict(), edited[0])!r}, and "
                           f"{checkpoints[-1].name} was trained with {lookup(trained, edited[0])!r}: its weights cannot "

@@ -52,11 +52,11 @@ class Outcome:
     error: str | None  # the loop's one-line error, if it reported one
 
 
-def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: Path | None, topology: dict,
+def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: Path | None, topology_flags: dict,
              resume=False, force=False, memory_snapshot=False, dry_run=False, machine: Machine | None = None
              ) -> RunPlan:
     """Everything `memrecipe run` checks before it touches the disk. `words` are the KEY=VALUE overrides
-    (the --model/--dataset/--report-to flags among them); `topology` the topology flags (num_processes,
+    (the --model/--dataset/--report-to flags among them); `topology_flags` the topology flags (num_processes,
     num_machines, machine_rank, main_process_ip, main_process_port, cpu). A real run loads the model's config,
     the tokenizer and the datasets first (preflight), a dry run too; what this machine or the fit would refuse
     becomes a dry run's `refused` lines (a GPU launch line can be previewed on a laptop)."""
@@ -68,8 +68,8 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
         machine = detect_machine()
     refused: list[str] = []
     if resume:
-        r, topo = resumable(output_dir, recipe_ref, words, topology.get("num_processes"), machine,
-                            topology.get("machine_rank", 0))
+        r, topo = resumable(output_dir, recipe_ref, words, topology_flags.get("num_processes"), machine,
+                            topology_flags.get("machine_rank", 0))
         if r.script != script:  # the folder's recipe says which loop trained it
             raise RecipeError(f"{output_dir} is a run of {r.script}: continue it with memrecipe run {r.script} "
                               f"--resume --output-dir {output_dir}")
@@ -78,7 +78,7 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
             raise RecipeError("name a recipe with --recipe (memrecipe ls lists them), or --resume a run")
         r = absolute_paths(load_recipe(recipe_ref, words, script))
         check_paths(r)  # also in a dry run: a missing file is known without reading anything
-        topo = plan_topology(r, machine, **topology, refused=refused if dry_run else None)
+        topo = plan_topology(r, machine, **topology_flags, refused=refused if dry_run else None)
         preflight(r)  # the model, the tokenizer and the data, read as the run reads them (a dry run too)
     try:
         verdict = check_fits(r, topo, machine, words, force)

@@ -33,7 +33,7 @@ def flash_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def resolve(requested: str, *, cuda: bool, half: bool, packing: bool, flash: bool, flex: bool) -> Attention:
+def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, flash: bool, flex: bool) -> Attention:
     """`auto`: flash-attn's varlen kernel where it can run (CUDA, 16-bit compute, installed), else flex_attention's
     block-sparse mask for packed rows on CUDA, else sdpa. Any other choice is taken as asked."""
     if requested != "auto":

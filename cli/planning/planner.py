@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import RecipeError
 from ..units import GiB
 from .architecture import Structure, Tensor, lora_tensors_on_meta
-from .attention import dense_mask, flash_installed, resolve
+from .attention import dense_mask, flash_installed, pick_attention
 from .optimizers import OPTIMIZERS
 from .recipe import METHODS, Recipe, method
 from .topology import Topology, check_supported, resolve_precision
@@ -256,7 +256,7 @@ def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
 def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str) -> int:
     """Bytes one decoder layer saves for backward (Korthikanti et al. 2022's counting, redone for
     what transformers' Llama layers and PyTorch autograd really keep; docs/memory.md). `s`: the layer's group
-    (Structure.groups); `attention`: the kernel that runs (planning.attention.resolve)."""
+    (Structure.groups); `attention`: the kernel that runs (planning.attention.pick_attention)."""
     h, kv, i, a, T = s.hidden, s.kv_dim, s.intermediate, s.heads, b * seq
     gated = s.gated_mlp
     moe = s.experts > 0  # the MLP is routed experts, counted below
@@ -306,10 +306,10 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     """One micro batch on one process: `activations` and `logits` (the categories), `saved_peak` (most
     bytes held for backward at once), `forward_saved` (held when the forward ends), `layer` (one layer's),
     `host` (checkpointed inputs moved to host memory by activation_offload). `attention`: the kernel that runs
-    (planning.attention.resolve; None: what runs on CPU)."""
+    (planning.attention.pick_attention; None: what runs on CPU)."""
     h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
     if attention is None:  # the kernel on CPU (what the tests measure)
-        attention = resolve(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,
+        attention = pick_attention(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,
                             flash=False, flex=False).name
     # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
     # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
@@ -414,6 +414,135 @@ def speed_cost(recipe: Recipe, precision: str) -> float:
     return round(cost, 2)
 
 
+@dataclass
+class States:
+    """Model states per process for one engine (bytes), what of them a layer gathers while it computes, and the host
+    RAM per machine they put there: what `estimate` adds activations and the rest to."""
+    params: int
+    grads: int
+    optimizer: int
+    host: int = 0
+    gathered_params: int = 0
+    gathered_grads: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The figures every engine's count reads: the model, what trains, the topology's shares."""
+    params: int  # the model's parameters
+    trained: int  # trainable parameters (all of them, or the adapters)
+    compute_bytes: int  # 2 in bf16/fp16, 4 in fp32
+    weight_bytes: int  # bytes per trained weight (fp32 masters, bf16 weights, LoRA's fp32 adapters)
+    optimizer: int  # the optimizer's state, whole
+    processes: int
+    machines: int
+
+    @property
+    def local(self) -> int:
+        return self.processes // self.machines
+
+
+def zero3_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
+    """DeepSpeed's own accounting (estimate_zero3_model_states_mem_needs): 16-bit params and grads of the largest
+    layer gathered on the GPU; 2 bytes/param of 16-bit weights, 16 of fp32 state per trained param (master, two
+    moments, fp32 grad) partitioned, or offloaded to host RAM."""
+    ds, layer, n = recipe.deepspeed, s.largest_module, z.processes
+    out = States(2 * layer, 2 * layer, 0, gathered_params=2 * layer, gathered_grads=2 * layer,
+                 notes=["ZeRO-3 model states follow DeepSpeed's estimate_zero3_model_states_mem_needs"])
+    if ds.offload_param != "none":
+        out.host = (16 * z.trained + 2 * z.params) // z.machines  # = 18 P when everything trains
+    elif ds.offload_optimizer != "none":
+        out.params += 2 * z.params // n
+        out.host = 16 * z.trained // z.machines
+    else:
+        out.params, out.grads, out.optimizer = out.params + 2 * z.params // n, out.grads + 4 * z.trained // n, \
+            12 * z.trained // n
+        if ds.zero3_init:
+            out.host = 4 * layer * z.local  # zero.Init materialises one layer at a time per process
+    return out
+
+
+def zero2_states(recipe: Recipe, z: Sizes) -> States:
+    """ZeRO-1/2, DeepSpeed's own accounting (estimate_zero2_model_states_mem_needs): 16-bit weights replicated;
+    16-bit and fp32 gradients, fp32 master weights and moments partitioned, or, with optimizer offload, all of that
+    in host RAM; loading puts a full fp32 copy per process on the host."""
+    notes = ["ZeRO-1/2 model states follow DeepSpeed's estimate_zero2_model_states_mem_needs"]
+    if recipe.deepspeed.offload_optimizer != "none":
+        return States(2 * z.params, 0, 0, max(4 * z.params * z.local, 16 * z.trained // z.machines), notes=notes)
+    n = z.processes
+    return States(2 * z.params, 6 * z.trained // n, 12 * z.trained // n, 4 * z.params * z.local, notes=notes)
+
+
+def fsdp_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
+    """FSDP's shards, the units it gathers (the running one and the prefetched one, or all of it without
+    resharding), a full unit's gradients before the reduce-scatter; with parameter offload, the shards on the host."""
+    f, n, cb = recipe.fsdp, z.processes, z.compute_bytes
+    tp = recipe.parallelism.tp_size if recipe.parallelism else 1
+    # one decoder layer, or the root (embeddings, head); under TP, FSDP gathers a unit's TP shard only
+    unit = max(s.largest_layer_params, s.root_params) // tp
+    # the shards: trained params in fp32, a frozen LoRA base in the compute dtype (or quantized)
+    base = base_bytes(recipe, s, cb) if recipe.lora else 0
+    # a quantized base's scales are no part of FSDP's flat parameters: FSDP1 moves each parameter to the GPU
+    # (bitsandbytes' Params4bit.to moves its quant_state there, in place) and shards or offloads only the
+    # flat parameter, so every GPU keeps the whole model's absmax, nested absmax and codes
+    scales = quant_state_bytes(recipe, s)
+    sharded = (base - scales + 4 * (z.trained if recipe.lora else z.params)) // n
+    unit_bytes = max(base_bytes(recipe, s, cb, layer_only=True), cb * s.root_params) if recipe.quantization \
+        else cb * unit
+    units = 2 * unit_bytes if f.reshard_after_forward else (base or cb * z.params // tp)
+    unit_grads = 0 if recipe.lora else cb * unit  # a full unit's gradients before the reduce-scatter
+    if f.offload_params:
+        out = States(units + scales, unit_grads, 0, (sharded + 4 * z.trained // n + z.optimizer // n) * z.local)
+    else:
+        out = States(sharded + units + scales, 4 * z.trained // n + unit_grads, z.optimizer // n)
+    out.gathered_params, out.gathered_grads = units, unit_grads
+    if scales:
+        out.notes.append(f"each GPU keeps the whole base's quantization scales ({scales / GiB:.2f} GiB): FSDP shards "
+                         "only the packed weights")
+    return out
+
+
+def plain_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
+    """One process, or DDP: the whole model, its trainable gradients (twice under DDP: its buckets), the state."""
+    grads = z.weight_bytes * z.trained
+    if recipe.optimizer_in_backward:  # each gradient is freed by its parameter's update: one at a time
+        grads = z.weight_bytes * max(t.numel for t in train)
+    elif z.processes > 1:
+        grads += z.weight_bytes * z.trained  # DDP's gradient buckets: a second copy of the trainable gradients
+    base = base_bytes(recipe, s, z.compute_bytes) if recipe.lora else 0
+    return States(base + z.weight_bytes * z.trained, grads, z.optimizer)
+
+
+def add_reference(recipe: Recipe, z: Sizes, states: States) -> None:
+    """DPO's reference, where it is a second copy: of the initial model (loaded as the policy is; sharded under
+    FSDP, partitioned under ZeRO-3 in the engine's compute dtype and offloaded with the policy's parameters), or
+    of a saved adapter (fp32, as loaded) beside the one that trains."""
+    zero3 = recipe.deepspeed is not None and recipe.deepspeed.zero_stage == 3
+    n = z.processes
+    if recipe.dpo_reference == "copy":
+        offloaded = zero3 and recipe.deepspeed.offload_param != "none"
+        copy = z.compute_bytes * z.params // n if zero3 else z.weight_bytes * z.params // (n if recipe.fsdp else 1)
+        if offloaded:
+            states.host += copy * z.local
+        else:
+            states.params += copy
+        states.notes.append(f"the reference: a frozen copy of the model ({copy / GiB:.2f} GiB per process"
+                            + (", in host memory)" if offloaded else ")"))
+    if recipe.lora and recipe.lora.adapter and recipe.dpo and not recipe.dpo.reference_free:  # (store or not)
+        states.params += 4 * z.trained // (n if recipe.fsdp or zero3 else 1)
+        states.notes.append(f"the reference: the saved adapter's frozen copy ({4 * z.trained / 2**20:,.1f} MiB), no "
+                            "second model")
+
+
+def engine_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
+    if recipe.deepspeed is not None:
+        return zero3_states(recipe, s, z) if recipe.deepspeed.zero_stage == 3 else zero2_states(recipe, z)
+    if recipe.fsdp:
+        return fsdp_states(recipe, s, z)
+    return plain_states(recipe, s, z, train)
+
+
 def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | None = None,
              seq_length: int | None = None) -> Estimate:
     """Memory per process and per machine for this recipe, model and topology."""
@@ -422,123 +551,45 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         raise RecipeError(f"QLoRA saves little on {s.model_type}, whose experts ({share:.0%} of its parameters) are fused "
                           "tensors that stay in 16 bits (bitsandbytes quantizes nn.Linear layers only): use a LoRA "
                           "recipe (single-gpu-lora, fsdp-lora), with lora.dropout=0")
-    b = micro_batch or recipe.per_device_train_batch_size
-    seq = seq_length or recipe.max_seq_length
-    n, machines = topo.num_processes, topo.num_machines
-    local = n // machines
+    batch, seq = micro_batch or recipe.per_device_train_batch_size, seq_length or recipe.max_seq_length
     precision = resolve_precision(recipe, topo)
-    cb = 2 if precision in ("bf16", "fp16") else 4
-    mode = activation_mode(recipe, cb)
-    P = s.params
+    compute_bytes = 2 if precision in ("bf16", "fp16") else 4
     train = trainable_tensors(recipe, s)
-    Pt = sum(t.numel for t in train)
-    wb = weight_bytes(recipe) if recipe.lora is None else 4  # LoRA's adapters train in fp32
-    optim = optimizer_state_bytes(recipe, train, wb)
-    notes: list[str] = []
-    host, gathered = 0, (0, 0)  # (parameters, gradients) gathered while a layer computes
-    zero3 = recipe.deepspeed is not None and recipe.deepspeed.zero_stage == 3
-    if zero3:
-        # DeepSpeed's own accounting (estimate_zero3_model_states_mem_needs): 16-bit params and grads of
-        # the largest layer gathered on the GPU; 2 bytes/param of 16-bit weights, 16 of fp32 state per
-        # trained param (master, two moments, fp32 grad) partitioned, or offloaded to host RAM.
-        ds, L = recipe.deepspeed, s.largest_module
-        params, grads, opt = 2 * L, 2 * L, 0
-        gathered = (2 * L, 2 * L)
-        full_state = 16 * Pt + 2 * P  # = 18 P when everything trains
-        if ds.offload_param != "none":
-            host = full_state // machines
-        elif ds.offload_optimizer != "none":
-            params += 2 * P // n
-            host = 16 * Pt // machines
-        else:
-            params, grads, opt = params + 2 * P // n, grads + 4 * Pt // n, 12 * Pt // n
-            if ds.zero3_init:
-                host = 4 * L * local  # zero.Init materialises one layer at a time per process
-        notes.append("ZeRO-3 model states follow DeepSpeed's estimate_zero3_model_states_mem_needs")
-    elif recipe.deepspeed:
-        # ZeRO-1/2, DeepSpeed's own accounting (estimate_zero2_model_states_mem_needs): 16-bit weights
-        # replicated; 16-bit and fp32 gradients, fp32 master weights and moments partitioned, or, with
-        # optimizer offload, all of that in host RAM; loading puts a full fp32 copy per process on the host.
-        params = 2 * P
-        if recipe.deepspeed.offload_optimizer != "none":
-            grads, opt = 0, 0
-            host = max(4 * P * local, 16 * Pt // machines)
-        else:
-            grads, opt = 6 * Pt // n, 12 * Pt // n
-            host = 4 * P * local
-        notes.append("ZeRO-1/2 model states follow DeepSpeed's estimate_zero2_model_states_mem_needs")
-    elif recipe.fsdp:
-        f, tp = recipe.fsdp, recipe.parallelism.tp_size if recipe.parallelism else 1
-        # one decoder layer, or the root (embeddings, head); under TP, FSDP gathers a unit's TP shard only
-        unit = max(s.largest_layer_params, s.root_params) // tp
-        # the shards: trained params in fp32, a frozen LoRA base in the compute dtype (or quantized)
-        base = base_bytes(recipe, s, cb) if recipe.lora else 0
-        # a quantized base's scales are no part of FSDP's flat parameters: FSDP1 moves each parameter to the GPU
-        # (bitsandbytes' Params4bit.to moves its quant_state there, in place) and shards or offloads only the
-        # flat parameter, so every GPU keeps the whole model's absmax, nested absmax and codes
-        scales = quant_state_bytes(recipe, s)
-        sharded = (base - scales + 4 * (Pt if recipe.lora else P)) // n
-        # gathered: the running unit and the prefetched one, or (no reshard) all of it
-        unit_bytes = max(base_bytes(recipe, s, cb, layer_only=True), cb * s.root_params) if recipe.quantization \
-            else cb * unit
-        units = 2 * unit_bytes if f.reshard_after_forward else (base or cb * P // tp)
-        unit_grads = 0 if recipe.lora else cb * unit  # a full unit's gradients before the reduce-scatter
-        gathered = (units, unit_grads)
-        if f.offload_params:
-            params, grads, opt = units + scales, unit_grads, 0
-            host = (sharded + 4 * Pt // n + optim // n) * local
-        else:
-            params, grads, opt = sharded + units + scales, 4 * Pt // n + unit_grads, optim // n
-        if scales:
-            notes.append(f"each GPU keeps the whole base's quantization scales ({scales / GiB:.2f} GiB): FSDP shards "
-                         "only the packed weights")
-    else:
-        params = (base_bytes(recipe, s, cb) if recipe.lora else 0) + wb * Pt
-        grads = wb * Pt
-        if recipe.optimizer_in_backward:  # each gradient is freed by its parameter's update: one at a time
-            grads = wb * max(t.numel for t in train)
-        elif n > 1:
-            grads += wb * Pt  # DDP's gradient buckets: a second copy of the trainable gradients
-        opt = optim
-    if recipe.dpo_reference == "copy":
-        # DPO's reference as a frozen copy of the initial model (loaded as the policy is), sharded under FSDP,
-        # partitioned under ZeRO-3 in the engine's compute dtype (and offloaded with the policy's parameters)
-        offloaded = zero3 and recipe.deepspeed.offload_param != "none"
-        copy = cb * P // n if zero3 else wb * P // (n if recipe.fsdp else 1)
-        if offloaded:
-            host += copy * local
-        else:
-            params += copy
-        notes.append(f"the reference: a frozen copy of the model ({copy / GiB:.2f} GiB per process"
-                     + (", in host memory)" if offloaded else ")"))
-    if recipe.lora and recipe.lora.adapter and recipe.dpo and not recipe.dpo.reference_free:
-        # DPO on a saved adapter: its frozen copy (fp32, as loaded) beside the one that trains is the reference
-        params += 4 * Pt // (n if recipe.fsdp or zero3 else 1)
-        notes.append(f"the reference: the saved adapter's frozen copy ({4 * Pt / 2**20:,.1f} MiB), no second model")
-    load = loading_bytes(recipe, s, cb, local)
+    trained = sum(t.numel for t in train)
+    weights = weight_bytes(recipe) if recipe.lora is None else 4  # LoRA's adapters train in fp32
+    z = Sizes(s.params, trained, compute_bytes, weights, optimizer_state_bytes(recipe, train, weights),
+              topo.num_processes, topo.num_machines)
+    states = engine_states(recipe, s, z, train)
+    add_reference(recipe, z, states)
+    notes = states.notes
+    load = loading_bytes(recipe, s, compute_bytes, z.local)
     if load and not topo.cpu:
         notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")
     # the kernel a launch here would run: with flash-attn installed here, its varlen kernel; on a GPU without it,
     # flex_attention over packed rows (planning.attention)
-    attention = resolve(recipe.attn_implementation, cuda=not topo.cpu, half=cb == 2, packing=recipe.packing,
-                        flash=flash_installed(), flex=True)
+    attention = pick_attention(recipe.attn_implementation, cuda=not topo.cpu, half=compute_bytes == 2,
+                        packing=recipe.packing, flash=flash_installed(), flex=True)
     if attention.name != recipe.attn_implementation:
         notes.append(f"attention: {attention.name} ({attention.why})")
-    act = activation_bytes(recipe, s, mode, b, seq, attention.name)
-    step = step_temporaries(recipe, train, wb)
+    act = activation_bytes(recipe, s, activation_mode(recipe, compute_bytes), batch, seq, attention.name)
+    step = step_temporaries(recipe, train, weights)
     # the step's temporaries: after backward (the activations gone), or inside it, beside the checkpointed inputs
     working = max(act["working"], step + (act["forward_saved"] if recipe.optimizer_in_backward else 0))
     if step:
         notes.append(f"the optimizer's step allocates {step / GiB:.1f} GiB of temporaries at its largest tensor")
     if act["host"]:
-        host += act["host"] * local
+        states.host += act["host"] * z.local
         notes.append("activation offload: each layer's checkpointed input waits in host memory")
     if topo.cpu:
         notes.append("CPU smoke-test mode: every figure is host RAM")
-    return Estimate(recipe.name, n, machines, b, seq, int(params), int(grads), int(opt), int(act["activations"]),
-                    int(act["logits"]), CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, int(host), topo.cpu,
-                    speed_cost(recipe, precision), int(act["saved_peak"]), int(working), int(load), tuple(notes),
-                    int(step), attention.name, *map(int, gathered))
+    return Estimate(
+        recipe=recipe.name, processes=z.processes, machines=z.machines, micro_batch=batch, seq_length=seq,
+        parameters=int(states.params), gradients=int(states.grads), optimizer_state=int(states.optimizer),
+        activations=int(act["activations"]), logits=int(act["logits"]),
+        overhead=CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, host_offload=int(states.host), cpu=topo.cpu,
+        speed_cost=speed_cost(recipe, precision), saved_peak=int(act["saved_peak"]), working=int(working),
+        host_load=int(load), notes=tuple(notes), step=int(step), attention=attention.name,
+        gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads))
 
 
 @dataclass(frozen=True)

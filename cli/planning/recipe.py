@@ -356,14 +356,26 @@ def make_recipe(data: dict) -> Recipe:
 
 
 def check_combinations(r: Recipe) -> None:
-    """Refuse technique combinations that fail, or silently do the wrong thing."""
-    if r.dpo is not None:
-        check_dpo(r.dpo)
-        if r.dpo.max_length is not None and 2 * r.dpo.max_length > r.max_seq_length:
-            raise RecipeError(f"dpo.max_length={r.dpo.max_length} lets a pair's two sequences fill {2 * r.dpo.max_length} "
-                              f"tokens of one row, above max_seq_length={r.max_seq_length} (what the memory plan "
-                              f"counts): set dpo.max_length <= {r.max_seq_length // 2}, or max_seq_length >= "
-                              f"{2 * r.dpo.max_length}")
+    """Refuse technique combinations that fail, or silently do the wrong thing (each group of rules, in turn)."""
+    for check in (check_preference, check_sections, check_activations, check_quantization, check_parallelism,
+                  check_fsdp, check_optimizer, check_lora, check_data, check_deepspeed):
+        check(r)
+
+
+def check_preference(r: Recipe) -> None:
+    """The dpo: section's keys, and a pair's row within what the plan counts."""
+    if r.dpo is None:
+        return
+    check_dpo(r.dpo)
+    if r.dpo.max_length is not None and 2 * r.dpo.max_length > r.max_seq_length:
+        raise RecipeError(f"dpo.max_length={r.dpo.max_length} lets a pair's two sequences fill {2 * r.dpo.max_length} "
+                          f"tokens of one row, above max_seq_length={r.max_seq_length} (what the memory plan "
+                          f"counts): set dpo.max_length <= {r.max_seq_length // 2}, or max_seq_length >= "
+                          f"{2 * r.dpo.max_length}")
+
+
+def check_sections(r: Recipe) -> None:
+    """distributed_type and the engine sections it reads; supports; the warmup."""
     if r.distributed_type == "fsdp" and r.fsdp is None:
         raise RecipeError("distributed_type fsdp needs an fsdp: section (e.g. fsdp: {version: 2})")
     if r.distributed_type == "deepspeed" and r.deepspeed is None:
@@ -379,71 +391,82 @@ def check_combinations(r: Recipe) -> None:
         raise RecipeError(f"supports.max_processes ({s.max_processes}) is below supports.min_processes ({s.min_processes})")
     if r.warmup_steps and r.warmup_ratio:
         raise RecipeError("set warmup_steps or warmup_ratio, not both")
+
+
+def check_activations(r: Recipe) -> None:
     if r.activation_offload and not r.gradient_checkpointing:  # (the fix comes first: plan's table cuts at the colon)
         fsdp = ", fsdp.activation_checkpointing=false" if r.fsdp and r.fsdp.activation_checkpointing else ""
         cannot = "; FSDP's own checkpointing cannot" if fsdp else ""
         raise RecipeError(f"activation_offload works with gradient_checkpointing=true{fsdp} (it moves the inputs that "
                           f"checkpointing keeps to host RAM{cannot}): set gradient_checkpointing=true"
                           f"{fsdp.replace(',', '')}")
+
+
+def check_quantization(r: Recipe) -> None:
     q = r.quantization
-    if q is not None:
-        if r.lora is None:
-            raise RecipeError("quantization freezes the base in 4/8 bits, which cannot be trained: add a lora: "
-                              "section (QLoRA), or set quantization=null")
-        if r.deepspeed is not None:
-            raise RecipeError("quantization is not supported with DeepSpeed in memrecipe: use the fsdp-qlora recipe "
-                              "(FSDP1 + QLoRA) for several GPUs")
-        if r.fsdp is not None and q.upcast_unquantized:
-            raise RecipeError("quantization.upcast_unquantized would mix fp32 and 16-bit weights in one FSDP unit "
-                              "(FSDP shards one dtype): set quantization.upcast_unquantized=false")
-        if r.fsdp is not None and (q.bits != 4 or q.quant_storage == "uint8" or r.fsdp.version != 1):
-            raise RecipeError("FSDP shards quantized weights only as 4-bit with a float quant_storage under FSDP1: "
-                              "set quantization.bits=4, quantization.quant_storage=bf16, fsdp.version=1")
-    if r.parallelism is not None:
-        if r.fsdp is None or r.fsdp.version != 2:
-            raise RecipeError("parallelism.tp_size composes with FSDP2 only (accelerate's ParallelismConfig): set "
-                              "distributed_type fsdp and fsdp.version=2")
-        if r.fused_loss:
-            raise RecipeError("fused_loss needs the whole vocabulary on every process, and tensor parallelism splits "
-                              "lm_head's output over tp_size processes: set fused_loss=false")
-        if r.lora is not None or q is not None:
-            raise RecipeError("the tp recipe trains the full model: LoRA and quantization under tensor parallelism "
-                              "are not supported (set lora=null, quantization=null)")
-    if r.fsdp:
-        if r.fsdp.version == 2 and not r.fsdp.use_orig_params:
-            raise RecipeError("fsdp.use_orig_params=false is FSDP1's flat parameters: FSDP2 always keeps the "
-                              "original ones (set fsdp.version=1, or drop the key)")
-        if r.uses_bnb and r.fsdp.version == 2:
-            raise RecipeError(
-                f"optim {r.optim} cannot run under FSDP2: bitsandbytes cannot update DTensor state "
-                "(use optim=adamw_torch, or fsdp.version=1, or distributed_type ddp)"
-            )
-        if r.lora and r.fsdp.activation_checkpointing:
-            raise RecipeError(
-                "LoRA with fsdp.activation_checkpointing saves an EMPTY adapter (the checkpoint wrapper renames "
-                "modules): set fsdp.activation_checkpointing=false and gradient_checkpointing=true"
-            )
-        if r.gradient_checkpointing and r.fsdp.activation_checkpointing:
-            raise RecipeError(
-                "gradient_checkpointing and fsdp.activation_checkpointing both checkpoint the same layers: keep one"
-            )
-    check_optimizer(r)
-    check_lora(r)
-    check_data(r)
+    if q is None:
+        return
+    if r.lora is None:
+        raise RecipeError("quantization freezes the base in 4/8 bits, which cannot be trained: add a lora: "
+                          "section (QLoRA), or set quantization=null")
+    if r.deepspeed is not None:
+        raise RecipeError("quantization is not supported with DeepSpeed in memrecipe: use the fsdp-qlora recipe "
+                          "(FSDP1 + QLoRA) for several GPUs")
+    if r.fsdp is not None and q.upcast_unquantized:
+        raise RecipeError("quantization.upcast_unquantized would mix fp32 and 16-bit weights in one FSDP unit "
+                          "(FSDP shards one dtype): set quantization.upcast_unquantized=false")
+    if r.fsdp is not None and (q.bits != 4 or q.quant_storage == "uint8" or r.fsdp.version != 1):
+        raise RecipeError("FSDP shards quantized weights only as 4-bit with a float quant_storage under FSDP1: "
+                          "set quantization.bits=4, quantization.quant_storage=bf16, fsdp.version=1")
+
+
+def check_parallelism(r: Recipe) -> None:
+    if r.parallelism is None:
+        return
+    if r.fsdp is None or r.fsdp.version != 2:
+        raise RecipeError("parallelism.tp_size composes with FSDP2 only (accelerate's ParallelismConfig): set "
+                          "distributed_type fsdp and fsdp.version=2")
+    if r.fused_loss:
+        raise RecipeError("fused_loss needs the whole vocabulary on every process, and tensor parallelism splits "
+                          "lm_head's output over tp_size processes: set fused_loss=false")
+    if r.lora is not None or r.quantization is not None:
+        raise RecipeError("the tp recipe trains the full model: LoRA and quantization under tensor parallelism "
+                          "are not supported (set lora=null, quantization=null)")
+
+
+def check_fsdp(r: Recipe) -> None:
+    if not r.fsdp:
+        return
+    if r.fsdp.version == 2 and not r.fsdp.use_orig_params:
+        raise RecipeError("fsdp.use_orig_params=false is FSDP1's flat parameters: FSDP2 always keeps the "
+                          "original ones (set fsdp.version=1, or drop the key)")
+    if r.uses_bnb and r.fsdp.version == 2:
+        raise RecipeError(f"optim {r.optim} cannot run under FSDP2: bitsandbytes cannot update DTensor state "
+                          "(use optim=adamw_torch, or fsdp.version=1, or distributed_type ddp)")
+    if r.lora and r.fsdp.activation_checkpointing:
+        raise RecipeError("LoRA with fsdp.activation_checkpointing saves an EMPTY adapter (the checkpoint wrapper "
+                          "renames modules): set fsdp.activation_checkpointing=false and gradient_checkpointing=true")
+    if r.gradient_checkpointing and r.fsdp.activation_checkpointing:
+        raise RecipeError("gradient_checkpointing and fsdp.activation_checkpointing both checkpoint the same layers: "
+                          "keep one")
+
+
+def check_deepspeed(r: Recipe) -> None:
+    """torch_compile under the sharding engines; DeepSpeed's offload and stages."""
     if r.torch_compile and (r.fsdp or r.deepspeed):
         raise RecipeError(f"torch_compile is not supported under {'FSDP' if r.fsdp else 'DeepSpeed'} in memrecipe (their "
                           "hooks gather each layer's weights around its forward): use it with distributed_type no or ddp")
-    if r.deepspeed:
-        ds = r.deepspeed
-        if r.uses_bnb and ds.offload_optimizer != "none":
-            raise RecipeError(
-                f"optim {r.optim} cannot run with deepspeed.offload_optimizer={ds.offload_optimizer}: DeepSpeed's "
-                "offload runs its own CPU Adam and would drop the 8-bit optimizer (use optim=adamw_torch)"
-            )
-        if ds.offload_param != "none" and ds.zero_stage != 3:
-            raise RecipeError(f"deepspeed.offload_param needs zero_stage 3, got zero_stage {ds.zero_stage}")
-        if ds.offload_optimizer != "none" and ds.zero_stage == 0:
-            raise RecipeError("deepspeed.offload_optimizer needs zero_stage 1, 2 or 3, got 0")
+    ds = r.deepspeed
+    if ds is None:
+        return
+    if r.uses_bnb and ds.offload_optimizer != "none":
+        raise RecipeError(f"optim {r.optim} cannot run with deepspeed.offload_optimizer={ds.offload_optimizer}: "
+                          "DeepSpeed's offload runs its own CPU Adam and would drop the 8-bit optimizer (use "
+                          "optim=adamw_torch)")
+    if ds.offload_param != "none" and ds.zero_stage != 3:
+        raise RecipeError(f"deepspeed.offload_param needs zero_stage 3, got zero_stage {ds.zero_stage}")
+    if ds.offload_optimizer != "none" and ds.zero_stage == 0:
+        raise RecipeError("deepspeed.offload_optimizer needs zero_stage 1, 2 or 3, got 0")
 
 
 def check_dpo(d: Dpo) -> None:

@@ -63,7 +63,7 @@ def recipe_path(name_or_path: str) -> Path:
     return path
 
 
-def resolve(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+def read_with_bases(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     """A recipe file's keys with its `base:` chain applied: the base recipe (a shipped name, or a file
     relative to this one) is read first and this file changes only what it names. Sections merge key
     by key (`lora: {r: 8}` keeps the base's other LoRA keys); null replaces a whole section (`lora: null`
@@ -84,7 +84,7 @@ def resolve(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     if base_path.resolve() in chain or base_path.resolve() == path.resolve():
         raise RecipeError(f"base {ref} leads back to {path.name}: a recipe cannot be its own base")
     data.setdefault("name", path.stem)
-    return merge(resolve(base_path, (*chain, path.resolve())), data)
+    return merge(read_with_bases(base_path, (*chain, path.resolve())), data)
 
 
 def load_recipe(name_or_path: str, overrides=(), script: str | None = None) -> Recipe:
@@ -95,7 +95,7 @@ def load_recipe(name_or_path: str, overrides=(), script: str | None = None) -> R
         given = parse_overrides(overrides)
         if script == "dpo" and "learning_rate" in given:  # run dpo's rate is dpo.learning_rate: the word means it
             given = merge({"dpo": {"learning_rate": given.pop("learning_rate")}}, given)
-        recipe = trained_on(make_recipe(with_embedded_settings(merge(resolve(path), given), given, script)))
+        recipe = trained_on(make_recipe(with_embedded_settings(merge(read_with_bases(path), given), given, script)))
         return recipe if script is None else for_script(recipe, script)
     except RecipeError as e:
         raise RecipeError(f"recipe {name_or_path}: {e}") from None

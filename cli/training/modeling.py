@@ -318,7 +318,7 @@ def tensor_parallel(model, tp_size: int, device_mesh) -> None:
 
 
 def attention(recipe, name_or_path: str, precision: str, device=None):
-    """The attention kernel this process runs (planning.attention.resolve), from the facts here: transformers' own
+    """The attention kernel this process runs (planning.attention.pick_attention), from the facts here: transformers' own
     flash-attn check (package, version, CUDA), Triton for flex_attention's CUDA kernel, and the model: its class
     must support the kernel (transformers refuses otherwise) and flex refuses attention dropout in training."""
     import importlib.util
@@ -326,7 +326,7 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import is_flash_attn_2_available
 
-    from ..planning.attention import resolve
+    from ..planning.attention import pick_attention
 
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=recipe.trust_remote_code)
     try:
@@ -337,7 +337,7 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
     flash = is_flash_attn_2_available() and getattr(model_class, "_supports_flash_attn", True)
     flex = (cuda and importlib.util.find_spec("triton") is not None and getattr(model_class, "_supports_flex_attn", True)
             and not getattr(config, "attention_dropout", 0))
-    return resolve(recipe.attn_implementation, cuda=cuda, half=precision in ("bf16", "fp16"), packing=recipe.packing,
+    return pick_attention(recipe.attn_implementation, cuda=cuda, half=precision in ("bf16", "fp16"), packing=recipe.packing,
                    flash=flash, flex=flex)
 
 
