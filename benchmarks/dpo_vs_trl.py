@@ -35,7 +35,8 @@ from memrecipe.planning.recipe import Dpo
 from memrecipe.planning.registry import EMBEDDED_PREFERENCES
 from memrecipe.training.loss import fuse_head
 from memrecipe.training.measure import allocation_peak
-from memrecipe.training.modeling import embedded_model, load_tokenizer
+from memrecipe.training.loading import embedded_model
+from memrecipe.training.tokenizer import load_tokenizer
 from memrecipe.training.preference import (PairCollator, pack_pairs, preference_sums, reference_store,
                                            sequence_logps, tokenize_pair, window_loss)
 

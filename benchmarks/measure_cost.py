@@ -24,7 +24,9 @@ from sft import accumulate_window  # noqa: E402
 from helpers import loop_model  # noqa: E402
 from memrecipe.training.data import Collator, prepare_datasets  # noqa: E402
 from memrecipe.training.measure import held_bytes, optimizer_state_dtypes, peak_memory  # noqa: E402
-from memrecipe.training.modeling import embedded_model, load_tokenizer, make_accelerator  # noqa: E402
+from memrecipe.training.accelerator import make_accelerator  # noqa: E402
+from memrecipe.training.loading import embedded_model
+from memrecipe.training.tokenizer import load_tokenizer
 from memrecipe.training.optimizers import make_optimizer  # noqa: E402
 from memrecipe.planning.registry import load_recipe  # noqa: E402
 

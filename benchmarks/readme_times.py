@@ -44,7 +44,7 @@ def main():
     parser.add_argument("--runs", type=int, default=3, help="runs of each command")
     parser.add_argument("--skip-tests", action="store_true", help="leave the quick tests out")
     args = parser.parse_args()
-    subprocess.run([sys.executable, "-c", "from memrecipe.training.modeling import embedded_model; embedded_model()"],
+    subprocess.run([sys.executable, "-c", "from memrecipe.training.loading import embedded_model; embedded_model()"],
                    check=True, capture_output=True)
     rows = []
     for name, command in COMMANDS.items():

@@ -71,7 +71,8 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .planning.registry import load_recipe
-    from .training.modeling import add_lora, embedded_model
+    from .training.adapters import add_lora
+    from .training.loading import embedded_model
 
     folder = RunFolder(run)
     if not folder.recipe.is_file():

@@ -19,18 +19,21 @@ from .errors import RecipeError
 from .launching.run_folder import open_run
 from .planning.registry import flag_overrides, load_recipe
 from .report import write_report
+from .training.accelerator import make_accelerator, prepare, wrap_first
+from .training.adapters import add_lora, keep_initial_adapter
 from .training.checkpoint import Checkpoints, save_final
 from .training.data import Collator, prepare_datasets
 from .training.device import quiet_deepspeed
+from .training.layers import compile_layers, enable_checkpointing, tensor_parallel
+from .training.loading import embedded_model, load_pretrained
 from .training.loss import count_targets, fuse_head, lm_loss
 from .training.measure import Meter
-from .training.modeling import (add_lora, compile_layers, embedded_model, enable_checkpointing, frozen_copy,
-                                keep_initial_adapter, load_pretrained, load_tokenizer, make_accelerator, prepare,
-                                tensor_parallel, wrap_first)
 from .training.optimizers import make_optimizer
 from .training.preference import (METRICS, REFERENCE_STORE, PairCollator, pair_values, preference_sums, prepare_pairs,
                                   reference_store, reference_weights, rows_key, sequence_logps, target_counts,
                                   window_loss)
+from .training.reference import frozen_copy
+from .training.tokenizer import load_tokenizer
 
 quiet_deepspeed()  # a plain accelerate launch without CUDA: name DeepSpeed's CPU accelerator before it is imported
 

@@ -9,7 +9,7 @@ import torch
 from helpers import RECIPES, free_port, launch, child_env, tiny_model, uneven_examples
 from memrecipe.training.data import Collator, pack
 from memrecipe.training.loss import token_loss
-from memrecipe.training.modeling import make_accelerator
+from memrecipe.training.accelerator import make_accelerator
 from memrecipe.planning.registry import load_recipe
 
 sys.path.insert(0, str(RECIPES))

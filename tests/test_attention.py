@@ -12,7 +12,7 @@ from memrecipe.planning.attention import pick_attention
 from memrecipe.planning.planner import activation_bytes, activation_mode, estimate
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology
-from memrecipe.training.modeling import attention, embedded_model
+from memrecipe.training.loading import attention, embedded_model
 from test_packing import documents, packed_batch, segments
 
 

@@ -9,7 +9,7 @@ from helpers import loop_model
 from memrecipe.training.data import Collator
 from memrecipe.errors import RecipeError
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss
-from memrecipe.training.modeling import embedded_model
+from memrecipe.training.loading import embedded_model
 from memrecipe.training.optimizers import make_optimizer
 from memrecipe.planning.registry import load_recipe
 
@@ -54,7 +54,7 @@ def test_compiled_layers_train_to_the_eager_losses():
 
 
 def test_compile_is_refused_where_it_is_not_supported(monkeypatch):
-    from memrecipe.training.modeling import make_accelerator
+    from memrecipe.training.accelerator import make_accelerator
 
     with pytest.raises(RecipeError, match="torch_compile is not supported under FSDP"):
         load_recipe("fsdp-lora", ["torch_compile=true"])

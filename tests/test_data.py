@@ -8,7 +8,7 @@ import pytest
 from memrecipe.errors import RecipeError
 from memrecipe.planning.registry import EMBEDDED_MODEL, load_recipe
 from memrecipe.training.data import IGNORE, Collator, detect_format, load_any, pack, prepare_datasets, tokenize
-from memrecipe.training.modeling import load_tokenizer
+from memrecipe.training.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +218,7 @@ def test_train_on_inputs_makes_every_token_after_a_documents_first_a_target(tok,
     from transformers import AutoModelForCausalLM
 
     from memrecipe.training.loss import count_targets, lm_loss
-    from memrecipe.training.modeling import embedded_model
+    from memrecipe.training.loading import embedded_model
 
     r = load_recipe("single-gpu-lora", ["train_on_inputs=true", f"packing={str(packing).lower()}", "eval_size=0",
                                         "max_seq_length=64"])
@@ -246,7 +246,7 @@ def test_train_on_inputs_makes_every_token_after_a_documents_first_a_target(tok,
 
 def test_chat_template_comes_from_the_recipe_and_a_model_without_one_names_the_key(tok, tmp_path):
     from memrecipe.training.data import _tokenize_chat
-    from memrecipe.training.modeling import check_tokenizer, read_chat_template
+    from memrecipe.training.tokenizer import check_tokenizer, read_chat_template
 
     bare = tmp_path / "bare"
     tok.save_pretrained(bare)

@@ -64,7 +64,7 @@ def test_fsdp_qlora_quantizes_on_the_host_and_fsdp_moves_each_quant_state_with_i
     cannot be set into a CPU tensor, the assignment half)."""
     from transformers import AutoModelForCausalLM
 
-    from memrecipe.training.modeling import embedded_model
+    from memrecipe.training.loading import embedded_model
 
     seen = {}
     real = AutoModelForCausalLM.from_pretrained

@@ -14,7 +14,7 @@ from memrecipe.training.checkpoint import save_final
 from memrecipe.errors import RecipeError
 from memrecipe.training.measure import held_bytes
 from memrecipe.planning.registry import EMBEDDED_MODEL
-from memrecipe.training.modeling import rewrites_base, save_initial_adapter
+from memrecipe.training.adapters import rewrites_base, save_initial_adapter
 from memrecipe.training.optimizers import make_optimizer
 from memrecipe.planning.planner import estimate
 from memrecipe.planning.registry import load_recipe

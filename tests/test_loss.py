@@ -118,7 +118,7 @@ def test_a_bf16_heads_gradient_is_summed_over_the_chunks_in_fp32():
 def test_the_loops_setup_fuses_the_head_with_the_recipes_chunk(monkeypatch):
     """recipes/sft.py's setup_model reads loss_chunk_tokens: a micro batch then runs in chunks of that many tokens."""
     from memrecipe.training import loss as fused_loss
-    from memrecipe.training.modeling import embedded_model
+    from memrecipe.training.loading import embedded_model
 
     model, _ = loop_model(load_recipe("single-gpu-lora", ["loss_chunk_tokens=7"]), embedded_model(), "no")
     sizes, chunk_logits = [], fused_loss._chunk_logits

@@ -7,7 +7,7 @@ import torch
 from helpers import loop_model
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.training.loss import token_loss
-from memrecipe.training.modeling import embedded_model
+from memrecipe.training.loading import embedded_model
 from memrecipe.planning.planner import estimate
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology

@@ -10,7 +10,7 @@ from helpers import loop_model
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.errors import RecipeError
 from memrecipe.training.measure import held_bytes
-from memrecipe.training.modeling import embedded_model
+from memrecipe.training.loading import embedded_model
 from memrecipe.training.optimizers import StepInBackward, make_optimizer
 from memrecipe.planning.optimizers import OPTIMIZERS
 from memrecipe.planning.planner import estimate
@@ -181,7 +181,7 @@ def test_fp16_is_refused_wherever_the_run_resolves_to_it(monkeypatch):
     fp16 (it wins over the recipe in the loop) are refused too, for the step in backward and bf16 weights alike."""
     from accelerate.state import AcceleratorState
 
-    from memrecipe.training.modeling import make_accelerator
+    from memrecipe.training.accelerator import make_accelerator
     from memrecipe.planning.topology import check_supported, make_topology
 
     volta = make_topology(1, bf16=False)

@@ -6,7 +6,7 @@ import torch
 from helpers import loop_model
 from memrecipe.training.data import IGNORE, Collator, bins, pack
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss, model_inputs, output_head
-from memrecipe.training.modeling import embedded_model
+from memrecipe.training.loading import embedded_model
 from memrecipe.planning.registry import load_recipe
 
 LENGTHS = [5, 9, 3, 12, 7, 4, 16, 2]

@@ -42,7 +42,7 @@ def test_a_model_folder_without_whole_weights_is_one_line_in_a_run_and_a_dry_run
 
     from memrecipe.main import main
     from memrecipe.planning.paths import check_weights
-    from memrecipe.training.modeling import embedded_model
+    from memrecipe.training.loading import embedded_model
 
     whole = embedded_model()
     check_weights(__import__("pathlib").Path(whole))

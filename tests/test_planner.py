@@ -27,7 +27,7 @@ def models(tmp_path_factory):
     """name -> folder of a saved random model: the embedded tiny one and a ~55M one."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-    from memrecipe.training.modeling import embedded_model
+    from memrecipe.training.loading import embedded_model
 
     folder = tmp_path_factory.mktemp("medium")
     torch.manual_seed(0)
@@ -368,7 +368,8 @@ def test_a_dpo_steps_peak_is_what_the_planner_plans_for_its_rows(models, overrid
 
     from memrecipe.planning.registry import EMBEDDED_PREFERENCES
     from memrecipe.training.measure import allocation_peak
-    from memrecipe.training.modeling import embedded_model, load_tokenizer
+    from memrecipe.training.loading import embedded_model
+    from memrecipe.training.tokenizer import load_tokenizer
     from memrecipe.training.preference import (PairCollator, pack_pairs, preference_sums, sequence_logps,
                                                tokenize_pair, window_loss)
 

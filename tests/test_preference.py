@@ -10,7 +10,7 @@ import torch
 import trl  # a test dependency (pyproject.toml [test]): TRL's trainer is the reference
 
 from memrecipe.planning.recipe import Dpo
-from memrecipe.training.modeling import embedded_model
+from memrecipe.training.loading import embedded_model
 from memrecipe.training.preference import (PairCollator, free_pair_losses, learnable_pair, pack_pairs, preference_sums,
                                            sequence_logps, split_prompt, tokenize_pair, window_loss)
 

@@ -121,7 +121,7 @@ def reload_eval_loss(folder, model):
     from memrecipe.planning.registry import load_recipe
     from memrecipe.training.data import Collator, prepare_datasets
     from memrecipe.training.loss import count_targets, model_inputs, token_loss
-    from memrecipe.training.modeling import load_tokenizer
+    from memrecipe.training.tokenizer import load_tokenizer
 
     recipe = load_recipe(str(Path(folder) / "recipe.yaml")) if (Path(folder) / "recipe.yaml").exists() \
         else load_recipe(report(folder)["recipe"]["name"], SHORT)

@@ -300,7 +300,7 @@ def test_a_running_folder_is_locked(runs):
 def a_non_finite_loss(base, core):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from memrecipe.training.modeling import embedded_model
+    from memrecipe.training.loading import embedded_model
 
     base.mkdir()
     poisoned = base / "poisoned-model"  # one NaN weight: the very first loss is NaN

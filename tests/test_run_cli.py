@@ -135,7 +135,7 @@ def test_a_gated_model_names_hf_token(monkeypatch):
     import transformers
 
     from memrecipe.errors import RecipeError
-    from memrecipe.training.modeling import check_model
+    from memrecipe.training.loading import check_model
 
     def gated(*args, **kwargs):
         raise OSError("You are trying to access a gated repo. Make sure to have access to it at "
@@ -192,7 +192,7 @@ def test_a_users_recipe_on_a_base_trains_on_a_mixture_and_its_pissa_adapter_expo
     import yaml
     from transformers import AutoModelForCausalLM
 
-    from memrecipe.training.modeling import embedded_model
+    from memrecipe.training.loading import embedded_model
     from test_data import mixture_files
 
     mixture_files(tmp_path)

@@ -29,7 +29,8 @@ def preflight(recipe):
     """Fail fast, with one line and before any folder exists: model, tokenizer, dataset columns."""
     from ..planning.registry import EMBEDDED_MODEL
     from ..training.data import check_targets, load_sources
-    from ..training.modeling import check_model, check_tokenizer, read_chat_template
+    from ..training.loading import check_model
+    from ..training.tokenizer import check_tokenizer, read_chat_template
 
     sources, chat = [], False  # (where, rows, format) of each source of the train and eval data
     splits = [(name, spec) for name, spec in (("train", recipe.dataset), ("eval", recipe.eval_dataset))

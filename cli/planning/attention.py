@@ -1,5 +1,5 @@
 """Which attention kernel a run uses (`attn_implementation: auto`), decided from facts about the machine, without
-torch: the planner plans what a launch will run, and the launch (training.modeling) says which it took and why.
+torch: the planner plans what a launch will run, and the launch (training.loading) says which it took and why.
 
 What each one does with packed rows (several documents per row, position_ids restarting at 0), read in
 transformers 5.23 and torch 2.13:

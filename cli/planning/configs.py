@@ -139,7 +139,7 @@ def accelerate_config(recipe: Recipe, topo: Topology, deepspeed_config_file: str
 def _fsdp_section(recipe: Recipe, topo: Topology) -> dict:
     f = recipe.fsdp
     # Rank 0 loads the weights, the other ranks build the model without them, and FSDP2 broadcasts rank 0's
-    # as shards (accelerate's fsdp2_load_full_state_dict; modeling.load_pretrained builds the empty ones). On CPU,
+    # as shards (accelerate's fsdp2_load_full_state_dict; loading.load_pretrained builds the empty ones). On CPU,
     # FSDP1 asks for a GPU to sync module states, so there each rank loads the weights itself.
     efficient_loading = f.cpu_ram_efficient_loading and not (topo.cpu and f.version == 1)
     section: dict = {"fsdp_version": f.version, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}

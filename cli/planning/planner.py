@@ -247,7 +247,7 @@ def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
     if recipe.quantization is not None and recipe.quantization.upcast_unquantized:
         return "qlora"  # 4-bit linears; PEFT's k-bit preparation puts embeddings, norms and head in fp32
     if recipe.lora is not None:
-        return "lora"  # frozen base stored in half precision (see modeling.load_pretrained)
+        return "lora"  # frozen base stored in half precision (see loading.load_pretrained)
     if recipe.fsdp is not None or recipe.deepspeed is not None or recipe.weight_dtype == "bf16":
         return "half"  # FSDP casts gathered params, DeepSpeed keeps the module in half precision
     return "mixed"
@@ -346,7 +346,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     if recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
         inputs = s.layers * T * h * residual  # each layer keeps only its input; one layer is recomputed at a time
         if recipe.activation_offload:  # ... in host memory; on the device the one its layer's recompute uses and
-            host, inputs = inputs, 2 * T * h * residual  # the next, prefetched (modeling.HostOffload)
+            host, inputs = inputs, 2 * T * h * residual  # the next, prefetched (layers.HostOffload)
         forward_saved = inputs + small + norm + head_copy + saved_logits
         saved_peak = max(forward_saved, inputs + small + layer)  # the loss's tensors are gone by the recompute
         acts = inputs + small + max(layer, norm + head_copy)
@@ -380,7 +380,7 @@ def loading_bytes(recipe: Recipe, s: Structure, cb: int, local: int) -> int:
 
 
 def rank0_loads(recipe: Recipe) -> bool:
-    """FSDP2 with cpu_ram_efficient_loading: rank 0 alone loads the weights (modeling.rank0_loads, the loop's side of
+    """FSDP2 with cpu_ram_efficient_loading: rank 0 alone loads the weights (loading.rank0_loads, the loop's side of
     the same rule; the generated config turns it on wherever FSDP2 runs, CPU included)."""
     return recipe.fsdp is not None and recipe.fsdp.version == 2 and recipe.fsdp.cpu_ram_efficient_loading
 

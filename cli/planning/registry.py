@@ -25,7 +25,7 @@ EMBEDDED_LEARNING_RATE = {"lora": 5e-3, "full": 1e-3}
 
 
 def model_cache() -> Path:
-    """Where the embedded model is built (modeling.embedded_model): a folder per config and torch version."""
+    """Where the embedded model is built (loading.embedded_model): a folder per config and torch version."""
     return Path(os.environ.get("MEMRECIPE_CACHE", Path.home() / ".cache" / "memrecipe"))
 
 

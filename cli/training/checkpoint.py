@@ -228,7 +228,7 @@ def save_final(accelerator, model, final: Path, initial_adapter: Path | None = N
             readable_files(final)
         return
     state_dict = trained_state_dict(accelerator, model)  # under FSDP with LoRA: the adapters only
-    # the adapter that trained, not a frozen reference copy beside it (modeling.add_lora)
+    # the adapter that trained, not a frozen reference copy beside it (adapters.add_lora)
     adapter = {"selected_adapters": ["default"]} if hasattr(unwrapped, "peft_config") else {}
     unwrapped.save_pretrained(final, state_dict=state_dict, safe_serialization=True,
                               is_main_process=accelerator.is_main_process, **adapter)

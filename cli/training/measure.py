@@ -48,7 +48,7 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "optimizer_class": _optimizer_class(optimizer),
         "optimizer_in_backward": hasattr(getattr(optimizer, "optimizer", optimizer), "optimizers"),
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
-        # the kernel transformers runs, and why (training.modeling.attention: attn_implementation auto resolved)
+        # the kernel transformers runs, and why (training.loading.attention: attn_implementation auto resolved)
         "attention": getattr(getattr(accelerator.unwrap_model(model), "config", None), "_attn_implementation", None),
         "attention_why": getattr(getattr(accelerator.unwrap_model(model), "memrecipe_attention", None), "why", None),
         "cpu_threads": torch.get_num_threads(),  # what CPU work (DeepSpeed's CPU Adam, collation) runs on

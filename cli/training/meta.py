@@ -11,7 +11,7 @@ import torch
 
 from ..errors import RecipeError
 from ..planning.architecture import Linear, Structure, Tensor
-from .modeling import lora_config
+from .adapters import lora_config
 
 
 def first_sentence(text: str, limit: int = 200) -> str:

@@ -311,7 +311,7 @@ class PairCollator:
 @contextlib.contextmanager
 def reference_weights(model):
     """The reference model within the policy's own weights, for a no_grad pass: a saved adapter's frozen copy made
-    the active one (an adapter trained on, `modeling.add_lora`; TRL's ref_adapter_name), the adapters off (LoRA),
+    the active one (an adapter trained on, `adapters.add_lora`; TRL's ref_adapter_name), the adapters off (LoRA),
     or the model as it is (a full fine-tune, before its first step). `model` unwrapped (peft's PeftModel).
 
     peft switches adapters by setting requires_grad (off for the adapters it disables): the flags are put back at
@@ -319,7 +319,7 @@ def reference_weights(model):
     require grad then, and DPO's first forward is this one: with no trainable parameter seen, a unit under bf16
     mixed precision would hand its fp32 adapters bf16 gradients (a RuntimeError in its post-backward). Under
     no_grad the flags change nothing in this pass."""
-    from .modeling import REFERENCE_ADAPTER
+    from .adapters import REFERENCE_ADAPTER
 
     trains = {p: p.requires_grad for p in model.parameters()}
 

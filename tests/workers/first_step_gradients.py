@@ -21,7 +21,9 @@ from sft import accumulate_window, setup_data, windows  # noqa: E402  (the loop'
 
 from memrecipe.training.loss import fuse_head  # noqa: E402
 from memrecipe.training.optimizers import make_optimizer  # noqa: E402
-from memrecipe.training.modeling import embedded_model, load_tokenizer, make_accelerator, prepare, wrap_first  # noqa: E402
+from memrecipe.training.accelerator import make_accelerator, prepare, wrap_first  # noqa: E402
+from memrecipe.training.loading import embedded_model
+from memrecipe.training.tokenizer import load_tokenizer
 from memrecipe.planning.registry import load_recipe  # noqa: E402
 
 result_path, name, *overrides = sys.argv[1:]

@@ -21,7 +21,9 @@ from helpers import loop_model  # noqa: E402
 from memrecipe.training.data import Collator, prepare_datasets
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss, model_inputs, output_head, token_loss
 from memrecipe.training.optimizers import make_optimizer
-from memrecipe.training.modeling import embedded_model, load_tokenizer, make_accelerator, prepare, wrap_first
+from memrecipe.training.accelerator import make_accelerator, prepare, wrap_first
+from memrecipe.training.loading import embedded_model
+from memrecipe.training.tokenizer import load_tokenizer
 from memrecipe.planning.registry import load_recipe
 
 CHUNK = 7

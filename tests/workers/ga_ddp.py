@@ -11,7 +11,7 @@ sys.path.insert(0, str(RECIPES))
 from sft import accumulate_window  # noqa: E402
 
 from memrecipe.training.data import Collator, pack  # noqa: E402
-from memrecipe.training.modeling import make_accelerator  # noqa: E402
+from memrecipe.training.accelerator import make_accelerator  # noqa: E402
 from memrecipe.planning.registry import load_recipe  # noqa: E402
 
 recipe = load_recipe("adamw-8bit", ["gradient_accumulation_steps=2", "mixed_precision=no"])

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from helpers import loop_model  # noqa: E402
 from memrecipe.training.loss import token_loss
-from memrecipe.training.modeling import embedded_model
+from memrecipe.training.loading import embedded_model
 from memrecipe.planning.registry import load_recipe
 
 dist.init_process_group("gloo")

@@ -1,0 +1,84 @@
+"""The Accelerator for the launch config, made to work on CPU too, and what it prepares: the model wrapped
+(DDP, FSDP, a DeepSpeed engine), the optimizer, the data (FSDP1 wraps the model before the optimizer exists)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import RecipeError
+from .loading import TORCH_DTYPES
+
+
+def make_accelerator(recipe, **kwargs):
+    """The Accelerator for the config accelerate launched us with, made to work on CPU too.
+
+    On a machine without CUDA two accelerate paths need help (measured, see docs/loop.md):
+    - DeepSpeed: accelerate finds no backend and would run every rank as a lone process 0;
+      a gloo process group fixes the world size and ranks.
+    - FSDP: accelerate turns FSDP on only for GPU-like distributed types; the process state is
+      set up for CPU (gloo) and marked MULTI_GPU so the FSDP plugin takes over, with device `cpu`.
+    """
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
+                                  InitProcessGroupKwargs)
+
+    if os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no":
+        raise RecipeError("the launch config asks accelerate to compile the whole model (dynamo_config), which wraps "
+                          "it and renames its weights: remove dynamo_config and set torch_compile: true in the recipe")
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handlers = list(kwargs.pop("kwargs_handlers", []))
+    if not torch.cuda.is_available() and launched:
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        elif os.environ.get("ACCELERATE_USE_FSDP", "false") == "true":
+            state = PartialState(cpu=True)
+            state.distributed_type = DistributedType.MULTI_GPU
+    # Windows of micro batches are built by the loop, so accelerate must not sync on its own at the
+    # end of the dataloader (that would cut the window short).
+    plugin = GradientAccumulationPlugin(num_steps=recipe.gradient_accumulation_steps, sync_with_dataloader=False)
+    # A seeded sampler: every epoch's shuffle is a function of the recipe's seed and the epoch alone, the same on
+    # every process, topology and resume (accelerate's SeedableRandomSampler seeds each epoch with data_seed + epoch).
+    data = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.seed)
+    accelerator = Accelerator(gradient_accumulation_plugin=plugin, dataloader_config=data, kwargs_handlers=handlers,
+                              **kwargs)
+    if accelerator.mixed_precision == "fp16" and recipe.fp16_blocker:  # the launch config's precision wins
+        raise RecipeError(f"the launch config runs mixed_precision fp16, and {recipe.fp16_blocker}: set "
+                          "mixed_precision: bf16 in it (or regenerate it with memrecipe config on a GPU with bf16)")
+    return accelerator
+
+
+def _fsdp1(accelerator, recipe) -> bool:
+    return accelerator.distributed_type.value == "FSDP" and recipe.fsdp is not None and recipe.fsdp.version == 1
+
+
+def wrap_first(accelerator, recipe, model):
+    """FSDP1 flattens parameters, so its optimizer must be built on the wrapped model: the model is
+    wrapped here (with LoRA and flat parameters the adapters get FSDP units of their own, PEFT's wrap
+    policy; a 4-bit base computes in its storage dtype), as transformers' Trainer does. Every other
+    engine takes the model and the optimizer together in `prepare`: the model is returned as it is."""
+    if not _fsdp1(accelerator, recipe):
+        return model
+    fsdp, plugin = recipe.fsdp, accelerator.state.fsdp_plugin
+    if recipe.lora and not fsdp.use_orig_params:
+        from peft.utils.other import fsdp_auto_wrap_policy
+
+        plugin.auto_wrap_policy = fsdp_auto_wrap_policy(model)
+    storage = recipe.quantization.quant_storage if recipe.quantization else None
+    if storage not in (None, "uint8"):
+        plugin.set_mixed_precision(TORCH_DTYPES[storage], override=True)
+    return accelerator.prepare(model)
+
+
+def prepare(accelerator, recipe, model, optimizer, *loaders):
+    """accelerate's prepare of the model (unless `wrap_first` wrapped it), the optimizer and the data
+    loaders (a None loader stays None): (model, optimizer, *loaders)."""
+    given = [loader for loader in loaders if loader is not None]
+    objects = ([] if _fsdp1(accelerator, recipe) else [model]) + [optimizer, *given]
+    prepared = accelerator.prepare(*objects)
+    prepared = list(prepared) if len(objects) > 1 else [prepared]
+    if len(prepared) == len(given) + 1:  # FSDP1: the model was prepared already
+        prepared.insert(0, model)
+    rest = iter(prepared[2:])
+    return (prepared[0], prepared[1], *(next(rest) if loader is not None else None for loader in loaders))

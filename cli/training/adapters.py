@@ -1,0 +1,70 @@
+"""LoRA through peft: the recipe's adapters, or a saved adapter trained on (with its frozen copy for DPO), and
+PiSSA/OLoRA's initial adapter kept to convert the final one back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def lora_config(lora):
+    """peft's LoraConfig for the recipe's lora: section (the same names)."""
+    from peft import LoraConfig
+
+    listed = lambda names: names if isinstance(names, str) or names is None else list(names)  # noqa: E731
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=listed(lora.target_modules), modules_to_save=listed(lora.modules_to_save),
+                      use_dora=lora.use_dora, use_rslora=lora.use_rslora, init_lora_weights=lora.init_lora_weights,
+                      bias=lora.bias, task_type="CAUSAL_LM")
+
+
+REFERENCE_ADAPTER = "reference"  # a saved adapter's frozen copy beside the one that trains (DPO's reference model)
+
+
+def add_lora(model, lora, reference: bool = False):
+    """The model with peft's adapters: new ones, or a saved adapter's weights to train on (`lora.adapter`) and, with
+    `reference`, a frozen copy of them beside it (named REFERENCE_ADAPTER: under DPO the reference is the model
+    the adapter makes, as TRL's ref_adapter_name; a few MB, no second model). Everything that trains is fp32, as
+    the adapters are: peft upcasts its adapter layers, not the copies of modules_to_save nor the biases that
+    `bias` trains, which would otherwise take AdamW's updates in the base's 16 bits."""
+    from peft import PeftModel, get_peft_model
+
+    if lora.adapter:
+        model = PeftModel.from_pretrained(model, lora.adapter, is_trainable=True, config=lora_config(lora))
+        if reference:
+            model.load_adapter(lora.adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+    else:
+        model = get_peft_model(model, lora_config(lora))
+    for p in model.parameters():
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+            p.data = p.data.float()
+    return model
+
+
+def rewrites_base(recipe) -> bool:
+    """LoRA inits that change the base weights (pissa, olora): the saved adapter is converted back."""
+    return recipe.lora is not None and recipe.lora.init_lora_weights in ("pissa", "olora")
+
+
+def save_initial_adapter(model, folder: Path) -> None:
+    """The adapter as initialized, before training: what peft subtracts to convert a PiSSA/OLoRA adapter
+    into one that applies to the original base. Saved with init_lora_weights true, as peft asks, so
+    that loading it does not decompose the base again."""
+    config = model.peft_config["default"]
+    init, config.init_lora_weights = config.init_lora_weights, True
+    try:
+        model.save_pretrained(folder)
+    finally:
+        config.init_lora_weights = init
+
+
+def keep_initial_adapter(model, recipe, folder: Path, main_process: bool = True) -> Path | None:
+    """PiSSA/OLoRA (`rewrites_base`): the adapter as initialized, saved once (by the main process) into `folder`
+    before training, to convert the final adapter back to one for the original base (save_final). None for
+    every other LoRA init and for full fine-tunes: nothing to convert."""
+    if not rewrites_base(recipe):
+        return None
+    if main_process and not folder.exists():
+        save_initial_adapter(model, folder)
+    return folder

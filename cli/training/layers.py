@@ -1,0 +1,155 @@
+"""What is done to the loaded model's decoder layers: activation checkpointing (and its inputs offloaded to
+host memory), tensor parallelism, compile."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import RecipeError
+
+
+class CopyStreams:
+    """Where HostOffload's copies run on CUDA: a side stream, ordered against the compute stream by events, so that
+    a copy overlaps the layers around it instead of queueing between them (torchtune's OffloadActivations is the
+    reference design). Tests stand in a recorder with the same methods (no side stream exists on CPU)."""
+
+    def __init__(self, device):
+        self.side, self.device = torch.cuda.Stream(device), device
+
+    def side_waits_compute(self):  # the tensor to copy is written
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+
+    def on_side(self):
+        return torch.cuda.stream(self.side)
+
+    def record(self):
+        return self.side.record_event()
+
+    def compute_waits(self, event):
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def used_by_compute(self, tensor):  # made on the side stream, freed after the compute stream's use
+        tensor.record_stream(torch.cuda.current_stream(self.device))
+
+    @staticmethod
+    def done(event) -> bool:
+        return event.query()
+
+
+class HostOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Tensors saved for backward inside this context wait in pinned host memory and come back to their device in
+    backward. On CUDA both copies run on a side stream (CopyStreams): forward's device-to-host copy keeps the device
+    tensor alive until its event says it is done; backward's host-to-device copy of the tensor needed next (the
+    previous layer's, in backward order) is issued as soon as the current one is unpacked, so it overlaps this
+    layer's recompute, and the compute stream waits on its event only when it needs it. On CPU (smoke-test mode)
+    the tensor stays where it is, host memory already; `copy_on_cpu` parks a copy, for tests. Counts what it holds."""
+
+    def __init__(self, copy_on_cpu: bool = False, streams=None):
+        self.tensors = self.bytes = self.copied = 0
+        self.copy_on_cpu, self.streams = copy_on_cpu, streams
+        self.key = 0
+        self.host, self.alive, self.back = {}, {}, {}  # key -> host copy; -> (device tensor, event); -> fetched
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, tensor):
+        self.tensors += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+        streams = self.streams or (CopyStreams(tensor.device) if tensor.device.type == "cuda" else None)
+        if streams is None:
+            if not self.copy_on_cpu:
+                return tensor.device, tensor
+            self.copied += 1
+            return tensor.device, tensor.detach().clone()  # a separate host tensor, as on CUDA
+        self.streams = streams
+        self._release_copied()
+        streams.side_waits_compute()
+        with streams.on_side():
+            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
+                               pin_memory=tensor.device.type == "cuda")
+            host.copy_(tensor, non_blocking=True)
+            event = streams.record()
+        self.copied += 1
+        self.key += 1
+        self.host[self.key], self.alive[self.key] = (tensor.device, host), (tensor, event)
+        return None, self.key
+
+    def _unpack(self, packed):
+        device, tensor = packed
+        if device is not None:  # not on a side stream: the tensor itself, or its host copy
+            return tensor.to(device)
+        key = tensor
+        fetched, event = self.back.pop(key, None) or self._fetch(key)
+        self.streams.compute_waits(event)
+        self.streams.used_by_compute(fetched)
+        if key - 1 in self.host:  # prefetch: the next tensor backward unpacks (the previous layer's input)
+            self.back[key - 1] = self._fetch(key - 1)
+        return fetched
+
+    def _fetch(self, key):
+        self._release_copied()
+        device, host = self.host.pop(key)
+        with self.streams.on_side():
+            fetched = host.to(device, non_blocking=True)
+            return fetched, self.streams.record()
+
+    def _release_copied(self):
+        """Drop the device tensors whose copy to the host has finished."""
+        for key in [k for k, (_, event) in self.alive.items() if self.streams.done(event)]:
+            del self.alive[key]
+
+
+def enable_checkpointing(model, offload: bool) -> HostOffload | None:
+    """The model's own (non-reentrant) gradient checkpointing; with offload, each checkpointed
+    layer's saved input goes to host memory. transformers' own offload=True always pins memory,
+    which fails on a machine without CUDA (measured), so the offload wraps its checkpoint function."""
+    import functools
+
+    # non-reentrant: works with frozen inputs (LoRA) and with FSDP/DeepSpeed
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not offload:
+        return None
+    hooks = HostOffload()
+
+    def offloaded(checkpoint, *args, **kwargs):
+        with hooks:  # the checkpoint saves its inputs under our hooks; the recompute's tensors stay on the device
+            return checkpoint(*args, **kwargs)
+
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = functools.partial(offloaded, module._gradient_checkpointing_func)
+    return hooks
+
+
+def tensor_parallel(model, tp_size: int, device_mesh) -> None:
+    """Split the model's linears over the mesh's "tp" dimension with its own TP plan (colwise/rowwise per
+    linear); FSDP2 then shards over the mesh's other dimensions. transformers' from_pretrained(distributed_config)
+    would build a mesh of its own that must span every process (transformers/distributed/utils.py,
+    initialize_distributed_mesh), so a tp 2 x dp 2 run on 4 ranks fails there: the plan is applied here
+    on accelerate's mesh instead. Every rank holds the loaded weights and keeps its own slice of each
+    (distribute_tensor with src_data_rank=None: no communication)."""
+    from transformers import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    config = DistributedConfig(tp_plan="auto", tp_size=tp_size)
+    plan, _, _ = model._resolve_parallel_plans(config)
+    tp_mesh = device_mesh["tp"] if device_mesh.mesh_dim_names != ("tp",) else device_mesh
+    apply_tensor_parallelism(model, tp_mesh, plan)
+    model.config.distributed_config = config  # where accelerate reads the TP size (utils/other.py, get_model_tp_size)
+
+
+def compile_layers(model) -> int:
+    """Compile each decoder layer in place (nn.Module.compile), as torchtune does and accelerate's regional
+    compilation: the layers share one graph (dynamo treats their weights as inputs), checkpointing wraps
+    the compiled layer, and the model keeps its modules, hooks and state-dict names. The head, the fused
+    loss and the mask building stay eager. Returns the number of layers compiled."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RecipeError(f"torch_compile: {type(model).__name__} names no decoder-layer class (_no_split_modules)")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
