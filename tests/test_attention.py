@@ -9,7 +9,8 @@ import torch
 from helpers import loop_model
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.planning.attention import pick_attention
-from memrecipe.planning.planner import activation_bytes, activation_mode, estimate
+from memrecipe.planning.activations import activation_bytes, activation_mode
+from memrecipe.planning.planner import estimate
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology
 from memrecipe.training.loading import attention, embedded_model

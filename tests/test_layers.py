@@ -85,9 +85,9 @@ def test_the_graph_sees_imports_inside_functions_and_relative_ones():
     """The reader itself: a lazy import (report.py's run of its own, architecture's meta read) is an edge."""
     graph = import_graph()
     assert "training.meta" in graph["planning.architecture"]  # imported inside a function
-    assert "errors" in graph["planning.recipe"] and "planning.schema" in graph["planning.recipe"]
-    looped = {**graph, "errors": {"planning.recipe"}}  # a planted circle is found
-    assert any({"errors", "planning.recipe"} <= circle for circle in circles(looped))
+    assert "errors" in graph["planning.rules"] and "planning.schema" in graph["planning.rules"]
+    looped = {**graph, "errors": {"planning.rules"}}  # a planted circle is found
+    assert any({"errors", "planning.rules"} <= circle for circle in circles(looped))
 
 
 # Functions over 60 lines, each a table or a card printed line by line, read top to bottom: the justified exceptions

@@ -12,7 +12,7 @@ import torch
 
 from helpers import REPO, SideBySide, child_env, free_port, loop_model, tiny_model, uneven_examples
 from memrecipe.planning.architecture import structure
-from memrecipe.planning.planner import activation_bytes, activation_mode
+from memrecipe.planning.activations import activation_bytes, activation_mode
 from memrecipe.planning.registry import load_recipe
 from memrecipe.training.data import Collator
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss, output_head, token_loss

@@ -74,7 +74,7 @@ def test_apollos_step_temporaries_are_planned(in_backward):
     step allocates beyond its state is the plan's `step` within 5%; between refreshes no more than that. One step
     over all tensors: the largest tensor's temporaries and the previous tensor's last update; in backward, each
     tensor's own step (called here one tensor at a time, as the hooks do)."""
-    from memrecipe.planning.planner import step_temporaries, trainable_tensors
+    from memrecipe.planning.states import step_temporaries, trainable_tensors
     from memrecipe.training.measure import allocation_peak
 
     peaks = {}

@@ -10,7 +10,8 @@ import torch
 from helpers import loop_model
 from memrecipe.errors import RecipeError
 from memrecipe.planning.architecture import read_config, structure
-from memrecipe.planning.planner import base_bytes, breakdown, estimate, trainable_tensors
+from memrecipe.planning.planner import breakdown, estimate
+from memrecipe.planning.states import base_bytes, trainable_tensors
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology, make_topology
 from memrecipe.training.loss import fuse_head, lm_loss, token_loss
@@ -137,7 +138,7 @@ def activation_case(models, name, recipe, overrides, layers=None):
     model.train()
     measured = saved_peak(model, batch(model.config.vocab_size), autocast=precision == "bf16")
     s = structure(read_config(folder))
-    from memrecipe.planning.planner import activation_bytes, activation_mode
+    from memrecipe.planning.activations import activation_bytes, activation_mode
 
     return measured, activation_bytes(r, s, activation_mode(r, 2 if precision == "bf16" else 4), 2, 48)
 
@@ -236,7 +237,7 @@ LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28
 
 
 def test_a_4bit_base_is_half_a_byte_per_layer_weight_and_fsdp_shards_it():
-    from memrecipe.planning.planner import trainable_tensors
+    from memrecipe.planning.states import trainable_tensors
 
     s = structure(LLAMA_70B)
     trained = sum(t.numel for t in trainable_tensors(load_recipe("qlora"), s))
@@ -258,7 +259,7 @@ def test_a_4bit_base_is_half_a_byte_per_layer_weight_and_fsdp_shards_it():
 def test_fsdp_qlora_keeps_the_whole_bases_scales_on_every_gpu(offload):
     """FSDP shards or offloads the flat parameters, the packed 4-bit weights; bitsandbytes' quant_state (the absmax
     per 64 weights, its fp32 absmax per 256, the codes) stays whole on each GPU: 1.0 GiB of a 70B's."""
-    from memrecipe.planning.planner import quant_state_bytes
+    from memrecipe.planning.states import quant_state_bytes
 
     s = structure(LLAMA_70B)
     r = load_recipe("fsdp-qlora", [f"fsdp.offload_params={str(offload).lower()}"])

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from memrecipe.errors import RecipeError
-from memrecipe.planning.recipe import Recipe, make_recipe
+from memrecipe.planning.recipe import Recipe
+from memrecipe.planning.rules import make_recipe
 from memrecipe.planning.registry import parse_overrides
 from memrecipe.planning.registry import load_recipe, recipe_names, recipe_path
 

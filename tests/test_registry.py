@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from memrecipe.errors import RecipeError
-from memrecipe.planning.recipe import make_recipe
+from memrecipe.planning.rules import make_recipe
 from memrecipe.planning.registry import load_recipe
 
 

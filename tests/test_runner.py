@@ -126,6 +126,6 @@ def test_a_run_visits_each_module_on_its_way_to_the_launch_for_one_reason(script
     module it already left at most 8 times (this walk counted 11 before the loop script became Recipe.script)."""
     path = recipe_path(script, recipe, machine, topology, tmp_path / "run")
     modules = {stop.rpartition(".")[0] for stop in path}
-    assert {"planning.registry", "planning.planner", "planning.configs", "launching.launch"} <= modules, path
+    assert {"planning.rules", "planning.planner", "planning.configs", "launching.launch"} <= modules, path
     again = reentries(path)
     assert len(again) <= 8, "\n".join(f"{stop}{'  <- again' if stop in again else ''}" for stop in path)

@@ -83,7 +83,7 @@ def test_planner_divides_layer_activations_and_gathered_weights_by_tp():
     assert tp2.optimizer_state == fsdp.optimizer_state  # sharded over all 8 either way
     assert tp2.activations < fsdp.activations and tp4.activations < tp2.activations
     # one layer recomputed at a time: its activations are what TP divides
-    from memrecipe.planning.planner import activation_bytes, activation_mode
+    from memrecipe.planning.activations import activation_bytes, activation_mode
     full = activation_bytes(load_recipe("tp", ["parallelism=null"]), s, "half", 1, 1024)["layer"]
     assert activation_bytes(load_recipe("tp"), s, "half", 1, 1024)["layer"] == full // 2
     assert tp2.parameters < fsdp.parameters  # the gathered unit is a TP shard

@@ -4,7 +4,7 @@ import click
 
 from ..errors import RecipeError
 from ..planning.paths import check_paths
-from ..planning.recipe import make_recipe
+from ..planning.rules import make_recipe
 from ..planning.registry import read_with_bases, read_yaml
 
 

@@ -13,7 +13,8 @@ import yaml
 from ..errors import RecipeError, did_you_mean
 from ..planning.architecture import read_config, structure
 from ..planning.hardware import Machine
-from ..planning.planner import breakdown, estimate, judge, judge_each, rank0_loads, recommend
+from ..planning.planner import breakdown, estimate, judge, judge_each, recommend
+from ..planning.states import rank0_loads
 from ..planning.paths import PATH_KEYS
 from ..planning.recipe import METHODS, method
 from ..planning.registry import load_recipe, recipe_names

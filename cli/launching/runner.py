@@ -81,6 +81,13 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
         topo = plan_topology(r, machine, **topology_flags, refused=refused if dry_run else None)
         preflight(r)  # the model, the tokenizer and the data, read as the run reads them (a dry run too)
     try:
+        notes = deepspeed_builds(r, topo)  # (beside the other checks: what compiles before the first step)
+    except RecipeError as e:
+        if not dry_run:
+            raise
+        refused.append(str(e))
+        notes = []
+    try:
         verdict = check_fits(r, topo, machine, words, force)
     except RecipeError as e:
         if not dry_run:
@@ -93,13 +100,6 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
         files = {name: text for name, text in files.items() if name.startswith("recipe.")}
     extra = [flag for flag, on in (("--resume", resume), ("--memory-snapshot", memory_snapshot)) if on]
     command, env = launch(script, r, topo, machine.cores, extra)
-    try:
-        notes = deepspeed_builds(r, topo)
-    except RecipeError as e:
-        if not dry_run:
-            raise
-        refused.append(str(e))
-        notes = []
     return RunPlan(r, topo, verdict, folder, files, command, env, resume, tuple(refused), tuple(notes))
 
 

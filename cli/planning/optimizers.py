@@ -13,7 +13,7 @@ ENGINES = ("no", "ddp", "fsdp", "deepspeed")  # a recipe's distributed_type
 class Optimizer:
     label: str  # in `memrecipe ls` and the card
     builder: str  # its function in memrecipe.training.optimizers: (recipe, device) -> (groups -> optimizer)
-    state: str  # how the planner counts its state (planner.optimizer_state_bytes): adamw, bnb_8bit, torchao_8bit, low_rank
+    state: str  # how the planner counts its state (states.optimizer_state_bytes): adamw, bnb_8bit, torchao_8bit, low_rank
     engines: tuple[str, ...] = ENGINES  # the distributed types it runs under
     why_not: str = ""  # why not under the others
     bitsandbytes: bool = False  # its state is bitsandbytes' (no DTensor: not FSDP2; not beside DeepSpeed's CPU Adam)

@@ -1,4 +1,5 @@
-"""The Recipe: one YAML + `key=value` overrides -> one validated, frozen object.
+"""The Recipe: its keys and sections as frozen dataclasses (the schema's types and ranges), and what a recipe says
+about itself (its properties, its techniques in words, its training method). rules.py makes one from a dict.
 
 Keys are the words users know from transformers' TrainingArguments, peft and accelerate.
 The recipe says WHAT is trained and with which memory techniques; where it runs (processes,
@@ -8,16 +9,15 @@ machines) is the Topology's business, and the generator joins the two.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import yaml
 
-from ..errors import RecipeError
 from .optimizers import OPTIMIZERS
-from .schema import build, spec, to_dict
+from .schema import spec, to_dict
 
 OptimizerName = Literal[tuple(OPTIMIZERS)]  # the table's names: the schema's choices
+
 
 # The fused loss's target tokens per chunk (docs/memory.md, "The fused loss's chunk"): each chunk reads the head's
 # weights three times, so small chunks starve a GPU's matmuls; each holds ~8-12 bytes x tokens x vocab at once.
@@ -36,6 +36,8 @@ class Supports:
 
 # a dataset format -> the columns that hold it (detected in this order, or named by dataset_format / columns.format)
 FORMAT_COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+
+
 DatasetFormat = Literal[("auto", *FORMAT_COLUMNS)]  # auto: detected from the columns
 
 
@@ -104,8 +106,14 @@ class OptimArgs:
 # completions (RPO: loss_type [sigmoid, sft] with loss_weights [1, alpha]). simpo (trl.experimental's CPOTrainer,
 # loss_type simpo) and orpo (its ORPOTrainer, the chosen NLL included) use no reference model.
 DPO_LEARNING_RATE = {"lora": 5e-6, "full": 5e-7}  # dpo.learning_rate's defaults (see Dpo.learning_rate)
+
+
 DpoLoss = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft"]
+
+
 SMOOTHED_LOSSES = ("robust", "simpo")  # the ones that read label_smoothing
+
+
 REFERENCE_FREE = ("simpo", "orpo", "sft")  # the ones that need no reference model
 
 
@@ -345,292 +353,6 @@ class Recipe:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-def make_recipe(data: dict) -> Recipe:
-    """Validate a recipe dict (its base chain and overrides merged: registry.load_recipe) into a Recipe,
-    refusing bad keys and bad combinations."""
-    recipe = build(Recipe, data)
-    check_combinations(recipe)
-    return recipe
-
-
-def check_combinations(r: Recipe) -> None:
-    """Refuse technique combinations that fail, or silently do the wrong thing (each group of rules, in turn)."""
-    for check in (check_preference, check_sections, check_activations, check_quantization, check_parallelism,
-                  check_fsdp, check_optimizer, check_lora, check_data, check_deepspeed):
-        check(r)
-
-
-def check_preference(r: Recipe) -> None:
-    """The dpo: section's keys, and a pair's row within what the plan counts."""
-    if r.dpo is None:
-        return
-    check_dpo(r.dpo)
-    if r.dpo.max_length is not None and 2 * r.dpo.max_length > r.max_seq_length:
-        raise RecipeError(f"dpo.max_length={r.dpo.max_length} lets a pair's two sequences fill {2 * r.dpo.max_length} "
-                          f"tokens of one row, above max_seq_length={r.max_seq_length} (what the memory plan "
-                          f"counts): set dpo.max_length <= {r.max_seq_length // 2}, or max_seq_length >= "
-                          f"{2 * r.dpo.max_length}")
-
-
-def check_sections(r: Recipe) -> None:
-    """distributed_type and the engine sections it reads; supports; the warmup."""
-    if r.distributed_type == "fsdp" and r.fsdp is None:
-        raise RecipeError("distributed_type fsdp needs an fsdp: section (e.g. fsdp: {version: 2})")
-    if r.distributed_type == "deepspeed" and r.deepspeed is None:
-        raise RecipeError("distributed_type deepspeed needs a deepspeed: section (e.g. deepspeed: {zero_stage: 3})")
-    if r.fsdp is not None and r.distributed_type != "fsdp":
-        raise RecipeError(f"the fsdp: section is only read with distributed_type fsdp, not {r.distributed_type}")
-    if r.deepspeed is not None and r.distributed_type != "deepspeed":
-        raise RecipeError(f"the deepspeed: section is only read with distributed_type deepspeed, not {r.distributed_type}")
-    if r.distributed_type == "no" and r.supports.max_processes != 1:
-        raise RecipeError("distributed_type no runs one process: set supports.max_processes to 1 (or use ddp)")
-    s = r.supports
-    if s.max_processes is not None and s.max_processes < s.min_processes:
-        raise RecipeError(f"supports.max_processes ({s.max_processes}) is below supports.min_processes ({s.min_processes})")
-    if r.warmup_steps and r.warmup_ratio:
-        raise RecipeError("set warmup_steps or warmup_ratio, not both")
-
-
-def check_activations(r: Recipe) -> None:
-    if r.activation_offload and not r.gradient_checkpointing:  # (the fix comes first: plan's table cuts at the colon)
-        fsdp = ", fsdp.activation_checkpointing=false" if r.fsdp and r.fsdp.activation_checkpointing else ""
-        cannot = "; FSDP's own checkpointing cannot" if fsdp else ""
-        raise RecipeError(f"activation_offload works with gradient_checkpointing=true{fsdp} (it moves the inputs that "
-                          f"checkpointing keeps to host RAM{cannot}): set gradient_checkpointing=true"
-                          f"{fsdp.replace(',', '')}")
-
-
-def check_quantization(r: Recipe) -> None:
-    q = r.quantization
-    if q is None:
-        return
-    if r.lora is None:
-        raise RecipeError("quantization freezes the base in 4/8 bits, which cannot be trained: add a lora: "
-                          "section (QLoRA), or set quantization=null")
-    if r.deepspeed is not None:
-        raise RecipeError("quantization is not supported with DeepSpeed in memrecipe: use the fsdp-qlora recipe "
-                          "(FSDP1 + QLoRA) for several GPUs")
-    if r.fsdp is not None and q.upcast_unquantized:
-        raise RecipeError("quantization.upcast_unquantized would mix fp32 and 16-bit weights in one FSDP unit "
-                          "(FSDP shards one dtype): set quantization.upcast_unquantized=false")
-    if r.fsdp is not None and (q.bits != 4 or q.quant_storage == "uint8" or r.fsdp.version != 1):
-        raise RecipeError("FSDP shards quantized weights only as 4-bit with a float quant_storage under FSDP1: "
-                          "set quantization.bits=4, quantization.quant_storage=bf16, fsdp.version=1")
-
-
-def check_parallelism(r: Recipe) -> None:
-    if r.parallelism is None:
-        return
-    if r.fsdp is None or r.fsdp.version != 2:
-        raise RecipeError("parallelism.tp_size composes with FSDP2 only (accelerate's ParallelismConfig): set "
-                          "distributed_type fsdp and fsdp.version=2")
-    if r.fused_loss:
-        raise RecipeError("fused_loss needs the whole vocabulary on every process, and tensor parallelism splits "
-                          "lm_head's output over tp_size processes: set fused_loss=false")
-    if r.lora is not None or r.quantization is not None:
-        raise RecipeError("the tp recipe trains the full model: LoRA and quantization under tensor parallelism "
-                          "are not supported (set lora=null, quantization=null)")
-
-
-def check_fsdp(r: Recipe) -> None:
-    if not r.fsdp:
-        return
-    if r.fsdp.version == 2 and not r.fsdp.use_orig_params:
-        raise RecipeError("fsdp.use_orig_params=false is FSDP1's flat parameters: FSDP2 always keeps the "
-                          "original ones (set fsdp.version=1, or drop the key)")
-    if r.uses_bnb and r.fsdp.version == 2:
-        raise RecipeError(f"optim {r.optim} cannot run under FSDP2: bitsandbytes cannot update DTensor state "
-                          "(use optim=adamw_torch, or fsdp.version=1, or distributed_type ddp)")
-    if r.lora and r.fsdp.activation_checkpointing:
-        raise RecipeError("LoRA with fsdp.activation_checkpointing saves an EMPTY adapter (the checkpoint wrapper "
-                          "renames modules): set fsdp.activation_checkpointing=false and gradient_checkpointing=true")
-    if r.gradient_checkpointing and r.fsdp.activation_checkpointing:
-        raise RecipeError("gradient_checkpointing and fsdp.activation_checkpointing both checkpoint the same layers: "
-                          "keep one")
-
-
-def check_deepspeed(r: Recipe) -> None:
-    """torch_compile under the sharding engines; DeepSpeed's offload and stages."""
-    if r.torch_compile and (r.fsdp or r.deepspeed):
-        raise RecipeError(f"torch_compile is not supported under {'FSDP' if r.fsdp else 'DeepSpeed'} in memrecipe (their "
-                          "hooks gather each layer's weights around its forward): use it with distributed_type no or ddp")
-    ds = r.deepspeed
-    if ds is None:
-        return
-    if r.uses_bnb and ds.offload_optimizer != "none":
-        raise RecipeError(f"optim {r.optim} cannot run with deepspeed.offload_optimizer={ds.offload_optimizer}: "
-                          "DeepSpeed's offload runs its own CPU Adam and would drop the 8-bit optimizer (use "
-                          "optim=adamw_torch)")
-    if ds.offload_param != "none" and ds.zero_stage != 3:
-        raise RecipeError(f"deepspeed.offload_param needs zero_stage 3, got zero_stage {ds.zero_stage}")
-    if ds.offload_optimizer != "none" and ds.zero_stage == 0:
-        raise RecipeError("deepspeed.offload_optimizer needs zero_stage 1, 2 or 3, got 0")
-
-
-def check_dpo(d: Dpo) -> None:
-    losses = d.losses
-    if not losses:
-        raise RecipeError("dpo.loss_type is an empty list: name at least one (sigmoid, ipo, hinge, robust, simpo, "
-                          "orpo, sft)")
-    if d.loss_weights is not None and len(d.loss_weights) != len(losses):
-        raise RecipeError(f"dpo.loss_weights has {len(d.loss_weights)} weight(s) for {len(losses)} loss_type(s) "
-                          f"({', '.join(losses)}): give one per loss")
-    if d.label_smoothing and not any(loss in SMOOTHED_LOSSES for loss in losses):
-        raise RecipeError(f"dpo.label_smoothing={d.label_smoothing:g} is read by loss_type robust and simpo only, "
-                          f"not by {', '.join(losses)}: use one of them, or label_smoothing 0")
-    if d.simpo_gamma is not None and "simpo" not in losses:
-        raise RecipeError(f"dpo.simpo_gamma={d.simpo_gamma:g} is read by loss_type simpo only, not by "
-                          f"{', '.join(losses)}: use loss_type simpo, or simpo_gamma null")
-    free = [loss for loss in losses if loss in ("simpo", "orpo")]
-    if free and not d.reference_free:
-        raise RecipeError(f"dpo.loss_type {', '.join(free)} uses no reference model and the others "
-                          f"({', '.join(x for x in losses if x not in REFERENCE_FREE)}) do: combine {free[0]} with sft "
-                          "only")
-    if free and d.precompute_ref_log_probs:
-        raise RecipeError(f"dpo.precompute_ref_log_probs: loss_type {free[0]} uses no reference model, so there is "
-                          "nothing to precompute: leave it null")
-    if set(losses) == {"sft"}:
-        raise RecipeError("dpo.loss_type sft alone is supervised fine-tuning on the chosen completions: add a "
-                          "preference loss (e.g. [sigmoid, sft]), or use memrecipe run sft")
-
-
-def for_script(r: Recipe, script: str) -> Recipe:
-    """The recipe as a loop script reads it: its objective's section is its own (`run sft` refuses a `dpo:` section,
-    which it would leave unread; `run dpo` gives a recipe without one TRL's defaults, and trains at
-    dpo.learning_rate, a preference-tuning rate), and what the preference loop does not run yet is refused, saying so."""
-    from dataclasses import replace
-
-    if script == "sft" and r.dpo is not None:
-        raise RecipeError("run sft does not read the dpo: section (preference tuning's keys): remove it (dpo=null)")
-    if script != "dpo":
-        return r
-    r = r if r.dpo is not None else replace(r, dpo=Dpo())
-    rate = r.dpo.learning_rate or (DPO_LEARNING_RATE["lora"] if r.lora else DPO_LEARNING_RATE["full"])
-    r = replace(r, learning_rate=rate, dpo=replace(r.dpo, learning_rate=rate))  # the rate the loop reads, said once
-    if r.parallelism is not None:
-        raise RecipeError("run dpo does not run tensor parallelism in this release: use fsdp-lora or fsdp for a model "
-                          "that one GPU cannot hold")
-    if r.dpo.reference_free:  # simpo, orpo: no reference model, so nothing below applies
-        return r
-    if r.lora is not None and r.lora.init_lora_weights in ("pissa", "olora"):
-        raise RecipeError(f"lora.init_lora_weights {r.lora.init_lora_weights} rewrites the base, so the adapters off "
-                          "are not the reference model: use init_lora_weights true under run dpo (or a "
-                          "reference-free loss_type: simpo, orpo)")
-    return r
-
-
-def on_adapter(r: Recipe, path: str, config: dict) -> Recipe:
-    """The recipe that trains on a saved LoRA adapter (an SFT run's final/, `config` its adapter_config.json): lora:
-    takes the adapter's shape (what its weights are; dropout stays the recipe's), lora.adapter the folder they load
-    from, and a model given as the adapter itself becomes the adapter's base. A full fine-tune starts from a model:
-    refused, naming the merge that makes one."""
-    from dataclasses import replace
-
-    given_as_model = r.model_name_or_path == path
-    if r.lora is None:
-        run = Path(path).parent if (Path(path).parent / "report.json").is_file() else None
-        merge = f"memrecipe export {run} {run}-merged --merge, then --model {run}-merged" if run else \
-            "merge it into its base (peft's merge_and_unload, saved with save_pretrained) and pass that folder"
-        raise RecipeError(f"{path} is a LoRA adapter, and this recipe fine-tunes a whole model: {merge} (or train the "
-                          "adapter on with a LoRA recipe, e.g. --recipe single-gpu-lora)")
-    if config.get("peft_type", "LORA") != "LORA" or not config.get("r"):
-        raise RecipeError(f"{path} holds a {config.get('peft_type')} adapter: memrecipe trains LoRA adapters on")
-    base = config.get("base_model_name_or_path")
-    if given_as_model and not base:
-        raise RecipeError(f"{path}/adapter_config.json names no base_model_name_or_path: give the base as --model and "
-                          f"the adapter as lora.adapter={path}")
-    targets = config.get("target_modules") or ()
-    lora = replace(r.lora, r=int(config["r"]), alpha=float(config.get("lora_alpha") or config["r"]),
-                   target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)),
-                   modules_to_save=tuple(config["modules_to_save"]) if config.get("modules_to_save") else None,
-                   use_dora=bool(config.get("use_dora")), use_rslora=bool(config.get("use_rslora")),
-                   bias=config.get("bias") or "none", init_lora_weights=True, adapter=str(Path(path).expanduser().resolve()))
-    return replace(r, lora=lora, model_name_or_path=base if given_as_model else r.model_name_or_path)
-
-
-def check_optimizer(r: Recipe) -> None:
-    """The optimizer's own keys: what each needs, and which engines leave it room."""
-    engine = "FSDP" if r.fsdp else "DeepSpeed" if r.deepspeed else None
-    optimizer = OPTIMIZERS[r.optim]
-    if r.distributed_type not in optimizer.engines:
-        raise RecipeError(f"optim {r.optim} {optimizer.why_not}: use it with distributed_type "
-                          f"{' or '.join(optimizer.engines)} (or optim=adamw_torch)")
-    if r.low_rank and r.lora is not None:
-        raise RecipeError(f"optim {r.optim} keeps low-rank state for full fine-tuning; LoRA's adapters are low-rank "
-                          "already: set lora=null, or optim=adamw_torch")
-    if r.weight_dtype == "bf16":
-        if r.lora is not None:
-            raise RecipeError("weight_dtype is for full fine-tuning: LoRA keeps its frozen base in the compute dtype "
-                              "and its adapters in fp32 (set weight_dtype=fp32)")
-        if engine:
-            raise RecipeError(f"weight_dtype bf16 is for one process or DDP: {engine} keeps its own weight copies "
-                              "(set weight_dtype=fp32)")
-    if r.mixed_precision == "fp16" and r.fp16_blocker:
-        raise RecipeError(f"{r.fp16_blocker}: set mixed_precision=bf16 (or auto on a GPU with bf16)")
-    if r.optimizer_in_backward:
-        if r.distributed_type != "no":
-            raise RecipeError("optimizer_in_backward runs on one process: under ddp, fsdp or deepspeed gradients are "
-                              "reduced across processes after the hook would have used them (set distributed_type no)")
-        if r.gradient_accumulation_steps > 1:
-            raise RecipeError("optimizer_in_backward updates each parameter as soon as its gradient is complete, so "
-                              "gradients cannot add up over micro batches: set gradient_accumulation_steps=1 (and "
-                              "raise per_device_train_batch_size instead)")
-        if r.max_grad_norm is not None:
-            raise RecipeError("optimizer_in_backward cannot clip: the norm of all gradients is known only after the "
-                              "whole backward, when each parameter is already updated (as in torchtune): set "
-                              "max_grad_norm=null")
-
-
-def template_fields(template: str) -> list[str]:
-    """The column names a `{column}` template refers to (a template that is not one: RecipeError)."""
-    import string
-
-    try:
-        return [name for _, name, _, _ in string.Formatter().parse(template) if name]
-    except ValueError as e:  # an unclosed or single brace
-        raise RecipeError(f"the template {template!r} is not a {{column}} template ({e}; a literal brace is "
-                          "written {{ or }})") from None
-
-
-def check_data(r: Recipe) -> None:
-    """The data keys that can be judged without reading the data: a list of sources is not empty, and each
-    column template parses."""
-    for key in ("dataset", "eval_dataset"):
-        spec = getattr(r, key)
-        if spec == ():
-            raise RecipeError(f"{key} is an empty list: give a path (null: the embedded dataset) or one or more "
-                              "{path: ...} entries")
-        for i, source in enumerate(spec if isinstance(spec, tuple) else ()):
-            for field_name, template in vars(source.columns).items():
-                if template and "{" in template:  # (data.py's rule: a spec with a brace is a template)
-                    try:
-                        template_fields(template)
-                    except RecipeError as e:
-                        raise RecipeError(f"{key}[{i}].columns.{field_name}: {e}") from None
-
-
-def check_lora(r: Recipe) -> None:
-    """LoRA options that an engine or the base cannot carry."""
-    lora = r.lora
-    if lora is None:
-        return
-    rewrites = lora.init_lora_weights in ("pissa", "olora")
-    if rewrites and (r.fsdp or r.deepspeed):
-        raise RecipeError(f"lora.init_lora_weights {lora.init_lora_weights} rewrites the base as it loads, which "
-                          "memrecipe supports on one process or DDP: use distributed_type no or ddp (or "
-                          "init_lora_weights=true)")
-    if rewrites and r.quantization:
-        raise RecipeError(f"lora.init_lora_weights {lora.init_lora_weights} on a quantized base re-quantizes the "
-                          "rewritten weights, so the saved adapter cannot be converted back exactly: use it without "
-                          "quantization (or init_lora_weights=true)")
-    if rewrites and lora.use_dora:
-        raise RecipeError(f"lora.use_dora cannot be converted back from init_lora_weights {lora.init_lora_weights} "
-                          "(the magnitude is learned on the rewritten base): use one of them")
-    if lora.use_dora and r.deepspeed and r.deepspeed.zero_stage == 3:
-        raise RecipeError("lora.use_dora reads each base weight whole inside the adapter, where ZeRO-3 keeps it "
-                          "partitioned: use fsdp-lora or one process (or use_dora=false)")
 
 
 def techniques(r: Recipe) -> list[str]:

@@ -1,5 +1,5 @@
 """Where the recipes, generated configs and the embedded default live, and a name or file -> Recipe: YAML
-read, `base:` chains merged, `key=value` overrides applied (recipe.make_recipe validates the result)."""
+read, `base:` chains merged, `key=value` overrides applied (rules.make_recipe validates the result)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import yaml
 
 from ..errors import RecipeError, did_you_mean
 from .paths import from_recipe_file, read_adapter
-from .recipe import Recipe, for_script, make_recipe, on_adapter
+from .recipe import Recipe
+from .rules import for_script, make_recipe
+from .saved_adapter import trained_on
 
 PACKAGE = Path(__file__).resolve().parents[1]  # memrecipe/ (cli/ in a checkout)
 # the embedded default: a tiny Llama (config and tokenizer; weights built from a seed) and a chat set
@@ -124,19 +126,6 @@ def base_model(data: dict) -> str | None:
         return model
     config = read_adapter(model)  # the model is a saved adapter's folder: its base
     return config.get("base_model_name_or_path") or model if config else model
-
-
-def trained_on(recipe: Recipe) -> Recipe:
-    """A recipe whose model is a saved LoRA adapter (or that names one as lora.adapter) trains that adapter on, on
-    its base (recipe.on_adapter); any other recipe is returned as it is."""
-    named = recipe.lora.adapter if recipe.lora and recipe.lora.adapter else None
-    config = read_adapter(named or recipe.model_name_or_path)
-    if config is None:
-        if named:
-            raise RecipeError(f"lora.adapter {named} is no saved adapter's folder (adapter_config.json, e.g. "
-                              "runs/<run>/final)")
-        return recipe
-    return on_adapter(recipe, named or recipe.model_name_or_path, config)
 
 
 FLAG_KEYS = {"model": "model_name_or_path", "dataset": "dataset", "report_to": "report_to"}

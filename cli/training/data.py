@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..errors import RecipeError, did_you_mean
 from ..planning.paths import FILE_BUILDERS
-from ..planning.recipe import FORMAT_COLUMNS, template_fields
+from ..planning.recipe import FORMAT_COLUMNS
+from ..planning.rules import template_fields
 from ..planning.registry import EMBEDDED_DATASET
 
 IGNORE = -100  # label of tokens that are not targets (prompt, user turns, padding)

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from memrecipe.planning.architecture import structure
-from memrecipe.planning.planner import activation_bytes, activation_mode
+from memrecipe.planning.activations import activation_bytes, activation_mode
 from memrecipe.planning.registry import load_recipe
 from memrecipe.training.loss import fuse_head, lm_loss
 from memrecipe.training.measure import LossMemory

@@ -1,0 +1,129 @@
+"""Activations per process: what each layer saves for backward (by the way PyTorch saves tensors in transformers'
+Llama-family layers, measured on CPU), at each checkpointing mode, and the loss's logits (docs/memory.md)."""
+
+from __future__ import annotations
+
+from .architecture import Structure, lora_tensors_on_meta
+from .attention import dense_mask, pick_attention
+from .recipe import Recipe
+
+
+def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
+    """How the weights meet the compute dtype: fp32 | mixed (autocast over fp32 weights) | half | lora | qlora."""
+    if compute_bytes == 4 and recipe.weight_dtype == "fp32":
+        return "fp32"
+    if recipe.quantization is not None and recipe.quantization.upcast_unquantized:
+        return "qlora"  # 4-bit linears; PEFT's k-bit preparation puts embeddings, norms and head in fp32
+    if recipe.lora is not None:
+        return "lora"  # frozen base stored in half precision (see loading.load_pretrained)
+    if recipe.fsdp is not None or recipe.deepspeed is not None or recipe.weight_dtype == "bf16":
+        return "half"  # FSDP casts gathered params, DeepSpeed keeps the module in half precision
+    return "mixed"
+
+
+def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str) -> int:
+    """Bytes one decoder layer saves for backward (Korthikanti et al. 2022's counting, redone for
+    what transformers' Llama layers and PyTorch autograd really keep; docs/memory.md). `s`: the layer's group
+    (Structure.groups); `attention`: the kernel that runs (planning.attention.pick_attention)."""
+    h, kv, i, a, T = s.hidden, s.kv_dim, s.intermediate, s.heads, b * seq
+    gated = s.gated_mlp
+    moe = s.experts > 0  # the MLP is routed experts, counted below
+    mlp = 0 if moe else (4 if gated else 2) * i  # gated: gate, act, up, act*up; plain: fc1 out, act out
+    q_reads = 3 if any(lin.name == "q_proj" for lin in s.linears) else 1  # separate q/k/v casts
+    up_reads = 2 if gated and any(lin.name == "up_proj" for lin in s.linears) else 1
+    if mode == "fp32":
+        per_token = 4 * (8 * h + 2 * kv + mlp)
+    elif mode == "mixed":  # fp32 residual and norms; each linear saves its own bf16 cast of its input
+        per_token = 4 * h * 4 + 2 * h * (q_reads + up_reads) + 2 * (2 * h + 2 * kv) + 2 * mlp
+    else:  # half weights: norms upcast to fp32 (saved), the rest in 16-bit
+        per_token = 20 * h + 4 * kv + 2 * mlp
+        if mode in ("lora", "qlora"):
+            lora = recipe.lora
+            targets = s.lora_linears(lora.target_modules)
+            per_token -= 8 * h + (2 * i if gated and not moe else 0)  # frozen linears and norms no longer keep their inputs
+            # each adapter: the bf16 cast of its input, its rank-r output, and with dropout the fp32 noise mask
+            per_token += sum(2 * lin.in_features + 2 * lora.r + (4 * lin.in_features if lora.dropout else 0)
+                             for lin in targets)
+        if mode == "qlora":
+            per_token += 33 * h // 2  # the fp32 residual stream and norms (measured, Llama + bnb 4-bit)
+    per_token += 8 + 4 * a  # two fp32 rsqrt vectors, SDPA's log-sum-exp per head
+    if moe:  # top-k routing over transformers 5's fused experts (its batched kernels, measured): per routed
+        # token the expert's gate/up output, activation and product (4 x intermediate) and its gathered input and
+        # output (2 x hidden), in the experts' weight dtype (autocast does not cast them), three int64 indices
+        # and two fp32 weights; per token the router's fp32 probabilities and int64 top-k indices
+        eb = 4 if mode in ("fp32", "mixed") else 2
+        per_token += s.top_k * (eb * (4 * i + 2 * h) + 32) + 4 * s.experts + 8 * s.top_k
+    total = T * per_token
+    cb = 4 if mode == "fp32" else 2  # the attention's compute dtype
+    repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
+    if attention == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated, no log-sum-exp
+        total += b * a * seq * seq * (4 if mode == "fp32" else 6) + repeated - T * 4 * a
+    elif dense_mask(attention, recipe.packing, b):  # sdpa under a mask: K/V repeated, the mask made additive
+        total += repeated + b * seq * seq * cb
+    if mode == "mixed":
+        total += 2 * sum(lin.params for lin in s.linears)  # autocast's bf16 weight copies, saved for backward
+    if mode in ("lora", "qlora"):  # ... and of the fp32 adapters
+        total += 2 * sum(recipe.lora.r * (lin.in_features + lin.out_features) for lin in targets)
+        # (what trains on them: peft's own shapes, read off the meta model, as states.trainable_tensors does)
+        on_experts = [t for t in lora_tensors_on_meta(s.config, recipe.lora) if ".experts." in t.name
+                      and f".layers.{s.first}." in t.name] if moe else []
+        if on_experts:  # peft's ParamWrapper runs the experts on W + BA: that merged weight is saved, in
+            total += 2 * s.expert_params + 2 * sum(t.numel for t in on_experts)  # 16 bits, with its factors' casts
+    return total
+
+
+def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str | None = None) -> dict:
+    """One micro batch on one process: `activations` and `logits` (the categories), `saved_peak` (most
+    bytes held for backward at once), `forward_saved` (held when the forward ends), `layer` (one layer's),
+    `host` (checkpointed inputs moved to host memory by activation_offload). `attention`: the kernel that runs
+    (planning.attention.pick_attention; None: what runs on CPU)."""
+    h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
+    if attention is None:  # the kernel on CPU (what the tests measure)
+        attention = pick_attention(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,
+                            flash=False, flex=False).name
+    # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
+    # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
+    tp = recipe.parallelism.tp_size if recipe.parallelism else 1
+    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq, attention) // tp) for g in s.groups()]
+    layer = max(one for _, one in layers)  # the largest layer's (one is recomputed at a time)
+    every_layer = sum(n * one for n, one in layers)
+    host = 0
+    residual = 2 if mode in ("half", "lora") else 4
+    rope = T * 2 * d * (4 if mode in ("fp32", "mixed", "qlora") else 2)
+    norm = T * ({"fp32": 12, "mixed": 10, "half": 8, "lora": 4, "qlora": 10}[mode] * h + 4)
+    if recipe.fused_loss:  # the head's matmul no longer keeps its input (the chunks keep the targets' own)
+        norm -= T * h * {"fp32": 4, "mixed": 2, "half": 2, "lora": 0, "qlora": 2}[mode]
+    head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
+    small = T * 8 + rope  # input ids, rotary cos/sin
+    if recipe.fused_loss:  # the chunks keep their inputs (the target positions' hidden states, planned as all)
+        saved_logits = T * h * residual
+        # forward, a chunk at a time: its fp32 logits and their log-sum-exp's temporary, 8 bytes a logit (12 through a
+        # wrapped head: LoRA on lm_head runs its own forward under checkpointing, autograd's three fp32 [chunk x
+        # vocab]), beside the head's weights cast once under autocast. Backward (HeadLoss) walks the head in blocks
+        # of rows: the input's gradient summed in fp32, a trained head's gradient written out (the window holds it),
+        # each block's fp32 sum and product (a quarter of a chunk's logits each). Beside both, the chunks' inputs.
+        # Measured by tests/workers/head_loss_bytes.py (benchmarks/loss_memory.py --chunks).
+        wrapped = recipe.lora is not None and "lm_head" in recipe.lora.target_modules
+        cV = min(recipe.loss_chunk_tokens, T) * V
+        forward = (12 if wrapped else 8) * cV + head_copy
+        backward = 4 * T * h
+        if recipe.lora is None:  # a trained head
+            backward += V * h * (2 if mode == "half" else 4) + 2 * cV
+        logits, head_copy = max(forward, backward) + T * h * residual, 0
+    else:
+        saved_logits = (T - b) * V * 4  # fp32 log-softmax kept for the loss's backward
+        logits = 12 * T * V  # the same three fp32 [tokens x vocab] at the log-softmax's backward (measured)
+    if recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
+        inputs = s.layers * T * h * residual  # each layer keeps only its input; one layer is recomputed at a time
+        if recipe.activation_offload:  # ... in host memory; on the device the one its layer's recompute uses and
+            host, inputs = inputs, 2 * T * h * residual  # the next, prefetched (layers.HostOffload)
+        forward_saved = inputs + small + norm + head_copy + saved_logits
+        saved_peak = max(forward_saved, inputs + small + layer)  # the loss's tensors are gone by the recompute
+        acts = inputs + small + max(layer, norm + head_copy)
+        working = max(inputs + small + norm + head_copy + logits, inputs + small + layer)  # loss, or a recompute
+    else:
+        acts = every_layer + small + norm + head_copy
+        forward_saved = saved_peak = acts + saved_logits
+        working = acts + logits  # every layer's activations are still held at the loss
+    return {"activations": acts, "logits": logits, "saved_peak": saved_peak, "forward_saved": forward_saved,
+            "layer": layer, "host": host, "working": working}

@@ -1,0 +1,340 @@
+"""Model states per process, for one engine (one process or DDP, FSDP, ZeRO-1/2, ZeRO-3): parameters, gradients,
+optimizer state (8-bit, low-rank, paged), what a layer gathers while it computes, host RAM for offload and for
+loading, and DPO's second copy where there is one. The numbers estimate adds activations to (docs/memory.md)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import RecipeError
+from ..units import GiB
+from .architecture import Structure, Tensor, lora_tensors_on_meta
+from .optimizers import OPTIMIZERS
+from .recipe import Recipe
+
+
+BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit state for tensors smaller than this
+BNB_BLOCK = 256  # ... and one float32 absmax per block of 256 per state, plus a 256-entry qmap per state
+
+
+def adam_state_bytes(tensors: list[int], eight_bit: bool) -> int:
+    """AdamW state: two fp32 moments (+ a step scalar) per tensor; bitsandbytes 8-bit: two uint8
+    moments with a float32 absmax per 256-element block, for tensors of >= 4096 elements (smaller
+    ones keep fp32 moments), plus two 256-entry quantisation maps shared by all tensors."""
+    total = 0
+    for n in tensors:
+        if eight_bit and n >= BNB_MIN_8BIT:
+            total += 2 * (n + 4 * math.ceil(n / BNB_BLOCK))
+        else:
+            total += 8 * n + (0 if eight_bit else 4)
+    if eight_bit and any(n >= BNB_MIN_8BIT for n in tensors):
+        total += 2 * 4 * 256
+    return total
+
+
+TORCHAO_BLOCK = 256  # torchao's AdamW8bit: one fp32 scale per block of 256, and a 256-entry fp32 map per state
+
+
+def optimizer_state_bytes(recipe: Recipe, tensors: list[Tensor], weight_bytes: int) -> int:
+    """The optimizer state of these trained tensors. AdamW keeps two moments per tensor in its dtype
+    (fp32 masters: 4 bytes each; bf16 weights: 2) and a 4-byte step. bitsandbytes' 8-bit: adam_state_bytes,
+    but embeddings keep fp32 moments (optimizers.EMBEDDING_BITS).
+    torchao's 8-bit (adamw_torch_8bit): uint8 moments with an fp32 scale per 256-block and a map of their
+    own, for tensors of >= 4096 elements that split into whole blocks; embeddings keep fp32 moments
+    (optimizers.EMBEDDING_BITS); other tensors, moments in their dtype. APOLLO: a projected m x n matrix
+    keeps its moments in rank x max(m, n) and the projection rank x min(m, n) (in its dtype), and a
+    0-dim norm; the rest are AdamW's moments, with int steps."""
+    state = OPTIMIZERS[recipe.optim].state
+    if state == "bnb_8bit":  # embeddings: fp32 moments and an int step
+        embeddings = sum(8 * t.numel for t in tensors if t.kind == "embedding")
+        return embeddings + adam_state_bytes([t.numel for t in tensors if t.kind != "embedding"], eight_bit=True)
+    total = 0
+    if state == "torchao_8bit":
+        for t in tensors:
+            n = t.numel
+            if t.kind == "embedding":
+                total += 8 * n
+            elif n >= BNB_MIN_8BIT and n % TORCHAO_BLOCK == 0:
+                total += 2 * (n + 4 * n // TORCHAO_BLOCK + 4 * 256)
+            else:
+                total += 2 * weight_bytes * n
+            total += 4
+        return total
+    if state == "low_rank":
+        r, projected = recipe.optim_args.rank, set(projected_tensors(recipe, tensors))
+        for i, t in enumerate(tensors):
+            if i in projected:
+                m, n = t.shape
+                total += weight_bytes * (2 * r * max(m, n) + r * min(m, n) + 1)
+            else:
+                total += 2 * weight_bytes * t.numel
+        return total
+    return sum(2 * weight_bytes * t.numel + 4 for t in tensors)
+
+
+def step_temporaries(recipe: Recipe, tensors: list[Tensor], weight_bytes: int) -> int:
+    """Bytes an optimizer's step allocates beyond its state. APOLLO (apollo_torch/apollo.py, random_projector.py),
+    gradients in the weights' dtype: a projected m x n matrix makes `scaled_grad` = its gradient x the channel
+    scale, then divides it by the norm-growth limiter into a second full-size tensor (2 x m x n x the gradient's
+    bytes), beside its projected gradient, `denom`, `norm_grad` and their norms (~4 x rank x max(m, n)); at a refresh
+    (the first step, then every update_proj_gap) get_orthogonal_matrix first copies a 16-bit gradient to fp32 (4 x
+    m x n, freed before). A tensor it does not project (embeddings, norms) makes AdamW's `denom` and `norm_grad`,
+    each its size. One step over all tensors keeps the previous tensor's last update alive in the loop's locals
+    while the next one's are made: its largest other tensor's size comes on top; with the step in backward each
+    tensor steps alone. The other optimizers' steps are not counted yet (torch's foreach AdamW makes whole-list
+    intermediates; bitsandbytes' and torchao's steps are fused kernels): docs/memory.md."""
+    if OPTIMIZERS[recipe.optim].state != "low_rank":
+        return 0
+    projected, r, gb = set(projected_tensors(recipe, tensors)), recipe.optim_args.rank, weight_bytes
+    each = []
+    for i, t in enumerate(tensors):
+        if i in projected:
+            m, n = t.shape
+            each.append(max(2 * t.numel * gb, 4 * t.numel if gb < 4 else 0) + 4 * r * max(m, n) * gb)
+        else:
+            each.append(2 * t.numel * gb)
+    largest = max(range(len(tensors)), key=each.__getitem__)
+    if recipe.optimizer_in_backward:
+        return each[largest]
+    return each[largest] + max((t.numel * gb for i, t in enumerate(tensors) if i != largest), default=0)
+
+
+def projected_tensors(recipe: Recipe, tensors: list[Tensor]) -> list[int]:
+    """Indices of the weights a low-rank optimizer projects (optimizers.projected_names: the linear weights
+    optim_target_modules names, lm_head included under all-linear)."""
+    targets = recipe.optim_target_modules
+    return [i for i, t in enumerate(tensors) if t.kind == "linear" and (targets == "all-linear" or t.name in targets)]
+
+
+def quantized_bytes(numel: int, rows: int, q) -> int:
+    """One bitsandbytes-quantized weight with its scales. 8-bit: a byte per weight and an fp32 scale
+    per row. 4-bit: two weights per byte and an absmax per block of 64 weights (fp32; with double
+    quantization uint8, plus an fp32 absmax per 256 of those, an offset and its own copy of the
+    256-entry fp32 map), and a 16-entry fp32 code."""
+    return (numel if q.bits == 8 else math.ceil(numel / 2)) + quant_scale_bytes(numel, rows, q)
+
+
+def quant_scale_bytes(numel: int, rows: int, q) -> int:
+    """The scales and codes of one quantized weight (bitsandbytes' quant_state; quantized_bytes less the packed
+    weights)."""
+    if q.bits == 8:
+        return 4 * rows
+    blocks = math.ceil(numel / 64)
+    return (blocks + 4 * math.ceil(blocks / 256) + 4 + 4 * 256 if q.double_quant else 4 * blocks) + 4 * 16
+
+
+def quant_state_bytes(recipe: Recipe, s: Structure) -> int:
+    """The quantized linears' scales and codes (bitsandbytes' quant_state), the whole model's."""
+    q = recipe.quantization
+    if q is None or not recipe.lora:
+        return 0
+    return sum(g.layers * sum(quant_scale_bytes(lin.in_features * lin.out_features, lin.out_features, q)
+                              for lin in g.linears) for g in s.groups())
+
+
+def base_bytes(recipe: Recipe, s: Structure, cb: int, layer_only: bool = False) -> int:
+    """The frozen LoRA base (the whole model, or one decoder layer): in the compute dtype; or with
+    quantization, the decoder layers' linears quantized and the rest (embeddings, head, norms, biases)
+    in the 4-bit storage dtype, or in fp32 after PEFT's k-bit preparation (upcast_unquantized)."""
+    q = recipe.quantization
+    if q is None:
+        return cb * (s.largest_layer_params if layer_only else s.params)
+    # loaded in the float quant_storage dtype (uint8 storage: the compute dtype), or upcast by PEFT
+    other = 4 if q.upcast_unquantized else {"bf16": 2, "fp16": 2, "fp32": 4}.get(q.quant_storage, cb)
+    layers = [(g.layers, sum(quantized_bytes(lin.in_features * lin.out_features, lin.out_features, q)
+                             + (other * lin.out_features if lin.bias else 0) for lin in g.linears)
+               + other * sum(g.layer_norm_params)) for g in s.groups()]
+    if layer_only:  # the largest layer
+        return max(layer for _, layer in layers)
+    return sum(n * layer for n, layer in layers) + other * sum(s.top_params)
+
+
+def trainable_tensors(recipe: Recipe, s: Structure) -> list[Tensor]:
+    """What trains: every tensor of a full fine-tune; with LoRA the adapters (A, B, DoRA's magnitude per
+    output channel), the biases `bias` names, and a copy of each module of `modules_to_save`."""
+    lora = recipe.lora
+    if lora is None:
+        return s.tensors()
+    if s.experts:  # peft adapts fused experts and routers in shapes of its own: read them off peft
+        return lora_tensors_on_meta(s.config, lora)
+    adapters = []
+    for g in s.groups():
+        r, targets = lora.r, g.lora_linears(lora.target_modules)
+        per_layer = [t for lin in targets for t in (Tensor("lora_A", (r, lin.in_features), "other"),
+                                                    Tensor("lora_B", (lin.out_features, r), "other"))]
+        if lora.use_dora:
+            per_layer += [Tensor("lora_magnitude_vector", (lin.out_features,), "other") for lin in targets]
+        biased = {"none": [], "all": g.linears, "lora_only": targets}[lora.bias]
+        per_layer += [Tensor(lin.name, (lin.out_features,), "other") for lin in biased if lin.bias]
+        adapters += per_layer * g.layers
+    copies = []
+    for name in lora.modules_to_save or ():
+        matched = [t for t in s.tensors() if t.name == name]
+        if name == "lm_head" and not matched:  # tied to the embeddings: peft copies the head, untied
+            matched = [Tensor("lm_head", (s.vocab, s.hidden), "linear")]
+        if not matched:
+            raise RecipeError(f"lora.modules_to_save names {name!r}, which this {s.model_type} model has not "
+                              "(e.g. embed_tokens, lm_head)")
+        copies += matched
+    return adapters + copies
+
+
+def loading_bytes(recipe: Recipe, s: Structure, cb: int, local: int) -> int:
+    """Host RAM per machine while the model loads. Every process reads the whole model into host memory
+    before FSDP shards it or accelerate moves it to the GPU (transformers 5.x loads real weights on every
+    rank), but under FSDP2 with cpu_ram_efficient_loading, where rank 0 alone loads them and broadcasts them
+    as shards. Weights converted as they load (fp32 masters from a 16-bit checkpoint, 4-bit quantization)
+    are each process's private copy; a 16-bit frozen base stays mapped from the checkpoint, one copy per
+    machine. Under FSDP2 accelerate upcasts trainable weights to fp32 on every rank before sharding
+    (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model), so loading in bf16 would not save the copies.
+    ZeRO-2 counts its copy with its model states; ZeRO-3 builds the model partitioned (zero.Init)."""
+    if recipe.deepspeed is not None:
+        return 0
+    if recipe.quantization is not None:
+        return base_bytes(recipe, s, cb) * local
+    if recipe.lora is not None:
+        return cb * s.params
+    if rank0_loads(recipe):  # the other processes build the model without weights and receive rank 0's as shards
+        return weight_bytes(recipe) * s.params
+    return weight_bytes(recipe) * s.params * local  # (tensor parallelism too: each rank loads all, keeps its slices)
+
+
+def rank0_loads(recipe: Recipe) -> bool:
+    """FSDP2 with cpu_ram_efficient_loading: rank 0 alone loads the weights (loading.rank0_loads, the loop's side of
+    the same rule; the generated config turns it on wherever FSDP2 runs, CPU included)."""
+    return recipe.fsdp is not None and recipe.fsdp.version == 2 and recipe.fsdp.cpu_ram_efficient_loading
+
+
+def weight_bytes(recipe: Recipe) -> int:
+    """Bytes per trained weight: fp32 masters, or bf16 weights with no master copy (weight_dtype)."""
+    return 2 if recipe.weight_dtype == "bf16" else 4
+
+
+@dataclass
+class States:
+    """Model states per process for one engine (bytes), what of them a layer gathers while it computes, and the host
+    RAM per machine they put there: what `estimate` adds activations and the rest to."""
+    params: int
+    grads: int
+    optimizer: int
+    host: int = 0
+    gathered_params: int = 0
+    gathered_grads: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The figures every engine's count reads: the model, what trains, the topology's shares."""
+    params: int  # the model's parameters
+    trained: int  # trainable parameters (all of them, or the adapters)
+    compute_bytes: int  # 2 in bf16/fp16, 4 in fp32
+    weight_bytes: int  # bytes per trained weight (fp32 masters, bf16 weights, LoRA's fp32 adapters)
+    optimizer: int  # the optimizer's state, whole
+    processes: int
+    machines: int
+
+    @property
+    def local(self) -> int:
+        return self.processes // self.machines
+
+
+def zero3_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
+    """DeepSpeed's own accounting (estimate_zero3_model_states_mem_needs): 16-bit params and grads of the largest
+    layer gathered on the GPU; 2 bytes/param of 16-bit weights, 16 of fp32 state per trained param (master, two
+    moments, fp32 grad) partitioned, or offloaded to host RAM."""
+    ds, layer, n = recipe.deepspeed, s.largest_module, z.processes
+    out = States(2 * layer, 2 * layer, 0, gathered_params=2 * layer, gathered_grads=2 * layer,
+                 notes=["ZeRO-3 model states follow DeepSpeed's estimate_zero3_model_states_mem_needs"])
+    if ds.offload_param != "none":
+        out.host = (16 * z.trained + 2 * z.params) // z.machines  # = 18 P when everything trains
+    elif ds.offload_optimizer != "none":
+        out.params += 2 * z.params // n
+        out.host = 16 * z.trained // z.machines
+    else:
+        out.params, out.grads, out.optimizer = out.params + 2 * z.params // n, out.grads + 4 * z.trained // n, \
+            12 * z.trained // n
+        if ds.zero3_init:
+            out.host = 4 * layer * z.local  # zero.Init materialises one layer at a time per process
+    return out
+
+
+def zero2_states(recipe: Recipe, z: Sizes) -> States:
+    """ZeRO-1/2, DeepSpeed's own accounting (estimate_zero2_model_states_mem_needs): 16-bit weights replicated;
+    16-bit and fp32 gradients, fp32 master weights and moments partitioned, or, with optimizer offload, all of that
+    in host RAM; loading puts a full fp32 copy per process on the host."""
+    notes = ["ZeRO-1/2 model states follow DeepSpeed's estimate_zero2_model_states_mem_needs"]
+    if recipe.deepspeed.offload_optimizer != "none":
+        return States(2 * z.params, 0, 0, max(4 * z.params * z.local, 16 * z.trained // z.machines), notes=notes)
+    n = z.processes
+    return States(2 * z.params, 6 * z.trained // n, 12 * z.trained // n, 4 * z.params * z.local, notes=notes)
+
+
+def fsdp_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
+    """FSDP's shards, the units it gathers (the running one and the prefetched one, or all of it without
+    resharding), a full unit's gradients before the reduce-scatter; with parameter offload, the shards on the host."""
+    f, n, cb = recipe.fsdp, z.processes, z.compute_bytes
+    tp = recipe.parallelism.tp_size if recipe.parallelism else 1
+    # one decoder layer, or the root (embeddings, head); under TP, FSDP gathers a unit's TP shard only
+    unit = max(s.largest_layer_params, s.root_params) // tp
+    # the shards: trained params in fp32, a frozen LoRA base in the compute dtype (or quantized)
+    base = base_bytes(recipe, s, cb) if recipe.lora else 0
+    # a quantized base's scales are no part of FSDP's flat parameters: FSDP1 moves each parameter to the GPU
+    # (bitsandbytes' Params4bit.to moves its quant_state there, in place) and shards or offloads only the
+    # flat parameter, so every GPU keeps the whole model's absmax, nested absmax and codes
+    scales = quant_state_bytes(recipe, s)
+    sharded = (base - scales + 4 * (z.trained if recipe.lora else z.params)) // n
+    unit_bytes = max(base_bytes(recipe, s, cb, layer_only=True), cb * s.root_params) if recipe.quantization \
+        else cb * unit
+    units = 2 * unit_bytes if f.reshard_after_forward else (base or cb * z.params // tp)
+    unit_grads = 0 if recipe.lora else cb * unit  # a full unit's gradients before the reduce-scatter
+    if f.offload_params:
+        out = States(units + scales, unit_grads, 0, (sharded + 4 * z.trained // n + z.optimizer // n) * z.local)
+    else:
+        out = States(sharded + units + scales, 4 * z.trained // n + unit_grads, z.optimizer // n)
+    out.gathered_params, out.gathered_grads = units, unit_grads
+    if scales:
+        out.notes.append(f"each GPU keeps the whole base's quantization scales ({scales / GiB:.2f} GiB): FSDP shards "
+                         "only the packed weights")
+    return out
+
+
+def plain_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
+    """One process, or DDP: the whole model, its trainable gradients (twice under DDP: its buckets), the state."""
+    grads = z.weight_bytes * z.trained
+    if recipe.optimizer_in_backward:  # each gradient is freed by its parameter's update: one at a time
+        grads = z.weight_bytes * max(t.numel for t in train)
+    elif z.processes > 1:
+        grads += z.weight_bytes * z.trained  # DDP's gradient buckets: a second copy of the trainable gradients
+    base = base_bytes(recipe, s, z.compute_bytes) if recipe.lora else 0
+    return States(base + z.weight_bytes * z.trained, grads, z.optimizer)
+
+
+def add_reference(recipe: Recipe, z: Sizes, states: States) -> None:
+    """DPO's reference, where it is a second copy: of the initial model (loaded as the policy is; sharded under
+    FSDP, partitioned under ZeRO-3 in the engine's compute dtype and offloaded with the policy's parameters), or
+    of a saved adapter (fp32, as loaded) beside the one that trains."""
+    zero3 = recipe.deepspeed is not None and recipe.deepspeed.zero_stage == 3
+    n = z.processes
+    if recipe.dpo_reference == "copy":
+        offloaded = zero3 and recipe.deepspeed.offload_param != "none"
+        copy = z.compute_bytes * z.params // n if zero3 else z.weight_bytes * z.params // (n if recipe.fsdp else 1)
+        if offloaded:
+            states.host += copy * z.local
+        else:
+            states.params += copy
+        states.notes.append(f"the reference: a frozen copy of the model ({copy / GiB:.2f} GiB per process"
+                            + (", in host memory)" if offloaded else ")"))
+    if recipe.lora and recipe.lora.adapter and recipe.dpo and not recipe.dpo.reference_free:  # (store or not)
+        states.params += 4 * z.trained // (n if recipe.fsdp or zero3 else 1)
+        states.notes.append(f"the reference: the saved adapter's frozen copy ({4 * z.trained / 2**20:,.1f} MiB), no "
+                            "second model")
+
+
+def engine_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
+    if recipe.deepspeed is not None:
+        return zero3_states(recipe, s, z) if recipe.deepspeed.zero_stage == 3 else zero2_states(recipe, z)
+    if recipe.fsdp:
+        return fsdp_states(recipe, s, z)
+    return plain_states(recipe, s, z, train)
