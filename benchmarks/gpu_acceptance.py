@@ -191,10 +191,11 @@ def main():
     parser.add_argument("--cpu", action="store_true", help="smoke mode: the embedded tiny model, gloo, 2 recipes")
     parser.add_argument("--shapes", default="1b", help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--steps", type=int, default=None, help="steps per run, even (default 10; --cpu 4)")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default 900; --cpu 120)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default 900; --cpu 400: a bound "
+                        "for a hang, not for a busy machine, where a ~15 s run once took over 120 s)")
     parser.add_argument("--out", type=Path, default=Path(time.strftime("acceptance-%Y%m%d-%H%M%S")))
     args = parser.parse_args()
-    steps, timeout = args.steps or (4 if args.cpu else 10), args.timeout or (120 if args.cpu else 900)
+    steps, timeout = args.steps or (4 if args.cpu else 10), args.timeout or (400 if args.cpu else 900)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cpu:
         shapes, gpus, cases = {"embedded": None}, 2, [("sft", *c) for c in CPU] + [("dpo", *PREFERENCES[0])]
