@@ -4,8 +4,8 @@ import click
 
 from ..errors import RecipeError
 from ..planning.paths import check_paths
-from ..planning.rules import make_recipe
 from ..planning.registry import read_with_bases, read_yaml
+from ..planning.rules import make_recipe
 
 
 @click.command("validate")

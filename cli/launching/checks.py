@@ -11,16 +11,16 @@ from pathlib import Path
 import yaml
 
 from ..errors import RecipeError, did_you_mean
+from ..layout import STATE, complete_checkpoints, lost_files
 from ..planning.architecture import read_config, structure
 from ..planning.hardware import Machine
-from ..planning.planner import breakdown, estimate, judge, judge_each, recommend
-from ..planning.states import rank0_loads
 from ..planning.paths import PATH_KEYS
+from ..planning.planner import breakdown, estimate, judge, judge_each, recommend
 from ..planning.recipe import METHODS, method
 from ..planning.registry import load_recipe, recipe_names
+from ..planning.states import rank0_loads
 from ..planning.topology import Topology, make_topology
 from ..units import GiB
-from ..layout import STATE, complete_checkpoints, lost_files
 from .run_folder import RunFolder
 
 RESUMABLE_KEYS = ("max_steps", "num_train_epochs")

@@ -11,11 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..layout import LAUNCH_CONFIG, RECIPE, machine_file
 from ..planning.configs import launch_env, launch_words
 from ..planning.recipe import Recipe
 from ..planning.registry import data_dir
 from ..planning.topology import Topology
-from ..layout import LAUNCH_CONFIG, RECIPE, machine_file
 from .run_folder import LAUNCHED_BY
 
 SCRIPTS = ("sft", "dpo")  # recipes/<name>.py: the loop scripts

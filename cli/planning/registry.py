@@ -33,8 +33,10 @@ def model_cache() -> Path:
 
 def is_embedded(model: str | None) -> bool:
     """The model is memrecipe's embedded tiny Llama: null, or its built folder (a saved adapter's base)."""
-    folder = Path(model).expanduser().resolve() if model else None
-    return folder is None or (folder.parent == model_cache().expanduser().resolve() and folder.name.startswith("tiny-llama-"))
+    if not model:  # (the loop builds the embedded model for an empty name too)
+        return True
+    folder = Path(model).expanduser().resolve()
+    return folder.parent == model_cache().expanduser().resolve() and folder.name.startswith("tiny-llama-")
 
 
 def data_dir(name: str) -> Path:

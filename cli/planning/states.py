@@ -13,7 +13,6 @@ from .architecture import Structure, Tensor, lora_tensors_on_meta
 from .optimizers import OPTIMIZERS
 from .recipe import Recipe
 
-
 BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit state for tensors smaller than this
 BNB_BLOCK = 256  # ... and one float32 absmax per block of 256 per state, plus a 256-entry qmap per state
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from ..errors import RecipeError, did_you_mean
 from ..planning.paths import FILE_BUILDERS
 from ..planning.recipe import FORMAT_COLUMNS
-from ..planning.rules import template_fields
 from ..planning.registry import EMBEDDED_DATASET
+from ..planning.rules import template_fields
 
 IGNORE = -100  # label of tokens that are not targets (prompt, user turns, padding)
 NO_TEMPLATE = ("the dataset has 'messages' but the tokenizer has no chat template: set chat_template to a Jinja "
