@@ -169,7 +169,7 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
     name = torch.cuda.get_device_name(accelerator.device) if cuda else "cpu"
     topo = launched_topology(accelerator.num_processes, cpu=not cuda)
     machines = topo.num_machines
-    plan = estimate(recipe, shape, topo)
+    plan = estimate(recipe, shape, topo, attention=setup.get("attention"))  # the kernel that ran, not a guess
     this_session = [r for r in history if r["step"] > setup.get("resumed_at_step", 0)]  # what `wall` timed
     tokens = sum(r["tokens"] for r in this_session)
     slots = sum(r.get("slots", r["tokens"]) for r in this_session)  # rows x their padded width

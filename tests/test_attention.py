@@ -83,6 +83,9 @@ def test_the_planner_plans_the_kernel_auto_picks(monkeypatch):
     assert flash.attention == "flash_attention_2" and flash.activations == auto.activations
     cpu = estimate(load_recipe("single-gpu-lora", words), s, Topology(1, cpu=True))
     assert cpu.attention == "sdpa" and cpu.activations == sdpa.activations
+    # a run's report plans the kernel that ran: auto that fell back to sdpa on a GPU is planned as sdpa
+    ran = estimate(load_recipe("single-gpu-lora", words), s, Topology(1), attention="sdpa")
+    assert ran.attention == "sdpa" and ran.activations == sdpa.activations
 
 
 def test_plan_says_which_kernel_it_planned(cli):

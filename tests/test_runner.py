@@ -129,3 +129,28 @@ def test_a_run_visits_each_module_on_its_way_to_the_launch_for_one_reason(script
     assert {"planning.rules", "planning.planner", "planning.configs", "launching.launch"} <= modules, path
     again = reentries(path)
     assert len(again) <= 8, "\n".join(f"{stop}{'  <- again' if stop in again else ''}" for stop in path)
+
+
+def test_a_run_decides_its_precision_once_and_every_file_reads_that_decision(tmp_path):
+    """`mixed_precision: auto` is worked out once, where the run's plan starts (topology.plan_topology), and the
+    configs, the estimate and the run folder's recipe read the decided recipe: a V100 (no bf16) plans fp16 in all."""
+    import sys
+
+    from memrecipe.planning import topology
+
+    decided = []
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code is topology.resolve_precision.__code__:
+            decided.append(frame.f_locals["recipe"].mixed_precision)
+
+    volta = Machine(gpus=8, gpu_memory=32 * GiB, bf16=False, cores=96, host_memory=1024 * GiB)
+    sys.setprofile(watch)
+    try:
+        plan = plan_run("sft", "fsdp-lora", [], tmp_path / "run", {"num_processes": 8}, dry_run=True, machine=volta)
+    finally:
+        sys.setprofile(None)
+    assert decided.count("auto") == 1, decided
+    assert yaml.safe_load(plan.files["recipe.yaml"])["mixed_precision"] == "fp16"
+    assert yaml.safe_load(plan.files["accelerate_config.yaml"])["mixed_precision"] == "fp16"
+    assert plan.recipe.mixed_precision == "fp16"

@@ -15,7 +15,7 @@ from ..planning.paths import absolute_paths, check_paths
 from ..planning.planner import Verdict
 from ..planning.recipe import Recipe
 from ..planning.registry import load_recipe
-from ..planning.topology import Topology, plan_topology
+from ..planning.topology import Topology, decide_precision, plan_topology
 from ..units import GiB
 from .checks import check_fits, deepspeed_builds, preflight, resumable
 from .launch import SCRIPTS, launch, stream
@@ -70,6 +70,7 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
     if resume:
         r, topo = resumable(output_dir, recipe_ref, words, topology_flags.get("num_processes"), machine,
                             topology_flags.get("machine_rank", 0))
+        r = decide_precision(r, topo)
         if r.script != script:  # the folder's recipe says which loop trained it
             raise RecipeError(f"{output_dir} is a run of {r.script}: continue it with memrecipe run {r.script} "
                               f"--resume --output-dir {output_dir}")
@@ -78,7 +79,7 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
             raise RecipeError("name a recipe with --recipe (memrecipe ls lists them), or --resume a run")
         r = absolute_paths(load_recipe(recipe_ref, words, script))
         check_paths(r)  # also in a dry run: a missing file is known without reading anything
-        topo = plan_topology(r, machine, **topology_flags, refused=refused if dry_run else None)
+        r, topo = plan_topology(r, machine, **topology_flags, refused=refused if dry_run else None)
         preflight(r)  # the model, the tokenizer and the data, read as the run reads them (a dry run too)
     try:
         notes = deepspeed_builds(r, topo)  # (beside the other checks: what compiles before the first step)

@@ -104,8 +104,9 @@ def speed_cost(recipe: Recipe, precision: str) -> float:
 
 
 def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | None = None,
-             seq_length: int | None = None) -> Estimate:
-    """Memory per process and per machine for this recipe, model and topology."""
+             seq_length: int | None = None, attention: str | None = None) -> Estimate:
+    """Memory per process and per machine for this recipe, model and topology. `attention`: the kernel that ran (a
+    run's report); None plans the one a launch here would pick."""
     if s.experts and recipe.quantization is not None:
         share = sum(g.layers * g.expert_params for g in s.groups()) / s.params
         raise RecipeError(f"QLoRA saves little on {s.model_type}, whose experts ({share:.0%} of its parameters) are fused "
@@ -128,11 +129,13 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")
     # the kernel a launch here would run: with flash-attn installed here, its varlen kernel; on a GPU without it,
     # flex_attention over packed rows (planning.attention)
-    attention = pick_attention(recipe.attn_implementation, cuda=not topo.cpu, half=compute_bytes == 2,
-                               packing=recipe.packing, flash=flash_installed(), flex=True)
-    if attention.name != recipe.attn_implementation:
-        notes.append(f"attention: {attention.name} ({attention.why})")
-    act = activation_bytes(recipe, s, activation_mode(recipe, compute_bytes), batch, seq, attention.name)
+    if attention is None:
+        picked = pick_attention(recipe.attn_implementation, cuda=not topo.cpu, half=compute_bytes == 2,
+                                packing=recipe.packing, flash=flash_installed(), flex=True)
+        attention = picked.name
+        if attention != recipe.attn_implementation:
+            notes.append(f"attention: {attention} ({picked.why})")
+    act = activation_bytes(recipe, s, activation_mode(recipe, compute_bytes), batch, seq, attention)
     # the step's temporaries: after backward (the activations gone), or inside it, beside the checkpointed inputs
     working = max(act["working"], step + (act["forward_saved"] if recipe.optimizer_in_backward else 0))
     if step:
@@ -148,7 +151,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         activations=int(act["activations"]), logits=int(act["logits"]),
         overhead=CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, host_offload=int(states.host), cpu=topo.cpu,
         speed_cost=speed_cost(recipe, precision), saved_peak=int(act["saved_peak"]), working=int(working),
-        host_load=int(load), notes=tuple(notes), step=int(step), attention=attention.name,
+        host_load=int(load), notes=tuple(notes), step=int(step), attention=attention,
         gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import RecipeError
 from .recipe import METHODS, Recipe, method
@@ -65,10 +65,11 @@ def make_topology(num_processes=1, num_machines=1, machine_rank=0, main_process_
 
 
 def plan_topology(recipe: Recipe, machine, num_processes=None, num_machines=1, machine_rank=0,
-                  main_process_ip=None, main_process_port=None, cpu=False, refused: list | None = None) -> Topology:
-    """The topology for this run: the flags, else every GPU (as many as the recipe takes), else
-    the CPU smoke-test form (1 process, or 2 for recipes that shard). What this machine cannot hold (GPUs,
-    cores) is refused, or with `refused` (a dry run) listed there."""
+                  main_process_ip=None, main_process_port=None, cpu=False,
+                  refused: list | None = None) -> tuple[Recipe, Topology]:
+    """The topology for this run, and the recipe with its precision decided on it: the flags, else every GPU (as
+    many as the recipe takes), else the CPU smoke-test form (1 process, or 2 for recipes that shard). What this
+    machine cannot hold (GPUs, cores) is refused, or with `refused` (a dry run) listed there."""
     cpu = cpu or machine.gpus == 0
     s = recipe.supports
     if num_processes is None:
@@ -78,6 +79,7 @@ def plan_topology(recipe: Recipe, machine, num_processes=None, num_machines=1, m
             num_processes = min(machine.gpus, s.max_processes or machine.gpus) * num_machines
     topo = make_topology(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, cpu,
                          None if cpu else machine.bf16)
+    recipe = decide_precision(recipe, topo)
     check_supported(recipe, topo)
     local, why = topo.processes_per_machine, None
     if not cpu and local > machine.gpus:
@@ -91,7 +93,7 @@ def plan_topology(recipe: Recipe, machine, num_processes=None, num_machines=1, m
         raise RecipeError(why)
     if why:
         refused.append(why)
-    return topo
+    return recipe, topo
 
 
 def launched_topology(num_processes: int, cpu: bool, bf16: bool | None = None) -> Topology:
@@ -113,6 +115,12 @@ def resolve_precision(recipe: Recipe, topo: Topology) -> str:
     if topo.cpu or topo.bf16 is not False:
         return "bf16"
     return "fp16"
+
+
+def decide_precision(recipe: Recipe, topo: Topology) -> Recipe:
+    """The recipe with its precision decided for this topology (`auto` -> bf16 or fp16): decided once where a run's
+    plan starts, so the configs, the estimate and the run folder's recipe.yaml read the same answer."""
+    return replace(recipe, mixed_precision=resolve_precision(recipe, topo))
 
 
 def recipes_for(recipe: Recipe, processes: int) -> str:
