@@ -65,3 +65,5 @@ def stub_weights(folder):
     """A model.safetensors that holds no tensor: whole by its header (the weights check reads nothing more)."""
     header = b'{"__metadata__": {}}'
     (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+
+MOE_LORA = ["lora.dropout=0.0"]  # peft's LoRA on fused experts (ParamWrapper) takes no dropout

@@ -125,7 +125,7 @@ class HeadLoss(torch.autograd.Function):
     loss's gradient (softmax from the saved log-sum-exp, minus the target's one-hot) and adds the tile's products to
     the input's gradient and to the block's weight gradient, summed in fp32 and written out once per block. So the
     head's gradient is summed in fp32 whatever the weights' dtype (autograd would sum the chunks' gradients in bf16
-    under bf16 weights, rounding the small additions away: tests/test_loss.py) without an fp32 copy of the whole
+    under bf16 weights, rounding the small additions away: tests/unit/training/test_loss.py) without an fp32 copy of the whole
     head, and each block is read once per chunk, as the chunked forward reads it.
 
     The matmuls run in the autocast dtype when autocast is on (the weight cast once per pass, as F.linear's autocast

@@ -4,7 +4,7 @@ from the same chunked head as the SFT loss, and losses kept as sums so that a wi
 its PAIRS exactly, however they fall into rows and processes.
 
 Matched to trl 1.16 (trainer/dpo_trainer.py: _prepare_dataset, DataCollatorForPreference, _compute_loss;
-data_utils.py: extract_prompt, common_prefix_length); tests/test_preference.py runs TRL's own trainer on the same
+data_utils.py: extract_prompt, common_prefix_length); tests/unit/training/test_preference.py runs TRL's own trainer on the same
 pairs.
 """
 

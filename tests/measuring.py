@@ -1,0 +1,93 @@
+"""What tests measure a model by: the bytes it holds and the tensors autograd saves, on the batches the recipes
+build (shared by the planner's tests, which hold the estimate to these measurements)."""
+
+import weakref
+
+import torch
+
+from helpers import loop_model
+from memrecipe.planning.architecture import read_config, structure
+from memrecipe.planning.registry import load_recipe
+from memrecipe.training.loss import lm_loss
+
+
+def batch(vocab, b=2, s=48):
+    """Rows packed as the recipes pack them (packing: true): three documents each, positions restarting at 0."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    positions = torch.cat([torch.arange(n) for n in (s // 3, s // 3, s - 2 * (s // 3))]).repeat(b, 1)
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids), "position_ids": positions}
+
+
+def real_model_state_bytes(model, optimizer):
+    """Bytes really held after an optimizer step: parameters, their .grad, the optimizer's state
+    tensors; each storage once (bitsandbytes shares its quantisation maps between parameters)."""
+    def total(tensors):
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if torch.is_tensor(t)}
+        return sum(storages.values())
+
+    params = list(model.parameters())
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = [v for s in inner.state.values() for v in s.values()]
+    return total(params), total(p.grad for p in params if p.grad is not None), total(state)
+
+
+def saved_peak(model, b, autocast):
+    """Peak bytes of tensors autograd keeps for backward, over the forward and the backward (including
+    gradient checkpointing's recompute), each storage counted once, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    live, now = {}, [0, 0]
+
+    class Held:
+        __slots__ = ("tensor", "__weakref__")
+
+    def release(ptr):
+        live[ptr][0] -= 1
+        if live[ptr][0] == 0:
+            now[0] -= live.pop(ptr)[1]
+
+    def pack(t):
+        held = Held()
+        held.tensor = t
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            if ptr in live:
+                live[ptr][0] += 1
+            else:
+                live[ptr] = [1, t.untyped_storage().nbytes()]
+                now[0] += live[ptr][1]
+                now[1] = max(now[1], now[0])
+            weakref.finalize(held, release, ptr)
+        return held
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = lm_loss(model, b)
+        loss.backward()
+    return now[1]
+
+
+def activation_case(models, name, recipe, overrides, layers=None):
+    r = load_recipe(recipe, [*overrides, "per_device_train_batch_size=2", "max_seq_length=48"])
+    precision = "no" if r.mixed_precision == "no" else "bf16"
+    folder = models[name]
+    if layers is not None:  # the same model cut to `layers` decoder layers
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(folder)
+        config.num_hidden_layers = layers
+        folder = models["dir"] / f"{name}-{layers}"
+        if not folder.exists():
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        folder = str(folder)
+    model, _ = loop_model(r, folder, precision)  # the head fused as the recipe says
+    if r.attn_implementation == "eager":
+        model.config._attn_implementation = "eager"
+    model.train()
+    measured = saved_peak(model, batch(model.config.vocab_size), autocast=precision == "bf16")
+    s = structure(read_config(folder))
+    from memrecipe.planning.activations import activation_bytes, activation_mode
+
+    return measured, activation_bytes(r, s, activation_mode(r, 2 if precision == "bf16" else 4), 2, 48)
+

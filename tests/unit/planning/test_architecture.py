@@ -1,0 +1,77 @@
+"""A model's shape from its config.json: parameters exact for the families counted by hand, the rest read off their real modules on the meta device, mixtures of experts group by group."""
+
+import pytest
+
+from memrecipe.errors import RecipeError
+from memrecipe.planning.architecture import structure
+from model_configs import DENSE_FIRST, MEDIUM, PUBLISHED, SMALL
+
+
+def test_known_architectures_count_parameters_exactly():
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    configs = [MEDIUM | {"model_type": "qwen2", "tie_word_embeddings": True},
+               MEDIUM | {"model_type": "mistral"}, MEDIUM | {"model_type": "qwen3", "head_dim": 64},
+               MEDIUM | {"model_type": "gemma", "head_dim": 64},
+               {"model_type": "gpt2", "n_embd": 256, "n_head": 4, "n_layer": 3, "vocab_size": 1000, "n_positions": 128},
+               {"model_type": "gpt_neox", "hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 3,
+                "intermediate_size": 1024, "vocab_size": 1000},
+               {"model_type": "phi3", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "num_hidden_layers": 3, "intermediate_size": 512, "vocab_size": 1000, "pad_token_id": 0}]
+    for config in configs:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+        model.tie_weights()  # the meta device skips tying; a real model ties its embeddings
+        real = sum(p.numel() for p in model.parameters())
+        assert structure(config).params == real, config["model_type"]
+
+
+def test_unknown_architectures_fall_back_to_the_meta_device():
+    config = {"model_type": "opt", "hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 3,
+              "ffn_dim": 1024, "vocab_size": 1000, "word_embed_proj_dim": 256, "max_position_embeddings": 128}
+    s = structure(config)
+    assert s.layers == 3 and s.params > 3 * 4 * 256 * 256 and "meta device" in s.notes[0]
+    with pytest.raises(RecipeError, match="not a causal language model"):
+        structure({"model_type": "vit", "hidden_size": 64})
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_counts_are_the_published_models(name):
+    config, params = PUBLISHED[name]
+    s = structure(config)
+    assert s.params == params
+    if name == "Mixtral-8x7B":  # ZeRO-3 gathers the largest module whole: one layer's fused experts, 1.41B
+        assert s.largest_module == 8 * 3 * 14336 * 4096 and (s.experts, s.top_k) == (8, 2)
+
+
+@pytest.mark.parametrize("kind", sorted(__import__("memrecipe.planning.architecture", fromlist=["LLAMA_LIKE"]).LLAMA_LIKE))
+def test_families_counted_by_hand_equal_the_modules_transformers_builds(kind):
+    """The hand-counted families (no torch in `plan`) against the real modules on the meta device."""
+    from transformers import AutoConfig
+
+    from memrecipe.training.meta import structure_from_meta as _from_meta_device
+
+    config = AutoConfig.for_model(kind, **SMALL).to_dict()
+    hand, meta = structure(config), _from_meta_device(config)
+    assert "meta device" not in " ".join(hand.notes)
+    assert (hand.params, hand.largest_module, hand.head_dim) == (meta.params, meta.largest_module, meta.head_dim)
+
+
+@pytest.mark.parametrize("kind", DENSE_FIRST)
+def test_a_mixture_of_experts_with_dense_first_layers_is_planned_block_by_block(kind):
+    """Every block counts, in groups of identical ones: the dense first layer and the routed ones (read as
+    blocks[0] x layers, these models were planned without their experts)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(kind, **{**SMALL, "num_hidden_layers": 3}, **DENSE_FIRST[kind])
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    s = structure(config.to_dict())
+    assert s.params == sum(p.numel() for p in model.parameters())
+    assert [(g.layers, g.experts, g.first) for g in s.groups()] == [(1, 0, 0), (2, 4, 1)]
+    assert (s.experts, s.top_k, s.layers) == (4, 2, 3) and "1 of its 3 layers are dense" in s.notes[-1]
+    experts = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 3)
+    assert sum(g.layers * g.expert_params for g in s.groups()) == experts > 0

@@ -1,0 +1,158 @@
+"""attn_implementation: auto picks the kernel for the machine (flash-attn's varlen, flex_attention's block-sparse
+mask, or sdpa), the run says which, and the planner plans what it picks."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from helpers import loop_model
+from memrecipe.planning.activations import activation_bytes, activation_mode
+from memrecipe.planning.architecture import read_config, structure
+from memrecipe.planning.attention import pick_attention
+from memrecipe.planning.planner import estimate
+from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.topology import Topology
+from memrecipe.training.loading import attention, embedded_model
+from unit.training.test_packing import documents, packed_batch, segments
+
+
+@pytest.mark.parametrize("facts, picked", [
+    (dict(cuda=True, half=True, packing=True, flash=True, flex=True), "flash_attention_2"),
+    (dict(cuda=True, half=True, packing=False, flash=True, flex=True), "flash_attention_2"),
+    (dict(cuda=True, half=False, packing=True, flash=True, flex=True), "flex_attention"),  # flash-attn: 16 bits only
+    (dict(cuda=True, half=True, packing=True, flash=False, flex=True), "flex_attention"),
+    (dict(cuda=True, half=True, packing=False, flash=False, flex=True), "sdpa"),  # causal sdpa, or a padding mask
+    (dict(cuda=True, half=True, packing=True, flash=False, flex=False), "sdpa"),  # no Triton, or attention dropout
+    (dict(cuda=False, half=True, packing=True, flash=True, flex=True), "sdpa"),  # CPU: no flex backward
+])
+def test_auto_picks_the_fastest_kernel_that_can_run(facts, picked):
+    assert pick_attention("auto", **facts).name == picked
+    assert pick_attention("eager", **facts).name == "eager"  # a named kernel is taken as asked
+
+
+def cuda_facts(monkeypatch, flash: bool, triton: bool):
+    """This machine as a CUDA one with or without flash-attn and Triton: transformers' own flash check and the
+    Triton lookup patched (the loop's `attention` reads both)."""
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" and triton
+                        else find_spec(name, *a))
+
+
+@pytest.mark.parametrize("flash, triton, packing, picked", [
+    (True, True, True, "flash_attention_2"), (False, True, True, "flex_attention"), (False, False, True, "sdpa"),
+    (False, True, False, "sdpa")])
+def test_the_loop_resolves_auto_from_what_is_installed(monkeypatch, tmp_path, flash, triton, packing, picked):
+    cuda_facts(monkeypatch, flash, triton)
+    recipe = load_recipe("single-gpu-lora", [f"packing={str(packing).lower()}"])
+    assert recipe.attn_implementation == "auto"
+    kernel = attention(recipe, embedded_model(), "bf16", torch.device("cuda"))
+    assert kernel.name == picked, kernel
+    assert attention(recipe, embedded_model(), "bf16", torch.device("cpu")).name == "sdpa"
+    # a model whose attention has dropout cannot train under transformers' flex path: sdpa instead
+    import json
+    import shutil
+
+    folder = tmp_path / "dropout"
+    shutil.copytree(embedded_model(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.1}))
+    assert attention(recipe, str(folder), "bf16", torch.device("cuda")).name == \
+        ("flash_attention_2" if flash else "sdpa")
+
+
+def test_the_planner_plans_the_kernel_auto_picks(monkeypatch):
+    """On a GPU without flash-attn auto runs flex_attention over packed rows: no dense mask, no K/V copies. sdpa under
+    the packed rows' mask holds both in every layer; flash-attn's varlen kernel neither."""
+    from memrecipe.planning import planner
+
+    s = structure(read_config(embedded_model()))
+    words = ["max_seq_length=2048", "per_device_train_batch_size=2", "gradient_checkpointing=false"]
+    auto, sdpa = (estimate(load_recipe("single-gpu-lora", [*words, f"attn_implementation={a}"]), s, Topology(1))
+                  for a in ("auto", "sdpa"))
+    assert (auto.attention, sdpa.attention) == ("flex_attention", "sdpa")
+    T, a, d, kv = 2 * 2048, s.heads, s.head_dim, s.kv_dim
+    per_layer = T * (a * d - kv) * 2 * 2 + 2 * 2048 * 2048 * 2  # K and V repeated, the additive bf16 mask
+    assert sdpa.activations - auto.activations == s.layers * per_layer
+    assert any(n.startswith("attention: flex_attention") for n in auto.notes)
+    monkeypatch.setattr(planner, "flash_installed", lambda: True)
+    flash = estimate(load_recipe("single-gpu-lora", words), s, Topology(1))
+    assert flash.attention == "flash_attention_2" and flash.activations == auto.activations
+    cpu = estimate(load_recipe("single-gpu-lora", words), s, Topology(1, cpu=True))
+    assert cpu.attention == "sdpa" and cpu.activations == sdpa.activations
+    # a run's report plans the kernel that ran: auto that fell back to sdpa on a GPU is planned as sdpa
+    ran = estimate(load_recipe("single-gpu-lora", words), s, Topology(1), attention="sdpa")
+    assert ran.attention == "sdpa" and ran.activations == sdpa.activations
+
+
+def test_plan_says_which_kernel_it_planned(cli):
+    out = cli("plan", "--model", embedded_model(), "--gpu-memory", "24GiB", "--recipe", "single-gpu-lora")
+    assert "attention: flex_attention (auto: flash-attn is not installed;" in out.stdout, out.stdout + out.stderr
+
+
+def test_sdpa_under_a_packed_mask_saves_what_the_planner_says():
+    """Autograd's saved bytes with packed rows (a dense mask) minus with one document per row (causal, grouped K/V),
+    measured with saved_tensors_hooks: the repeated K/V and the additive mask, in every layer."""
+    recipe = load_recipe("single-gpu-lora", ["lora=null", "mixed_precision=no", "gradient_checkpointing=false",
+                                             "fused_loss=false"])
+    model, _ = loop_model(recipe, embedded_model(), "no")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    b, seq = 2, 48
+    ids = torch.randint(3, 500, (b, seq), generator=torch.Generator().manual_seed(0))
+
+    def saved(positions):
+        held = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, position_ids=positions, use_cache=False)
+        return sum(held.values())
+
+    whole = saved(torch.arange(seq).repeat(b, 1))
+    packed = saved(torch.cat([torch.arange(16)] * 3).repeat(b, 1))
+    s = structure(read_config(embedded_model()))
+    mode = activation_mode(recipe, 4)
+    planned = {kernel: activation_bytes(recipe, s, mode, b, seq, kernel)["activations"] for kernel in ("sdpa", "flex_attention")}
+    assert packed - whole > 0
+    assert planned["sdpa"] - planned["flex_attention"] == packed - whole  # (flex: the plan without a dense mask)
+
+
+@pytest.mark.slow
+def test_flex_attention_keeps_packed_documents_apart():
+    """What auto runs on a GPU without flash-attn: transformers' flex path builds its BlockMask from the packed
+    rows' position_ids. Forward only (torch 2.13 has no flex backward on CPU): each document's logits equal its
+    own, alone, through sdpa. Compiles flex's CPU kernel (~10 s)."""
+    recipe = load_recipe("single-gpu-lora", ["lora=null", "mixed_precision=no", "gradient_checkpointing=false",
+                                             "attn_implementation=flex_attention"])
+    flex, _ = loop_model(recipe, embedded_model(), "no")
+    assert flex.config._attn_implementation == "flex_attention"
+    sdpa, _ = loop_model(load_recipe("single-gpu-lora", ["lora=null", "mixed_precision=no"]), embedded_model(), "no")
+    sdpa.load_state_dict(flex.state_dict())
+    batch, _ = packed_batch(documents(), width=16)
+    with torch.no_grad():
+        packed = flex.eval()(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        crossing = sdpa.eval()(input_ids=batch["input_ids"], use_cache=False).logits  # one document per row
+    shared = 0
+    for r, s, e in segments(batch):
+        with torch.no_grad():
+            alone = sdpa(input_ids=batch["input_ids"][r:r + 1, s:e], use_cache=False).logits[0]
+        torch.testing.assert_close(packed[r, s:e], alone, atol=1e-4, rtol=1e-4)
+        if s > 0:
+            shared += 1
+            assert (crossing[r, s:e] - alone).abs().max() > 1e-2
+    assert shared >= 2
+
+
+@pytest.mark.parametrize("kernel", ["flex_attention", "flash_attention_2"])
+def test_a_cuda_only_kernel_is_refused_on_cpu_before_anything_is_written(cli, tmp_path, kernel):
+    out = cli("run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(tmp_path / "run"),
+              f"attn_implementation={kernel}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"error: attn_implementation={kernel} trains on CUDA only" in out.stderr and "attn_implementation=auto" in out.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,114 @@
+"""planning/registry.py: a recipe found by name or file, its `base:` chain merged, `key=value` overrides applied, and
+the embedded model's own settings (a saved adapter as the model: test_saved_adapter.py)."""
+
+import dataclasses
+import re
+
+import pytest
+import yaml
+
+from helpers import REPO
+from memrecipe.errors import RecipeError
+from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.rules import make_recipe
+
+
+def test_overrides_are_dotted_and_parsed_as_yaml():
+    r = load_recipe("single-gpu-lora", ["lora.r=8", "lora.target_modules=[q_proj,v_proj]", "max_steps=10",
+                                        "learning_rate=1e-4", "save_steps=null"])
+    assert r.lora.r == 8 and r.lora.target_modules == ("q_proj", "v_proj")
+    assert r.max_steps == 10 and r.learning_rate == pytest.approx(1e-4) and r.save_steps is None
+    assert r.lora.alpha == 32  # untouched sibling keys keep the recipe's values
+    assert load_recipe("single-gpu-lora", ["lora=null"]).lora is None
+    # a dotted key into a null section creates it with defaults
+    assert load_recipe("fsdp", ["fsdp.activation_checkpointing=false", "lora.r=4", "gradient_checkpointing=true"]).lora.r == 4
+
+
+def test_bare_no_in_yaml_means_the_choice_no():
+    assert load_recipe("fsdp", ["mixed_precision=no"]).mixed_precision == "no"
+
+
+def test_unknown_recipe_and_missing_file():
+    with pytest.raises(RecipeError, match="did you mean 'fsdp'"):
+        load_recipe("fsdpp")
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe("nowhere/recipe.yaml")
+
+
+def test_a_recipe_with_a_base_changes_only_what_it_names(tmp_path):
+    """`base:` starts from a shipped recipe (or a file beside this one): sections merge key by key, null
+    turns a section off, name defaults to the file's stem, supports and distributed_type come from the base."""
+    (tmp_path / "mine.yaml").write_text("base: fsdp-lora\nmax_steps: 5\nlora: {r: 8}\n")
+    mine, base = load_recipe(str(tmp_path / "mine.yaml")), load_recipe("fsdp-lora")
+    assert mine.name == "mine" and mine.max_steps == 5
+    assert mine.lora == dataclasses.replace(base.lora, r=8) and base.lora.r != 8  # alpha, dropout, targets kept
+    assert (mine.supports, mine.distributed_type, mine.fsdp) == (base.supports, base.distributed_type, base.fsdp)
+    # a file based on that file: chains, relative to the file that names it; null replaces a whole section
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "full.yaml").write_text("base: ../mine.yaml\nname: full-ft\nlora: null\n")
+    full = load_recipe(str(tmp_path / "sub" / "full.yaml"), ["learning_rate=1e-4"])
+    assert full.name == "full-ft" and full.lora is None and full.max_steps == 5 and full.learning_rate == 1e-4
+    assert make_recipe(yaml.safe_load(full.to_yaml())) == full  # what a run folder stores: resolved, no base
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("base: single-gpu-lora\nmax_stepz: 5\n", "unknown key 'max_stepz' (did you mean 'max_steps'?)"),
+    ("base: single-gpu-lorra\n", "base: unknown recipe 'single-gpu-lorra' (did you mean 'single-gpu-lora'?)"),
+    ("base: loop.yaml\n", "base loop.yaml leads back to loop.yaml"),
+    ("base: [fsdp]\n", "base must be a recipe name or a recipe file"),
+    ("base: single-gpu-lora\nlora: {rank: 8}\n", "unknown key 'lora.rank' (did you mean 'lora.r'?)"),
+])
+def test_a_bad_base_recipe_is_one_line_naming_what_is_wrong(tmp_path, text, reason):
+    (tmp_path / "loop.yaml").write_text(text)
+    with pytest.raises(RecipeError, match=re.escape(reason)):
+        load_recipe(str(tmp_path / "loop.yaml"))
+
+
+RECIPE_FILES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.stem)
+def test_every_shipped_recipe_holds_a_real_models_numbers(path):
+    """What a recipe file says is what a real model needs (the embedded model's own settings live in the library):
+    LoRA at most 3e-4, a full fine-tune at most 5e-5, rows of at least 1024 tokens."""
+    data = yaml.safe_load(path.read_text())
+    assert data["learning_rate"] <= (3e-4 if data.get("lora") else 5e-5), path.name
+    assert isinstance(data["max_seq_length"], int) and data["max_seq_length"] >= 1024, path.name
+
+
+def test_the_embedded_model_trains_at_its_own_settings_and_a_real_one_at_the_recipes(tmp_path):
+    """Its own learning rate, rows and epochs when it is the model (the README's main job learns in seconds); the
+    recipe's when a model is named; key=value overrides win over both. The resolved recipe (a run folder's) loads
+    back to the same numbers, with or without an override in it."""
+    for name, rate in (("single-gpu-lora", 5e-3), ("qlora", 5e-3), ("fsdp", 1e-3), ("zero3-offload", 1e-3)):
+        small, real = load_recipe(name), load_recipe(name, ["model_name_or_path=org/model"])
+        assert (small.learning_rate, small.max_seq_length, small.num_train_epochs) == (rate, 256, 3)
+        assert (real.learning_rate, real.max_seq_length, real.num_train_epochs) == \
+            (yaml.safe_load((RECIPE_FILES[0].parent / f"{name}.yaml").read_text())["learning_rate"], 2048, 1)
+    mine = load_recipe("single-gpu-lora", ["learning_rate=1e-2", "max_seq_length=128"])
+    assert (mine.learning_rate, mine.max_seq_length, mine.num_train_epochs) == (1e-2, 128, 3)
+    for recipe in (mine, load_recipe("fsdp")):
+        (tmp_path / "recipe.yaml").write_text(recipe.to_yaml())
+        assert load_recipe(str(tmp_path / "recipe.yaml")) == recipe
+
+
+def test_run_dpo_trains_at_a_preference_tuning_rate():
+    """run dpo's rate is dpo.learning_rate (alignment-handbook's: LoRA 5e-6, full 5e-7), not SFT's; a
+    `learning_rate=` word under run dpo sets it; the embedded model keeps its own rate under DPO too."""
+    real = ["model_name_or_path=org/model"]
+    for name, rate in (("single-gpu-lora", 5e-6), ("fsdp", 5e-7)):
+        r = load_recipe(name, real, script="dpo")
+        assert r.learning_rate == r.dpo.learning_rate == rate
+    r = load_recipe("qlora", [*real, "learning_rate=2e-5"], script="dpo")
+    assert r.learning_rate == r.dpo.learning_rate == 2e-5
+    assert load_recipe("qlora", [*real, "learning_rate=2e-5"], script="sft").learning_rate == 2e-5
+    assert load_recipe("single-gpu-lora", script="dpo").learning_rate == 5e-3
+
+
+def test_dpo_rows_never_exceed_what_the_plan_counts():
+    """A pair's chosen and rejected share a row: 2 x dpo.max_length above max_seq_length is refused, naming the key."""
+    with pytest.raises(RecipeError, match=r"dpo.max_length=200 .* above max_seq_length=256 .* <= 128"):
+        load_recipe("single-gpu-lora", ["dpo.max_length=200"], script="dpo")
+    assert load_recipe("single-gpu-lora", ["dpo.max_length=128"], script="dpo").dpo.max_length == 128
+    with pytest.raises(RecipeError, match="dpo.max_length=2048"):
+        load_recipe("qlora", ["model_name_or_path=org/model", "dpo.max_length=2048"], script="dpo")

@@ -1,0 +1,38 @@
+"""training/measure.py: what a process really holds and what a step counted, read off the tensors themselves
+(each storage once, a tied weight once, views and a model kept beside counted as they are held)."""
+
+import torch
+
+from memrecipe.training.measure import held_bytes, window_counts
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 8)
+        self.head = torch.nn.Linear(8, 100, bias=False)
+        self.head.weight = self.embed.weight  # one storage, two parameters' names
+        self.norm = torch.nn.LayerNorm(8)
+
+
+def test_each_storage_is_counted_once_and_a_model_beside_adds_its_own():
+    model = Tied()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.head(model.norm(model.embed(torch.tensor([[1, 2]])))).sum().backward()
+    optimizer.step()
+    params = 100 * 8 * 4 + 2 * 8 * 4  # the tied matrix once, the norm's weight and bias
+    # AdamW: two moments and a 0-d fp32 step per parameter
+    assert held_bytes(model, optimizer) == {"parameters": params, "gradients": params, "optimizer_state": 2 * params + 3 * 4}
+    frozen = torch.nn.Linear(8, 8, bias=False).bfloat16()  # e.g. DPO's reference copy
+    assert held_bytes(model, optimizer, beside=[frozen])["parameters"] == params + 8 * 8 * 2
+    # a model beside that shares the policy's weights (DPO's adapters-off reference) holds nothing more
+    assert held_bytes(model, optimizer, beside=[model.embed])["parameters"] == params
+
+
+def test_a_windows_counts_are_summed_over_processes_and_each_tensor_parallel_batch_once():
+    window = [{"input_ids": torch.zeros(2, 6), "attention_mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2])},
+              {"input_ids": torch.zeros(1, 4), "attention_mask": torch.ones(1, 4)}]
+    counts, local = window_counts(window, targets=24, reduce=lambda t: 2 * t)  # two processes, the same batches
+    assert local == 14 and counts == {"targets": 24, "tokens": 28, "slots": 32}
+    shared, _ = window_counts(window, targets=24, reduce=lambda t: 2 * t, tp_size=2)  # one tp group of 2 ranks
+    assert shared == {"targets": 12, "tokens": 14, "slots": 16}
