@@ -21,10 +21,21 @@ def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
     return "mixed"
 
 
-def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str) -> int:
+def dropout_bytes(cuda: bool) -> int:
+    """Bytes per element a training-mode dropout keeps for backward. On CUDA torch runs the fused kernel,
+    native_dropout, which keeps a bool mask (ATen's Dropout.cpp, is_fused_kernel_acceptable: CUDA/XPU inputs only;
+    derivatives.yaml: native_dropout's backward reads result1, the mask); on CPU it multiplies by a noise tensor
+    of the input's dtype, fp32 for peft's adapters (which cast their input to the adapter's dtype first).
+    Both measured on CPU (tests/unit/planning/test_activations.py calls native_dropout there)."""
+    return 1 if cuda else 4
+
+
+def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str,
+                           cuda: bool = False) -> int:
     """Bytes one decoder layer saves for backward (Korthikanti et al. 2022's counting, redone for
     what transformers' Llama layers and PyTorch autograd really keep; docs/memory.md). `s`: the layer's group
-    (Structure.groups); `attention`: the kernel that runs (planning.attention.pick_attention)."""
+    (Structure.groups); `attention`: the kernel that runs (planning.attention.pick_attention); `cuda`: on a GPU
+    (what dropout keeps differs)."""
     h, kv, i, a, T = s.hidden, s.kv_dim, s.intermediate, s.heads, b * seq
     gated = s.gated_mlp
     moe = s.experts > 0  # the MLP is routed experts, counted below
@@ -41,9 +52,9 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
             lora = recipe.lora
             targets = s.lora_linears(lora.target_modules)
             per_token -= 8 * h + (2 * i if gated and not moe else 0)  # frozen linears and norms no longer keep their inputs
-            # each adapter: the bf16 cast of its input, its rank-r output, and with dropout the fp32 noise mask
-            per_token += sum(2 * lin.in_features + 2 * lora.r + (4 * lin.in_features if lora.dropout else 0)
-                             for lin in targets)
+            # each adapter: the bf16 cast of its input, its rank-r output, and with dropout what dropout keeps
+            mask = dropout_bytes(cuda) if lora.dropout else 0
+            per_token += sum((2 + mask) * lin.in_features + 2 * lora.r for lin in targets)
         if mode == "qlora":
             per_token += 33 * h // 2  # the fp32 residual stream and norms (measured, Llama + bnb 4-bit)
     per_token += 8 + 4 * a  # two fp32 rsqrt vectors, SDPA's log-sum-exp per head
@@ -72,11 +83,12 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
     return total
 
 
-def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str | None = None) -> dict:
+def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str | None = None,
+                     cuda: bool = False) -> dict:
     """One micro batch on one process: `activations` and `logits` (the categories), `saved_peak` (most
     bytes held for backward at once), `forward_saved` (held when the forward ends), `layer` (one layer's),
     `host` (checkpointed inputs moved to host memory by activation_offload). `attention`: the kernel that runs
-    (planning.attention.pick_attention; None: what runs on CPU)."""
+    (planning.attention.pick_attention; None: what runs on CPU); `cuda`: planned for a GPU."""
     h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
     if attention is None:  # the kernel on CPU (what the tests measure)
         attention = pick_attention(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,
@@ -84,7 +96,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
     # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
     tp = recipe.parallelism.tp_size if recipe.parallelism else 1
-    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq, attention) // tp) for g in s.groups()]
+    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq, attention, cuda) // tp) for g in s.groups()]
     layer = max(one for _, one in layers)  # the largest layer's (one is recomputed at a time)
     every_layer = sum(n * one for n, one in layers)
     host = 0

@@ -135,7 +135,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         attention = picked.name
         if attention != recipe.attn_implementation:
             notes.append(f"attention: {attention} ({picked.why})")
-    act = activation_bytes(recipe, s, activation_mode(recipe, compute_bytes), batch, seq, attention)
+    act = activation_bytes(recipe, s, activation_mode(recipe, compute_bytes), batch, seq, attention, cuda=not topo.cpu)
     # the step's temporaries: after backward (the activations gone), or inside it, beside the checkpointed inputs
     working = max(act["working"], step + (act["forward_saved"] if recipe.optimizer_in_backward else 0))
     if step:

@@ -2,9 +2,13 @@
 (saved_tensors_hooks) on the embedded model and a ~55M one, per layer, with checkpointing, and under top-k routing."""
 
 import pytest
+import torch
 
 from measuring import activation_case
-from model_configs import MOE_LORA
+from memrecipe.planning.activations import dropout_bytes, layer_activation_bytes
+from memrecipe.planning.architecture import structure
+from memrecipe.planning.registry import load_recipe
+from model_configs import LLAMA_8B, MOE_LORA
 
 ACTIVATION_CASES = [
     ("adamw-8bit", ["gradient_checkpointing=false"]),  # autocast over fp32 weights
@@ -53,3 +57,34 @@ def test_a_mixture_of_experts_layers_activations_count_top_k_routing(models, rec
     one, est = activation_case(models, "mixtral", recipe, overrides, layers=1)
     two, _ = activation_case(models, "mixtral", recipe, overrides, layers=2)
     assert est["layer"] == pytest.approx(two - one, rel=0.1), (est["layer"], two - one)
+
+
+def saved_bytes(fn, x) -> int:
+    """Bytes of the tensors autograd keeps for backward from fn(x), the input itself left out."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn(x)
+    return sum(t.untyped_storage().nbytes() for t in saved if t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr())
+
+
+def test_dropout_keeps_fp32_noise_on_cpu_and_a_bool_mask_on_the_fused_kernel_gpus_run():
+    """What LoRA's dropout costs per element, by device: on CPU F.dropout multiplies by a noise tensor of the input's
+    dtype; on CUDA it runs native_dropout (ATen's fused kernel), whose backward reads a bool mask. The fused op runs
+    on CPU too when called directly: its bytes are measured here, not assumed."""
+    x = torch.randn(64, 256, requires_grad=True)  # fp32, as peft casts an adapter's input
+    assert saved_bytes(lambda t: torch.nn.functional.dropout(t, 0.05, training=True), x) == 4 * x.numel()
+    assert saved_bytes(lambda t: torch.native_dropout(t, 0.05, True)[0], x) == 1 * x.numel()
+    assert dropout_bytes(cuda=False) == 4 and dropout_bytes(cuda=True) == 1
+
+
+@pytest.mark.parametrize("dropout", [0.05, 0.0])
+def test_a_gpu_plan_counts_dropouts_bool_mask(dropout):
+    """Llama-3.1-8B, LoRA on every linear layer: per token and layer, a GPU keeps 3 bytes less per adapter input
+    element than the CPU (~117 KB), and nothing differs without dropout."""
+    recipe = load_recipe("single-gpu-lora", [f"lora.dropout={dropout}", "lora.target_modules=all-linear"])
+    s = structure(LLAMA_8B)
+    cpu, gpu = (layer_activation_bytes(recipe, s, "lora", 1, 1024, "flash_attention_2", cuda) for cuda in (False, True))
+    inputs = sum(lin.in_features for lin in s.lora_linears(recipe.lora.target_modules))
+    assert cpu - gpu == (3 * 1024 * inputs if dropout else 0)
+    if dropout:
+        assert 116_000 < (cpu - gpu) / 1024 < 118_000
