@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import click
 
@@ -6,10 +7,11 @@ from ..errors import RecipeError
 from ..options import overrides_argument
 from ..planning.architecture import read_config, structure
 from ..planning.hardware import Machine
+from ..planning.ladder import climb, longest_per_recipe, tokens
 from ..planning.planner import CATEGORIES, judge_each, recommend, recommend_by_method
-from ..planning.recipe import METHODS, method
+from ..planning.recipe import METHODS, Recipe, method
 from ..planning.registry import flag_overrides, load_recipe, recipe_names
-from ..planning.topology import make_topology
+from ..planning.topology import check_supported, make_topology
 from ..table import table
 from ..units import GiB, parse_size
 
@@ -26,47 +28,36 @@ from ..units import GiB, parse_size
 @click.option("--method", "only", type=click.Choice(list(METHODS)), default=None,
               help="Recommend within this training method only (default: one recommendation per method).")
 @click.option("--cpu", is_flag=True, help="Plan the CPU smoke-test mode (host RAM only).")
+@click.option("--longest", is_flag=True,
+              help="The longest max_seq_length each recipe fits at micro batch 1, the rung it climbs to, its host RAM.")
 @click.option("--json", "as_json", is_flag=True, help="Print the estimates as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a stacked bar chart (PNG).")
 @overrides_argument
-def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory, global_batch, only, cpu, as_json,
-            plot, overrides):
+def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory, global_batch, only, cpu, longest,
+            as_json, plot, overrides):
     """Estimate the memory of each recipe before launch, and pick one.
 
     \b
     memrecipe plan --model meta-llama/Llama-3.1-8B --gpu-memory 24GiB
     memrecipe plan --model ./my-model --num-processes 8 --gpu-memory 80GB --global-batch 256 max_seq_length=4096
     memrecipe plan --recipe zero3-offload --gpu-memory 24GiB --host-memory 256GiB --plot plan.png
+    memrecipe plan --model meta-llama/Llama-3.1-8B --gpu-memory 80GB --longest --method qlora lora.r=32
     """
     machine = Machine.from_nvidia_smi()
-    gpu = parse_size(gpu_memory, "--gpu-memory") if gpu_memory else machine.gpu_memory
-    # this machine's RAM is the host's only when the GPUs planned for are this machine's (or in CPU mode);
-    # for other machines' GPUs an unknown host is not judged, and the output says so
-    elsewhere = gpu_memory is not None and not cpu and gpu != machine.gpu_memory
-    if host_memory:
-        host = parse_size(host_memory, "--host-memory")
-    else:
-        host = None if elsewhere else machine.host_memory or None
-    if gpu is None and not cpu:
-        raise RecipeError("no GPU found here: give --gpu-memory (e.g. 24GiB or 80GB), or --cpu to plan the smoke test")
+    gpu, host = memories(machine, gpu_memory, host_memory, cpu)
     if global_batch is not None and global_batch < 1:
         raise RecipeError(f"--global-batch must be >= 1, got {global_batch}")
     n = num_processes if num_processes is not None else (machine.gpus * num_machines if machine.gpus and not cpu
                                                          else num_machines)  # 0 is refused, not "detect"
     topo = make_topology(n, num_machines, 0, "planned" if num_machines > 1 else None, None, cpu)
-    extra = flag_overrides(model=model)
-    names = [recipe] if recipe else recipe_names()
-    recipes, refused = [], []
-    for name in names:  # a recipe the words do not fit (e.g. a LoRA adapter as --model for a full fine-tune) is left out
-        try:
-            recipes.append(load_recipe(name, [*overrides, *extra]))
-        except RecipeError as e:
-            if recipe or len(refused) == len(names) - 1 and not recipes:  # no recipe to plan: the reason is the answer
-                raise
-            refused.append((name, str(e).removeprefix(f"recipe {name}: ")))
-    recipes = [r for r in recipes if only is None or method(r) == only]
-    models = {r.model_name_or_path for r in recipes}
-    shapes = {m: structure(read_config(m)) for m in models}
+    words = [*overrides, *flag_overrides(model=model)]
+    named, refused = load_all([recipe] if recipe else recipe_names(), words, one=recipe is not None)
+    named = [(name, r) for name, r in named if only is None or method(r) == only]
+    recipes = [r for _, r in named]
+    shapes = {m: structure(read_config(m)) for m in {r.model_name_or_path for r in recipes}}
+    if longest:
+        return echo_longest(named, shapes, topo, gpu, host, as_json)
+    recipes, climbed = climbed_recipes(named, shapes, topo, gpu, host)
 
     rows, skipped = judge_each(recipes, shapes, topo, gpu, host, global_batch)
     skipped = refused + skipped
@@ -88,6 +79,8 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
         echo_table(rows, gpu, host, topo, global_batch, shapes)
         for name, why in skipped:
             click.echo(f"  {name}: {why}")
+        for name, rung in climbed:
+            click.echo(f"  {name}: fits with {rung.name} ({' '.join(rung.words)}), not as written")
     if plot:
         from ..plots import plan_chart
 
@@ -99,6 +92,80 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
             click.echo(f"  {METHODS[m]}: {why}")
     if not any(best for best, _ in picks.values()):
         raise RecipeError(recommend(verdicts)[1])  # what comes closest, over all methods
+
+
+def memories(machine, gpu_memory, host_memory, cpu) -> tuple[int | None, int | None]:
+    """The GPU memory and host RAM to plan for: the flags', else this machine's. This machine's RAM is the host's
+    only when the GPUs planned for are this machine's (or in CPU mode): for other machines' GPUs an unknown host is
+    not judged, and the output says so."""
+    gpu = parse_size(gpu_memory, "--gpu-memory") if gpu_memory else machine.gpu_memory
+    elsewhere = gpu_memory is not None and not cpu and gpu != machine.gpu_memory
+    if host_memory:
+        host = parse_size(host_memory, "--host-memory")
+    else:
+        host = None if elsewhere else machine.host_memory or None
+    if gpu is None and not cpu:
+        raise RecipeError("no GPU found here: give --gpu-memory (e.g. 24GiB or 80GB), or --cpu to plan the smoke test")
+    return gpu, host
+
+
+def load_all(names, words, one: bool) -> tuple[list[tuple[str, Recipe]], list[tuple[str, str]]]:
+    """([(name, recipe)], [(name, why it was left out)]): a recipe the words do not fit (e.g. a LoRA adapter as
+    --model for a full fine-tune) is left out, unless it is the one asked for or none is left: then the reason is
+    the answer."""
+    named, refused = [], []
+    for name in names:
+        try:
+            named.append((name, load_recipe(name, words)))
+        except RecipeError as e:
+            if one or len(refused) == len(names) - 1 and not named:
+                raise
+            refused.append((name, str(e).removeprefix(f"recipe {name}: ")))
+    return named, refused
+
+
+def echo_longest(named, shapes, topo, gpu, host, as_json):
+    """`plan --longest`: each recipe's longest sequence at micro batch 1 over the rungs it can climb."""
+    rows, skipped = [], []
+    for name, r in named:
+        try:
+            check_supported(r, topo)
+            rows.append(longest_per_recipe(r, shapes[r.model_name_or_path], topo, gpu, host))
+        except RecipeError as e:  # a topology it does not support, or a model it cannot train
+            skipped.append(f"  {name}: {str(e).removeprefix(f'recipe {name} ')}")
+    if as_json:
+        click.echo(json.dumps({"processes": topo.num_processes, "gpu_memory": gpu, "host_memory": host, "estimates": [
+            (row.verdict.estimate.as_dict() if row.verdict else {"recipe": row.recipe.name})
+            | {"longest_seq_length": row.seq_length, "rung": row.rung.name, "add": list(row.rung.words),
+               "method": method(row.recipe)} for row in rows]}, indent=2))
+        return
+    body = [[row.recipe.name, METHODS[method(row.recipe)], tokens(row.seq_length) if row.seq_length else "none",
+             *([row.rung.name, f"{row.verdict.estimate.total / GiB:.1f}", f"{row.verdict.estimate.host_total() / GiB:.1f}",
+                " ".join(row.rung.words)] if row.verdict else ["-", "-", "-", ""])] for row in rows]
+    where = "CPU" if topo.cpu else "GPU"
+    click.echo(f"topology: {topo.describe()}" + (f", {gpu / GiB:.1f} GiB per GPU" if gpu and not topo.cpu else "")
+               + (f", {host / GiB:.0f} GiB host RAM per machine" if host else ", host RAM not checked (--host-memory)"))
+    click.echo(table(["RECIPE", "METHOD", "LONGEST", "RUNG", f"{where} GiB", "HOST GiB", "ADD"], body))
+    click.echo("\n".join(skipped))
+    click.echo(f"LONGEST: tokens per sequence at micro batch 1 (1K = 1,024 tokens), with the {where} memory and the host "
+               "RAM per machine it needs there; ADD: the key=value words that climb to its rung")
+
+
+def climbed_recipes(named, shapes, topo, gpu, host):
+    """Each recipe at the cheapest rung of the activation ladder that fits (planning.ladder.climb), named NAME+RUNG
+    where it climbed: ([recipe], [(that name, rung)])."""
+    recipes, climbed = [], []
+    for name, r in named:
+        try:
+            check_supported(r, topo)
+            at, rung = climb(r, shapes[r.model_name_or_path], topo, gpu, host)
+        except RecipeError:  # judge_each says why
+            at, rung = r, None
+        if rung is not None and rung.words:
+            at = replace(at, name=f"{r.name}+{rung.name.split()[-1]}")
+            climbed.append((at.name, rung))
+        recipes.append(at)
+    return recipes, climbed
 
 
 def echo_table(rows, gpu, host, topo, global_batch, shapes):

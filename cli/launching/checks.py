@@ -14,6 +14,7 @@ from ..errors import RecipeError, did_you_mean
 from ..layout import STATE, complete_checkpoints, lost_files
 from ..planning.architecture import read_config, structure
 from ..planning.hardware import Machine
+from ..planning.ladder import climb
 from ..planning.paths import PATH_KEYS
 from ..planning.planner import breakdown, estimate, judge, judge_each, recommend
 from ..planning.recipe import METHODS, method
@@ -116,6 +117,17 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
     verdict = judge(estimate(recipe, shape, topo), machine.gpu_memory, machine.host_memory or None)
     if verdict.fits or force:
         return verdict
+    est = verdict.estimate
+    copies = "rank 0's copy" if rank0_loads(recipe) else "every process's copy"
+    loading = f" (loading: {copies} of the model)" if est.host_load >= est.host_total() else ""
+    where = (f"host RAM {est.host_total() / GiB:.1f} GiB{loading} > {machine.host_memory / GiB:.1f} GiB"
+             if not verdict.host_fits else f"{est.total / GiB:.1f} GiB per GPU > {machine.gpu_memory / GiB:.1f} GiB")
+    climbed, rung = climb(recipe, shape, topo, machine.gpu_memory, machine.host_memory or None)
+    if rung.words:  # the same recipe a rung up the activation ladder fits: the cheapest change
+        up = estimate(climbed, shape, topo)
+        raise RecipeError(f"recipe {recipe.name} will not fit: {where} ({breakdown(est)}); with {rung.name} it "
+                          f"would ({up.total / GiB:.1f} GiB per process, host RAM {up.host_total() / GiB:.1f} GiB): add "
+                          f"{' '.join(rung.words)}; --force launches anyway")
     others = []
     for name in recipe_names():
         try:
@@ -127,11 +139,6 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
                          machine.host_memory or None)[0]}
     same, why = recommend([v for m, v in judged.values() if m == method(recipe)])
     best, why = (same, why) if same else recommend([v for _, v in judged.values()])
-    est = verdict.estimate
-    copies = "rank 0's copy" if rank0_loads(recipe) else "every process's copy"
-    loading = f" (loading: {copies} of the model)" if est.host_load >= est.host_total() else ""
-    where = (f"host RAM {est.host_total() / GiB:.1f} GiB{loading} > {machine.host_memory / GiB:.1f} GiB"
-             if not verdict.host_fits else f"{est.total / GiB:.1f} GiB per GPU > {machine.gpu_memory / GiB:.1f} GiB")
     if best:
         kind = judged[best.estimate.recipe][0]
         instead = f"{best.estimate.recipe} would fit ({best.estimate.total / GiB:.1f} GiB per process)" + (

@@ -1,6 +1,7 @@
 """memrecipe plan: every recipe planned for a model and a machine, one recommendation per training method, and bad input in one line."""
 
 import json
+import re
 
 import pytest
 
@@ -140,3 +141,35 @@ def test_plan_shows_each_rows_batch_and_what_binds_when_nothing_fits(cli, tmp_pa
     zero2 = next(line for line in table.stdout.splitlines() if line.startswith("zero2 "))
     assert "no (host -" in zero2
     assert "more host RAM, use more machines" in host.stderr and "per_device_train_batch_size=1" not in host.stderr
+
+
+def test_plan_longest_finds_each_recipes_longest_sequence_its_rung_and_host_ram(cli, tmp_path):
+    folder = tmp_path / "llama-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    words = ["plan", "--model", str(folder), "--gpu-memory", "80GB", "--host-memory", "512GiB", "--longest"]
+    done = cli(*words)
+    assert done.returncode == 0, done.stderr
+    header = done.stdout.splitlines()[1].split()
+    assert header == ["RECIPE", "METHOD", "LONGEST", "RUNG", "GPU", "GiB", "HOST", "GiB", "ADD"]
+    data = json.loads(cli(*words, "--json", "--method", "qlora", "lora.r=32").stdout)
+    (qlora,) = data["estimates"]
+    assert qlora["recipe"] == "qlora" and qlora["rung"] == "activation offload" and qlora["micro_batch"] == 1
+    assert qlora["add"] == ["activation_offload=true"] and qlora["seq_length"] == qlora["longest_seq_length"]
+    r = load_recipe("qlora", ["lora.r=32", "per_device_train_batch_size=1", "activation_offload=true"])
+    at = estimate(r, structure(LLAMA_8B), Topology(1), seq_length=qlora["longest_seq_length"])
+    assert at.total == qlora["total"] and at.total <= 80 * 10**9 < estimate(
+        r, structure(LLAMA_8B), Topology(1), seq_length=qlora["longest_seq_length"] + 1024).total
+    assert re.search(r"\nqlora +QLoRA +\d+K +activation offload +[\d.]+ +[\d.]+ +activation_offload=true\n", done.stdout)
+
+
+def test_at_128k_plan_recommends_a_lora_and_a_qlora_recipe_a_rung_up_where_needed(cli, tmp_path):
+    folder = tmp_path / "llama-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    done = cli("plan", "--model", str(folder), "--gpu-memory", "80GB", "--host-memory", "512GiB",
+               "max_seq_length=131072", "per_device_train_batch_size=1")
+    assert done.returncode == 0, done.stderr
+    assert "LoRA: single-gpu-lora+offload: the fastest recipe that fits" in done.stdout
+    assert "QLoRA: qlora: the fastest recipe that fits" in done.stdout and "nothing fits" not in done.stdout
+    assert "single-gpu-lora+offload: fits with activation offload (activation_offload=true), not as written" in done.stdout

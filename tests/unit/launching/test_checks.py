@@ -63,3 +63,18 @@ def test_deepspeeds_first_use_compile_is_said_before_it_happens_and_refused_with
     with pytest.raises(RecipeError, match=r"DeepSpeed compiles its CPU Adam on first use, and this machine lacks a C\+\+ "
                                           r"compiler \(g\+\+\), ninja \(pip install ninja\)"):
         deepspeed_builds(recipe, two)
+
+
+def test_a_run_that_fits_a_rung_up_the_ladder_is_refused_naming_the_words_that_climb_it():
+    from memrecipe.launching.checks import check_fits
+    from memrecipe.planning.hardware import Machine
+
+    gpu = Machine(gpus=1, gpu_memory=80 * 10**9, bf16=True, cores=16, host_memory=512 * 2**30)
+    words = ["per_device_train_batch_size=1", "max_seq_length=131072"]
+    with pytest.raises(RecipeError) as refused:
+        check_fits(load_recipe("single-gpu-lora", words), Topology(1), gpu, words, force=False,
+                   shape=structure(LLAMA_8B))
+    assert "with activation offload it would (" in str(refused.value)
+    assert str(refused.value).endswith("add activation_offload=true; --force launches anyway")
+    offloaded = load_recipe("single-gpu-lora", [*words, "activation_offload=true"])
+    assert check_fits(offloaded, Topology(1), gpu, words, force=False, shape=structure(LLAMA_8B)).fits

@@ -1,0 +1,111 @@
+"""The activation ladder: what a recipe can give up, rung by rung, to train a longer sequence. At long context the
+activations, not the model states, fill the GPU; each rung keeps fewer of them on it for more recompute or more
+traffic to the host (docs/long-context.md). A rung is the key=value words that climb to it from the recipe as
+written, so a plan names exactly what to add to the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import RecipeError
+from .architecture import Structure
+from .planner import Verdict, estimate, judge
+from .recipe import Recipe
+from .registry import merge, parse_overrides
+from .rules import make_recipe
+from .topology import Topology
+
+STEP = 1024  # lengths are searched in whole K of tokens (128K = 131,072)
+LIMIT = 16 * 1024 * 1024  # the longest searched: 16M tokens, past anything one process holds
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    words: tuple[str, ...]  # the key=value words that climb to it from the recipe as written
+
+
+def with_words(recipe: Recipe, words) -> Recipe:
+    """The recipe with key=value words added, checked by the same rules as a recipe file (RecipeError if refused)."""
+    return make_recipe(merge(recipe.to_dict(), parse_overrides(words))) if words else recipe
+
+
+def checkpoints(recipe: Recipe) -> bool:
+    return recipe.gradient_checkpointing or bool(recipe.fsdp and recipe.fsdp.activation_checkpointing)
+
+
+def rung_of(recipe: Recipe) -> str:
+    if recipe.activation_offload:
+        return "activation offload"
+    return "full checkpointing" if checkpoints(recipe) else "no checkpointing"
+
+
+def rungs(recipe: Recipe) -> list[Rung]:
+    """The recipe's own rung, then those above it, cheapest first."""
+    out = [Rung(rung_of(recipe), ())]
+    if not checkpoints(recipe):
+        out.append(Rung("full checkpointing", ("gradient_checkpointing=true",)))
+    if not recipe.activation_offload:  # the loop's own checkpointing (FSDP's wrapper keeps its inputs on the GPU)
+        ours = () if recipe.gradient_checkpointing else ("gradient_checkpointing=true",)
+        fsdp = ("fsdp.activation_checkpointing=false",) if recipe.fsdp and recipe.fsdp.activation_checkpointing else ()
+        out.append(Rung("activation offload", (*ours, *fsdp, "activation_offload=true")))
+    return out
+
+
+def climb(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> tuple[Recipe, Rung]:
+    """The recipe at the cheapest rung that fits at its own length, or as written when none does (its own refusal
+    is then the answer)."""
+    for rung in rungs(recipe):
+        try:
+            climbed = with_words(recipe, rung.words)
+        except RecipeError:  # a rung its rules refuse
+            continue
+        if judge(estimate(climbed, s, topo), gpu_memory, host_memory).fits:
+            return climbed, rung
+    return recipe, rungs(recipe)[0]
+
+
+def longest(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> tuple[int, Verdict | None]:
+    """The longest sequence, in whole K of tokens, that fits at micro batch 1 (memory grows with the length: a
+    binary search), with its verdict; (0, None) when not even 1K fits."""
+    def verdict(k: int) -> Verdict:
+        return judge(estimate(recipe, s, topo, micro_batch=1, seq_length=k * STEP), gpu_memory, host_memory)
+
+    low, high, best = 0, LIMIT // STEP, None
+    while low < high:
+        middle = (low + high + 1) // 2
+        v = verdict(middle)
+        if v.fits:
+            low, best = middle, v
+        else:
+            high = middle - 1
+    return low * STEP, best
+
+
+@dataclass(frozen=True)
+class Longest:
+    recipe: Recipe  # at the rung that reaches furthest
+    rung: Rung
+    seq_length: int  # 0: not even 1K fits
+    verdict: Verdict | None
+
+
+def longest_per_recipe(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> Longest:
+    """A recipe's longest sequence at micro batch 1 over the rungs it can climb (a rung its rules refuse is left
+    out): the cheapest rung among those that reach furthest."""
+    one = with_words(recipe, ["per_device_train_batch_size=1"])
+    best = Longest(one, Rung(rung_of(one), ()), 0, None)
+    for rung in rungs(one):
+        try:
+            climbed = with_words(one, rung.words)
+        except RecipeError:
+            continue
+        length, verdict = longest(climbed, s, topo, gpu_memory, host_memory)
+        if length > best.seq_length:
+            best = Longest(climbed, rung, length, verdict)
+    return best
+
+
+def tokens(length: int) -> str:
+    """128K for 131,072: lengths as people write them."""
+    return f"{length // STEP:,}K" if length >= STEP else f"{length:,}"

@@ -1,0 +1,57 @@
+"""planning/ladder.py: the activation ladder's rungs as the words that climb to them (each accepted by the recipe's
+rules), the longest sequence a recipe fits, and the cheapest rung that fits at a length."""
+
+import pytest
+
+from memrecipe.planning.architecture import structure
+from memrecipe.planning.ladder import STEP, climb, longest, longest_per_recipe, rungs, tokens, with_words
+from memrecipe.planning.planner import estimate, judge
+from memrecipe.planning.registry import load_recipe, recipe_names
+from memrecipe.planning.topology import Topology
+from memrecipe.units import GiB
+from model_configs import LLAMA_8B
+
+GPU80 = 80 * 10**9
+
+
+def test_each_rung_is_words_the_recipes_rules_accept_and_climbing_keeps_fewer_activations_on_the_gpu():
+    s = structure(LLAMA_8B)
+    for name in recipe_names():
+        recipe = load_recipe(name, ["max_seq_length=32768", "per_device_train_batch_size=1"])
+        ladder = rungs(recipe)
+        assert ladder[0].words == () and ladder[-1].name == "activation offload", name
+        on_gpu = [estimate(with_words(recipe, rung.words), s, Topology(8)).activations for rung in ladder]
+        assert on_gpu == sorted(on_gpu, reverse=True) and on_gpu[-1] < on_gpu[0], (name, on_gpu)
+    fsdp = rungs(load_recipe("fsdp"))[-1].words  # FSDP's own checkpoint wrapper gives way to the loop's
+    assert fsdp == ("gradient_checkpointing=true", "fsdp.activation_checkpointing=false", "activation_offload=true")
+
+
+def test_the_longest_sequence_fits_and_one_k_more_does_not():
+    recipe = load_recipe("single-gpu-lora", ["per_device_train_batch_size=1", "activation_offload=true"])
+    s, gpu = structure(LLAMA_8B), Topology(1)
+    length, verdict = longest(recipe, s, gpu, GPU80, None)
+    assert length % STEP == 0 and verdict.fits and verdict.estimate.seq_length == length
+    assert not judge(estimate(recipe, s, gpu, micro_batch=1, seq_length=length + STEP), GPU80, None).fits
+    assert longest(recipe, s, gpu, 1 * GiB, None) == (0, None)  # the model alone does not fit
+
+
+def test_a_recipe_reaches_furthest_on_its_highest_rung_and_the_host_ram_can_bind():
+    s = structure(LLAMA_8B)
+    lora = longest_per_recipe(load_recipe("single-gpu-lora"), s, Topology(1), GPU80, None)
+    assert lora.rung.name == "activation offload" and lora.rung.words == ("activation_offload=true",)
+    assert lora.recipe.per_device_train_batch_size == 1 and lora.seq_length > 128 * STEP
+    tight = longest_per_recipe(load_recipe("single-gpu-lora"), s, Topology(1), GPU80, 32 * GiB)
+    assert tight.seq_length < lora.seq_length and tight.verdict.estimate.host_total() <= 32 * GiB
+
+
+@pytest.mark.parametrize("recipe, rung", [("single-gpu-lora", "activation offload"), ("qlora", "full checkpointing")])
+def test_at_128k_the_cheapest_rung_that_fits_is_taken(recipe, rung):
+    s = structure(LLAMA_8B)
+    r = load_recipe(recipe, ["max_seq_length=131072", "per_device_train_batch_size=1"])
+    climbed, taken = climb(r, s, Topology(1), GPU80, None)
+    assert taken.name == rung and judge(estimate(climbed, s, Topology(1)), GPU80, None).fits
+    assert climb(r, s, Topology(1), 10 * GiB, None)[1].words == ()  # nothing fits: the recipe as written
+
+
+def test_lengths_read_as_people_write_them():
+    assert (tokens(131072), tokens(512 * 1024), tokens(4 * 1024 * 1024), tokens(500)) == ("128K", "512K", "4,096K", "500")
