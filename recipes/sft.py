@@ -194,7 +194,7 @@ def setup_model(recipe, model_path, accelerator, run, say):
         tensor_parallel(model, recipe.parallelism.tp_size, accelerator.torch_device_mesh)
     offload = None
     if recipe.gradient_checkpointing:  # recompute each layer in backward (+ its saved input in host memory)
-        offload = enable_checkpointing(model, recipe.activation_offload)
+        offload = enable_checkpointing(model, recipe.activation_offload, recipe.gradient_checkpointing == "selective")
     if recipe.lora:  # peft, configured by the recipe's lora: section, or a saved adapter trained on (lora.adapter)
         # (under DPO, a saved adapter is also kept frozen beside it: the reference, as TRL's ref_adapter_name)
         model = add_lora(model, recipe.lora, reference=recipe.dpo is not None and not recipe.dpo.reference_free)
@@ -314,6 +314,10 @@ def say_setup(run, steps_per_epoch):
         say(f"{run.checkpoints.machines} machines " + ("share the run folder: machine 0 writes the checkpoints" if
             run.checkpoints.shared else "each keep their own run folder and write whole checkpoints into it"))
     say(f"attention: {setup['attention']}" + (f" ({setup['attention_why']})" if setup["attention_why"] else ""))
+    say("activations: " + {"selective": "selective checkpointing (each layer keeps its matmuls' and attention's "
+                           "outputs)", True: "full checkpointing (each layer keeps its input)" + (
+                           ", in host RAM" if recipe.activation_offload else ""), False: "every one kept"}.get(
+                           setup["gradient_checkpointing"], "checkpointed by the engine"))
     if setup["bf16_update_rounding"]:  # the optimizer's choice, said: never a silent fallback
         say(f"weights: bf16, no fp32 master; optim {recipe.optim} rounds each update {setup['bf16_update_rounding']}")
     if setup["optimizer_first_use"]:

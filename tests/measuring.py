@@ -91,3 +91,14 @@ def activation_case(models, name, recipe, overrides, layers=None):
 
     return measured, activation_bytes(r, s, activation_mode(r, 2 if precision == "bf16" else 4), 2, 48)
 
+
+
+def held_after_forward(model, b, autocast) -> tuple[float, int, dict]:
+    """(loss, bytes allocated by the forward and still held when it ends, the gradients after backward): what a
+    checkpointing mode keeps between forward and backward, read off the CPU profiler's allocations."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = lm_loss(model, b)
+    held = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    loss.backward()
+    return loss.item(), held, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -83,6 +83,17 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
     return total
 
 
+def selective_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int) -> int:
+    """What one layer keeps under selective checkpointing beside its input (training.layers.selective_policy):
+    every matmul's output (the linears', and LoRA's A and B) in the compute dtype, attention's output and its
+    fp32 log-sum-exp per head. Measured on CPU: tests/unit/planning/test_activations.py."""
+    cb = 4 if mode == "fp32" else 2
+    outputs = sum(lin.out_features for lin in s.linears) + s.heads * s.head_dim
+    if recipe.lora is not None:
+        outputs += sum(recipe.lora.r + lin.out_features for lin in s.lora_linears(recipe.lora.target_modules))
+    return tokens * (cb * outputs + 4 * s.heads)
+
+
 def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str | None = None,
                      cuda: bool = False) -> dict:
     """One micro batch on one process: `activations` and `logits` (the categories), `saved_peak` (most
@@ -127,6 +138,8 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
         logits = 12 * T * V  # the same three fp32 [tokens x vocab] at the log-softmax's backward (measured)
     if recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
         inputs = s.layers * T * h * residual  # each layer keeps only its input; one layer is recomputed at a time
+        if recipe.gradient_checkpointing == "selective":  # ... and its matmuls' and attention's outputs
+            inputs += sum(n * selective_bytes(recipe, g, mode, T) // tp for n, g in zip((n for n, _ in layers), s.groups()))
         if recipe.activation_offload:  # ... in host memory; on the device the one its layer's recompute uses and
             host, inputs = inputs, 2 * T * h * residual  # the next, prefetched (layers.HostOffload)
         forward_saved = inputs + small + norm + head_copy + saved_logits

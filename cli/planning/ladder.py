@@ -37,16 +37,22 @@ def checkpoints(recipe: Recipe) -> bool:
 def rung_of(recipe: Recipe) -> str:
     if recipe.activation_offload:
         return "activation offload"
+    if recipe.gradient_checkpointing == "selective":
+        return "selective checkpointing"
     return "full checkpointing" if checkpoints(recipe) else "no checkpointing"
 
 
 def rungs(recipe: Recipe) -> list[Rung]:
-    """The recipe's own rung, then those above it, cheapest first."""
+    """The recipe's own rung, then those above it, cheapest first: selective checkpointing (the matmuls' and
+    attention's outputs kept), full checkpointing (each layer's input), activation offload (that input in host
+    RAM)."""
     out = [Rung(rung_of(recipe), ())]
     if not checkpoints(recipe):
+        out.append(Rung("selective checkpointing", ("gradient_checkpointing=selective",)))
+    if not checkpoints(recipe) or recipe.gradient_checkpointing == "selective":
         out.append(Rung("full checkpointing", ("gradient_checkpointing=true",)))
     if not recipe.activation_offload:  # the loop's own checkpointing (FSDP's wrapper keeps its inputs on the GPU)
-        ours = () if recipe.gradient_checkpointing else ("gradient_checkpointing=true",)
+        ours = () if recipe.gradient_checkpointing is True else ("gradient_checkpointing=true",)
         fsdp = ("fsdp.activation_checkpointing=false",) if recipe.fsdp and recipe.fsdp.activation_checkpointing else ()
         out.append(Rung("activation offload", (*ours, *fsdp, "activation_offload=true")))
     return out

@@ -82,7 +82,9 @@ class Estimate:
 def speed_cost(recipe: Recipe, precision: str) -> float:
     """Rough step time relative to bf16 full fine-tuning on one GPU (docs/memory.md: rules of thumb)."""
     cost = 0.7 if recipe.lora else 1.0  # no weight gradients for the frozen base: ~4N instead of 6N FLOPs
-    if recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
+    if recipe.gradient_checkpointing == "selective":
+        cost *= 1.05  # the elementwise ops again: most of a forward's time is the matmuls and attention it keeps
+    elif recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
         cost *= 1.33  # one more forward
     if recipe.activation_offload:
         cost *= 1.15  # a copy to the host and back per layer, partly hidden behind compute
@@ -112,6 +114,9 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         raise RecipeError(f"QLoRA saves little on {s.model_type}, whose experts ({share:.0%} of its parameters) are fused "
                           "tensors that stay in 16 bits (bitsandbytes quantizes nn.Linear layers only): use a LoRA "
                           "recipe (single-gpu-lora, fsdp-lora), with lora.dropout=0")
+    if s.experts and recipe.gradient_checkpointing == "selective":
+        raise RecipeError(f"gradient_checkpointing: selective is planned for dense models; {s.model_type} routes "
+                          "tokens to experts, whose kernels it would keep unplanned: use gradient_checkpointing=true")
     batch, seq = micro_batch or recipe.per_device_train_batch_size, seq_length or recipe.max_seq_length
     precision = resolve_precision(recipe, topo)
     compute_bytes = 2 if precision in ("bf16", "fp16") else 4

@@ -262,7 +262,9 @@ class Recipe:
     # master copy: 2 bytes/param, and updates below half a bf16 step need stochastic rounding)
     weight_dtype: Literal["fp32", "bf16"] = "fp32"
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
-    gradient_checkpointing: bool = False
+    # true: each decoder layer keeps only its input and is recomputed in backward; selective: it keeps its matmuls'
+    # and attention's outputs too and recomputes only the cheap ops (more memory, less recompute)
+    gradient_checkpointing: bool | Literal["selective"] = False
     activation_offload: bool = False  # checkpointed layers' saved inputs wait in host memory
     fused_loss: bool = True  # LM head + cross-entropy chunk by chunk, recomputed in backward: no full logits
     # target tokens per chunk of the fused loss: fewer hold less ([tokens x vocab] in fp32) but re-read the head more

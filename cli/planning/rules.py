@@ -63,6 +63,10 @@ def check_activations(r: Recipe) -> None:
         raise RecipeError(f"activation_offload works with gradient_checkpointing=true{fsdp} (it moves the inputs that "
                           f"checkpointing keeps to host RAM{cannot}): set gradient_checkpointing=true"
                           f"{fsdp.replace(',', '')}")
+    if r.activation_offload and r.gradient_checkpointing == "selective":
+        raise RecipeError("activation_offload moves the layer inputs that full checkpointing keeps to host RAM, and "
+                          "gradient_checkpointing: selective keeps more on the GPU to recompute less: use "
+                          "gradient_checkpointing=true with the offload, or selective without it")
 
 
 def check_quantization(r: Recipe) -> None:

@@ -98,18 +98,41 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             del self.alive[key]
 
 
-def enable_checkpointing(model, offload: bool) -> HostOffload | None:
+def selective_policy(ctx, op, *args, **kwargs):
+    """Selective activation checkpointing's choice per op (TorchTitan's op-level policy): keep what is costly to
+    compute again, the matmuls' and attention's outputs, and recompute the cheap elementwise ops (norms, rotary,
+    activations, casts) in backward."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def enable_checkpointing(model, offload: bool, selective: bool = False) -> HostOffload | None:
     """The model's own (non-reentrant) gradient checkpointing; with offload, each checkpointed
     layer's saved input goes to host memory. transformers' own offload=True always pins memory,
-    which fails on a machine without CUDA (measured), so the offload wraps its checkpoint function."""
+    which fails on a machine without CUDA (measured), so the offload wraps its checkpoint function.
+    `selective`: each layer keeps its matmuls' and attention's outputs too (selective_policy), recomputing the rest:
+    torch's create_selective_checkpoint_contexts, handed to torch.utils.checkpoint through transformers' kwargs."""
     import functools
 
     # non-reentrant: works with frozen inputs (LoRA) and with FSDP/DeepSpeed
+    kwargs = {"use_reentrant": False}
+    if selective:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy)
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if not offload:
         return None
     hooks = HostOffload()

@@ -176,12 +176,19 @@ def allocation_peak(profiler, until: str | None = None) -> int:
     return peak
 
 
-def _checkpointing(model) -> bool:
+def _checkpointing(model) -> bool | str:
+    """True when the model's layers checkpoint, "selective" when they keep their matmuls' and attention's outputs
+    too (a context_fn handed to torch.utils.checkpoint: training.layers.enable_checkpointing)."""
     base = getattr(model, "get_base_model", lambda: model)()
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # newest transformers first
         if name in dir(type(base)):
-            return bool(getattr(base, name))
-    return False
+            on = bool(getattr(base, name))
+            break
+    else:
+        return False
+    functions = [m._gradient_checkpointing_func for m in base.modules() if getattr(m, "gradient_checkpointing", False)
+                 and hasattr(m, "_gradient_checkpointing_func")]
+    return "selective" if on and any("context_fn" in getattr(f, "keywords", {}) for f in functions) else on
 
 
 def start_trackers(accelerator, recipe, out) -> bool:

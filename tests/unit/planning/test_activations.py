@@ -6,7 +6,7 @@ import torch
 
 from measuring import activation_case
 from memrecipe.planning.activations import dropout_bytes, layer_activation_bytes
-from memrecipe.planning.architecture import structure
+from memrecipe.planning.architecture import read_config, structure
 from memrecipe.planning.registry import load_recipe
 from model_configs import LLAMA_8B, MOE_LORA
 
@@ -88,3 +88,46 @@ def test_a_gpu_plan_counts_dropouts_bool_mask(dropout):
     assert cpu - gpu == (3 * 1024 * inputs if dropout else 0)
     if dropout:
         assert 116_000 < (cpu - gpu) / 1024 < 118_000
+
+
+@pytest.mark.parametrize("recipe, overrides, precision", [
+    ("single-gpu-lora", [], "bf16"),  # LoRA on a bf16 base, dropout 0.05: its A and B matmuls kept too
+    ("adamw-8bit", ["gradient_checkpointing=true"], "bf16"),  # autocast over fp32 weights
+    ("adamw-8bit", ["gradient_checkpointing=true", "mixed_precision=no"], "no"),  # fp32
+])
+def test_selective_checkpointing_keeps_what_the_plan_says_and_trains_as_full_checkpointing(recipe, overrides,
+                                                                                           precision):
+    """Beside each layer's input, selective checkpointing keeps every matmul's and attention's output: the bytes the
+    forward leaves held (the CPU profiler) exceed full checkpointing's by the planner's count, and the loss and
+    gradients are full checkpointing's."""
+    from helpers import loop_model
+    from measuring import batch, held_after_forward
+    from memrecipe.planning.activations import activation_bytes, activation_mode
+    from memrecipe.training.loading import embedded_model
+
+    measured, planned = {}, {}
+    for mode in ("true", "selective"):
+        r = load_recipe(recipe, [*overrides, f"gradient_checkpointing={mode}", "max_seq_length=48"])
+        torch.manual_seed(0)
+        model, _ = loop_model(r, embedded_model(), precision)
+        model.train()
+        torch.manual_seed(1)  # the same dropout draws
+        measured[mode] = held_after_forward(model, batch(model.config.vocab_size), autocast=precision == "bf16")
+        s = structure(read_config(None))
+        planned[mode] = activation_bytes(r, s, activation_mode(r, 2 if precision == "bf16" else 4), 2, 48)
+    kept = measured["selective"][1] - measured["true"][1]
+    assert kept == pytest.approx(planned["selective"]["forward_saved"] - planned["true"]["forward_saved"], rel=0.02)
+    assert kept > 2 * planned["true"]["forward_saved"]  # (not a rounding error: several times what full keeps)
+    assert measured["selective"][0] == measured["true"][0]
+    for name, grad in measured["true"][2].items():
+        torch.testing.assert_close(measured["selective"][2][name], grad, rtol=0, atol=1e-5, msg=name)
+
+
+def test_selective_checkpointing_is_planned_for_dense_models_only():
+    from memrecipe.errors import RecipeError
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.topology import Topology
+    from model_configs import TINY_MIXTRAL
+
+    with pytest.raises(RecipeError, match="selective is planned for dense models; mixtral routes tokens to experts"):
+        estimate(load_recipe("adamw-8bit", ["gradient_checkpointing=selective"]), structure(TINY_MIXTRAL), Topology(1))

@@ -55,3 +55,12 @@ def test_at_128k_the_cheapest_rung_that_fits_is_taken(recipe, rung):
 
 def test_lengths_read_as_people_write_them():
     assert (tokens(131072), tokens(512 * 1024), tokens(4 * 1024 * 1024), tokens(500)) == ("128K", "512K", "4,096K", "500")
+
+
+def test_a_recipe_without_checkpointing_climbs_through_selective_then_full_checkpointing():
+    names = [rung.name for rung in rungs(load_recipe("ddp", ["gradient_checkpointing=false"]))]
+    assert names == ["no checkpointing", "selective checkpointing", "full checkpointing", "activation offload"]
+    selective = rungs(load_recipe("single-gpu-lora", ["gradient_checkpointing=selective"]))
+    assert [(r.name, r.words) for r in selective] == [
+        ("selective checkpointing", ()), ("full checkpointing", ("gradient_checkpointing=true",)),
+        ("activation offload", ("gradient_checkpointing=true", "activation_offload=true"))]
