@@ -29,7 +29,20 @@ def text(path) -> str:
     return " ".join((REPO / path).read_text().split())  # prose wraps anywhere
 
 
-@pytest.mark.parametrize("path, sentence, figures", [
+def longest(recipe, gpu, *overrides) -> str:
+    """'222K, activation offload, 55.5 GiB': plan --longest's row for the 8B on one GPU of `gpu` GB."""
+    from memrecipe.planning.ladder import longest_per_recipe, tokens
+
+    row = longest_per_recipe(load_recipe(recipe, list(overrides)), structure(LLAMA_8B), Topology(1), gpu * 10**9, None)
+    return f"{tokens(row.seq_length)}, {row.rung.name}, {row.verdict.estimate.host_total() / GiB:.1f} GiB"
+
+
+LONG_CONTEXT = [("docs/long-context.md", f"| {gpu} GB | {{}} | {{}} |",
+                 lambda gpu=gpu: [longest("single-gpu-lora", gpu), longest("qlora", gpu, "lora.r=32")])
+                for gpu in (24, 48, 80)]
+
+
+@pytest.mark.parametrize("path, sentence, figures", [*LONG_CONTEXT,
     ("README.md", "puts LoRA on q_proj, v_proj at {} GiB and QLoRA at {} GiB",
      lambda: [planned("single-gpu-lora", *LORA_JOB, "lora.target_modules=[q_proj,v_proj]"), planned("qlora", *LORA_JOB)]),
     ("README.md", "without it these are {} and {} GiB",

@@ -1,0 +1,91 @@
+"""The activation ladder's price, in one process on CPU: for each rung (no checkpointing, selective, full, full with
+the inputs offloaded), at doubling lengths, the bytes a training step's forward leaves held for backward (the CPU
+profiler) beside the planner's count, and the tokens per second of a forward and backward. Ratios are against full
+checkpointing, measured in the same script on the same batches.
+
+    python benchmarks/long_context.py [--lengths 1024 2048 4096] [--steps 3]
+
+The model is the embedded Llama's shape widened so that per-token costs dominate (hidden 512, intermediate 1536,
+4 layers), trained by single-gpu-lora's model code (LoRA on every linear, bf16 autocast), micro batch 1.
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import memrecipe  # noqa: F401  (first: quiets library notices)
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loop's own model setup
+
+from helpers import loop_model  # noqa: E402
+from measuring import held_after_forward  # noqa: E402
+from memrecipe.planning.activations import activation_bytes, activation_mode  # noqa: E402
+from memrecipe.planning.architecture import read_config, structure  # noqa: E402
+from memrecipe.planning.registry import load_recipe  # noqa: E402
+
+RUNGS = {"none": ["gradient_checkpointing=false"], "selective": ["gradient_checkpointing=selective"],
+         "full": ["gradient_checkpointing=true"], "offload": ["gradient_checkpointing=true", "activation_offload=true"]}
+WIDE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 64}
+
+
+def wide_model(folder: Path) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from memrecipe.training.loading import embedded_model
+
+    config = AutoConfig.from_pretrained(embedded_model())
+    config.update(WIDE)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(embedded_model()).save_pretrained(folder)
+    return str(folder)
+
+
+def measure(model_path: str, rung: str, length: int, steps: int) -> dict:
+    recipe = load_recipe("single-gpu-lora", [*RUNGS[rung], f"max_seq_length={length}", "per_device_train_batch_size=1",
+                                             "lora.target_modules=all-linear", "packing=false"])  # one document a row
+    model, _ = loop_model(recipe, model_path, "bf16")
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
+             "position_ids": torch.arange(length)[None]}
+    _, held, _ = held_after_forward(model, batch, autocast=True)
+    seconds = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        held_after_forward(model, batch, autocast=True)
+        seconds.append(time.perf_counter() - start)
+    s = structure(read_config(model_path))
+    planned = activation_bytes(recipe, s, activation_mode(recipe, 2), 1, length)
+    return {"held": held, "planned": planned["forward_saved"], "host": planned["host"],
+            "tokens_per_second": length / statistics.median(seconds)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = wide_model(Path(tmp) / "wide")
+        print(f"{'length':>7} {'rung':>10} {'held MiB':>9} {'planned':>8} {'host':>6} {'x full':>7} {'tok/s':>8} "
+              f"{'x full':>7}")
+        for length in args.lengths:
+            rows = {rung: measure(path, rung, length, args.steps) for rung in RUNGS}
+            for rung, r in rows.items():
+                full = rows["full"]
+                print(f"{length:>7} {rung:>10} {r['held'] / 2**20:>9.1f} {r['planned'] / 2**20:>8.1f} "
+                      f"{r['host'] / 2**20:>6.1f} {r['held'] / full['held']:>7.2f} {r['tokens_per_second']:>8.0f} "
+                      f"{r['tokens_per_second'] / full['tokens_per_second']:>7.2f}")
+    print("MiB. held: what the forward leaves for backward (the CPU profiler; offload's host copies included: on CPU the "
+          "host is the device); planned: the planner's bytes on the device after the forward, host: in host RAM")
+
+
+if __name__ == "__main__":
+    main()
