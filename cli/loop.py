@@ -5,7 +5,8 @@ notices that say nothing about the run (memrecipe/__init__.py).
     the recipe      load_recipe, flag_overrides, RecipeError
     the run folder  open_run
     the model       make_accelerator, embedded_model, load_tokenizer, load_pretrained, tensor_parallel,
-                    enable_checkpointing, add_lora, compile_layers, keep_initial_adapter, fuse_head, frozen_copy
+                    enable_checkpointing, tile_mlps, add_lora, compile_layers, keep_initial_adapter, fuse_head,
+                    frozen_copy
     the data        prepare_datasets, Collator
     the optimizer   make_optimizer, wrap_first, prepare
     a step          lm_loss, count_targets, Checkpoints
@@ -33,6 +34,7 @@ from .training.preference import (METRICS, REFERENCE_STORE, PairCollator, pair_v
                                   reference_store, reference_weights, rows_key, sequence_logps, target_counts,
                                   window_loss)
 from .training.reference import frozen_copy
+from .training.tiling import tile_mlps
 from .training.tokenizer import load_tokenizer
 
 quiet_deepspeed()  # a plain accelerate launch without CUDA: name DeepSpeed's CPU accelerator before it is imported
@@ -40,7 +42,7 @@ quiet_deepspeed()  # a plain accelerate launch without CUDA: name DeepSpeed's CP
 __all__ = ["load_recipe", "flag_overrides", "RecipeError",
            "open_run",
            "make_accelerator", "embedded_model", "load_tokenizer", "load_pretrained", "tensor_parallel",
-           "enable_checkpointing", "add_lora", "compile_layers", "keep_initial_adapter", "fuse_head", "frozen_copy",
+           "enable_checkpointing", "tile_mlps", "add_lora", "compile_layers", "keep_initial_adapter", "fuse_head", "frozen_copy",
            "prepare_datasets", "Collator",
            "make_optimizer", "wrap_first", "prepare",
            "lm_loss", "count_targets", "Checkpoints",

@@ -30,7 +30,7 @@ from memrecipe.loop import (Checkpoints, Collator, Meter, RecipeError, add_lora,
                             count_targets, embedded_model, enable_checkpointing, flag_overrides, fuse_head,
                             keep_initial_adapter, lm_loss, load_pretrained, load_recipe, load_tokenizer,
                             make_accelerator, make_optimizer, open_run, prepare, prepare_datasets, save_final,
-                            tensor_parallel, wrap_first, write_report)
+                            tensor_parallel, tile_mlps, wrap_first, write_report)
 import torch
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
@@ -200,6 +200,8 @@ def setup_model(recipe, model_path, accelerator, run, say):
         model = add_lora(model, recipe.lora, reference=recipe.dpo is not None and not recipe.dpo.reference_free)
         if recipe.lora.adapter:
             say(f"lora: trains on the saved adapter {recipe.lora.adapter} (r {recipe.lora.r})")
+    if recipe.tiled_mlp is not False:  # each MLP a tile of tokens at a time, recomputed in backward
+        tile_mlps(model, recipe.tiled_mlp)
     if recipe.torch_compile:
         compile_layers(model)  # each decoder layer in place: names, hooks and checkpoints unchanged
     # PiSSA/OLoRA rewrite the base: the adapter as initialized is kept, to convert the final one back
@@ -317,7 +319,8 @@ def say_setup(run, steps_per_epoch):
     say("activations: " + {"selective": "selective checkpointing (each layer keeps its matmuls' and attention's "
                            "outputs)", True: "full checkpointing (each layer keeps its input)" + (
                            ", in host RAM" if recipe.activation_offload else ""), False: "every one kept"}.get(
-                           setup["gradient_checkpointing"], "checkpointed by the engine"))
+                           setup["gradient_checkpointing"], "checkpointed by the engine")
+        + (f"; {setup['tiled_mlps']} MLPs run in tiles of tokens, recomputed in backward" if setup["tiled_mlps"] else ""))
     if setup["bf16_update_rounding"]:  # the optimizer's choice, said: never a silent fallback
         say(f"weights: bf16, no fp32 master; optim {recipe.optim} rounds each update {setup['bf16_update_rounding']}")
     if setup["optimizer_first_use"]:

@@ -266,6 +266,9 @@ class Recipe:
     # and attention's outputs too and recomputes only the cheap ops (more memory, less recompute)
     gradient_checkpointing: bool | Literal["selective"] = False
     activation_offload: bool = False  # checkpointed layers' saved inputs wait in host memory
+    # each layer's MLP runs a tile of tokens at a time, recomputed in backward: its [tokens x intermediate] tensors
+    # exist one tile at a time (true: tiles of about hidden_size tokens; or a number of tiles), for one more MLP forward
+    tiled_mlp: bool | int = spec(False, low=2)
     fused_loss: bool = True  # LM head + cross-entropy chunk by chunk, recomputed in backward: no full logits
     # target tokens per chunk of the fused loss: fewer hold less ([tokens x vocab] in fp32) but re-read the head more
     loss_chunk_tokens: int = spec(LOSS_CHUNK_TOKENS, low=1)

@@ -63,6 +63,13 @@ def check_activations(r: Recipe) -> None:
         raise RecipeError(f"activation_offload works with gradient_checkpointing=true{fsdp} (it moves the inputs that "
                           f"checkpointing keeps to host RAM{cannot}): set gradient_checkpointing=true"
                           f"{fsdp.replace(',', '')}")
+    if r.tiled_mlp is not False and r.distributed_type in ("fsdp", "deepspeed"):
+        raise RecipeError(f"tiled_mlp runs on one process (distributed_type no, or ddp on one): {r.distributed_type} "
+                          "syncs each weight's gradient once, and the tiles give it in parts: set tiled_mlp=false")
+    if r.tiled_mlp is not False and (r.optimizer_in_backward or r.torch_compile):
+        raise RecipeError("tiled_mlp gives each weight its gradient in parts, tile by tile: optimizer_in_backward "
+                          "steps at the first, and torch_compile traces a layer whole: set tiled_mlp=false or "
+                          f"{'optimizer_in_backward' if r.optimizer_in_backward else 'torch_compile'}=false")
     if r.activation_offload and r.gradient_checkpointing == "selective":
         raise RecipeError("activation_offload moves the layer inputs that full checkpointing keeps to host RAM, and "
                           "gradient_checkpointing: selective keeps more on the GPU to recompute less: use "

@@ -154,6 +154,9 @@ def check_supported(recipe: Recipe, topo: Topology) -> None:
             raise RecipeError(f"recipe {recipe.name} splits each layer over parallelism.tp_size={tp} processes and "
                               f"shards the rest with FSDP2: --num-processes must be a multiple of {tp}, at least "
                               f"{2 * tp}; got {n}")
+    if recipe.tiled_mlp is not False and n > 1:
+        raise RecipeError(f"tiled_mlp runs on one process: DDP syncs each weight's gradient once, and the tiles give "
+                          f"it in parts; got {n} processes: use --num-processes 1, or set tiled_mlp=false")
     if resolve_precision(recipe, topo) == "fp16" and recipe.fp16_blocker:
         raise RecipeError(f"recipe {recipe.name}: mixed_precision auto is fp16 on GPUs without bf16 (before Ampere), "
                           f"and {recipe.fp16_blocker}: run it on a GPU with bf16, or use another recipe")

@@ -14,6 +14,7 @@ import torch
 from .. import ALLOCATOR_CONF
 from ..planning.optimizers import OPTIMIZERS, bf16_rounding
 from ..planning.registry import is_embedded
+from .tiling import tiled_forward
 
 # accelerate's distributed types, in words for the start-up line
 ENGINES = {"NO": "plain (no DDP/FSDP/DeepSpeed)", "MULTI_CPU": "DDP (gloo)", "MULTI_GPU": "DDP", "FSDP": "FSDP",
@@ -48,6 +49,7 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "optimizer_class": _optimizer_class(optimizer),
         "optimizer_in_backward": hasattr(getattr(optimizer, "optimizer", optimizer), "optimizers"),
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
+        "tiled_mlps": sum(getattr(getattr(m, "forward", None), "func", None) is tiled_forward for m in model.modules()),
         # the kernel transformers runs, and why (training.loading.attention: attn_implementation auto resolved)
         "attention": getattr(getattr(accelerator.unwrap_model(model), "config", None), "_attn_implementation", None),
         "attention_why": getattr(getattr(accelerator.unwrap_model(model), "memrecipe_attention", None), "why", None),

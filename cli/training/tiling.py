@@ -1,0 +1,88 @@
+"""Tiled MLP: each decoder layer's MLP runs over the sequence a tile of tokens at a time and is recomputed tile by tile
+in backward, so its [tokens x intermediate] tensors exist for one tile at a time (DeepSpeed's ALST idea). Written here
+rather than taken from deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP, whose backward recomputes outside
+the forward's autocast (bf16 autocast over frozen bf16 weights and fp32 adapters then fails: "expected m1 and m2 to
+have the same dtype") and without the forward's random state (LoRA's dropout would draw other masks)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..errors import RecipeError
+
+
+class TiledMLP(torch.autograd.Function):
+    """y = mlp(x), computed a tile of tokens at a time without keeping anything but x; backward recomputes each
+    tile under the forward's autocast and random state and sums the parameters' gradients over the tiles."""
+
+    @staticmethod
+    def forward(ctx, forward, x, tiles):
+        device = x.device.type
+        ctx.forward, ctx.tiles, ctx.device = forward, tiles, device
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.states = []
+        outputs = []
+        for part in x.reshape(-1, x.shape[-1]).chunk(tiles):
+            ctx.states.append(random_state(x.device))
+            outputs.append(forward(part))
+        ctx.save_for_backward(x)
+        return torch.cat(outputs).view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        flat, grads = x.detach().reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        pieces = []
+        enabled, dtype = ctx.autocast
+        with torch.random.fork_rng(devices=[x.device] if ctx.device == "cuda" else [], device_type=ctx.device):
+            for part, tile_grad, state in zip(flat.chunk(ctx.tiles), grads.chunk(ctx.tiles), ctx.states):
+                set_random_state(x.device, state)
+                leaf = part.detach().requires_grad_(x.requires_grad)
+                with torch.enable_grad(), torch.autocast(ctx.device, dtype=dtype, enabled=enabled):
+                    # through a view, as in the model: autocast caches the half cast of a leaf, and the gradients
+                    # of its uses would then be summed in 16 bits instead of 32
+                    output = ctx.forward(leaf.view_as(leaf))
+                torch.autograd.backward(output, tile_grad)
+                pieces.append(leaf.grad)
+        return None, torch.cat(pieces).view_as(x) if x.requires_grad else None, None
+
+
+def random_state(device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_random_state(device, state) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def tile_count(tiles: bool | int, tokens: int, hidden: int) -> int:
+    """`tiled_mlp: true`: tiles of about `hidden` tokens (ALST's choice: a tile's [tokens x intermediate] tensors are
+    then the size of one of the MLP's weights); a number: that many."""
+    return max(1, math.ceil(tokens / hidden)) if tiles is True else int(tiles)
+
+
+def tiled_forward(forward, tiles, x):
+    n = tile_count(tiles, x.numel() // x.shape[-1], x.shape[-1])
+    return forward(x) if n == 1 else TiledMLP.apply(forward, x, n)
+
+
+def tile_mlps(model, tiles: bool | int) -> int:
+    """Each decoder layer's dense MLP (a module named `mlp` whose class is an MLP: LlamaMLP, Qwen2MLP, ...) runs
+    tiled; returns how many. A model whose layers route tokens to experts instead is refused in one line."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise RecipeError("tiled_mlp runs on one process: DDP syncs each weight's gradient once, and the tiles give it "
+                          "in parts: launch 1 process, or set tiled_mlp=false")
+    mlps = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "mlp"]
+    dense = [m for m in mlps if type(m).__name__.endswith("MLP")]
+    if not dense or len(dense) < len(mlps):
+        kinds = sorted({type(m).__name__ for m in mlps if m not in dense}) or ["no module named mlp"]
+        raise RecipeError(f"tiled_mlp tiles dense MLPs; this model's layers have {', '.join(kinds)}: set tiled_mlp=false")
+    for mlp in dense:
+        mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles)
+    return len(dense)

@@ -1,0 +1,105 @@
+"""training/tiling.py: the tiled MLP trains as the plain one (fp32 to 1e-5; bf16 autocast to its rounding) with and
+without checkpointing, its backward recomputes each tile with the forward's own dropout masks and autocast, its
+MLP tensors exist a tile at a time, and what it cannot run with is one line."""
+
+import re
+
+import pytest
+import torch
+
+from helpers import loop_model
+from measuring import batch, held_after_forward
+from memrecipe.errors import RecipeError
+from memrecipe.planning.registry import load_recipe
+from memrecipe.training.loading import embedded_model
+from memrecipe.training.tiling import TiledMLP, tile_count, tile_mlps
+
+
+def trained(tiles, precision, *words):
+    recipe = load_recipe("single-gpu-lora", [f"tiled_mlp={tiles}", "max_seq_length=48", *words])
+    torch.manual_seed(0)
+    model, _ = loop_model(recipe, embedded_model(), precision)
+    model.train()
+    torch.manual_seed(1)
+    return held_after_forward(model, batch(model.config.vocab_size), autocast=precision == "bf16")
+
+
+@pytest.mark.parametrize("precision, tolerance", [("no", 1e-5), ("bf16", 2e-2)])
+@pytest.mark.parametrize("checkpointing", ["true", "false"])
+def test_a_tiled_mlp_trains_as_the_plain_one(precision, tolerance, checkpointing):
+    """Without dropout (its masks are drawn tile by tile, in another order than over the whole sequence), every
+    gradient is the plain MLP's: in fp32 to 1e-5, under bf16 autocast to bf16's rounding of sums over 4 tiles."""
+    words = ["lora.dropout=0", f"gradient_checkpointing={checkpointing}"]
+    plain, tiled = trained("false", precision, *words), trained(4, precision, *words)
+    assert tiled[0] == pytest.approx(plain[0], rel=1e-6) and tiled[2].keys() == plain[2].keys()
+    for name, grad in plain[2].items():
+        scale = max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(tiled[2][name], grad, rtol=0, atol=tolerance * scale, msg=name)
+    if checkpointing == "false":  # every layer's MLP tensors are gone: 4 layers x (3 x 352 + adapters) per token
+        assert tiled[1] < 0.6 * plain[1], (tiled[1], plain[1])
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_the_backward_draws_the_forwards_dropout_masks_and_runs_under_its_autocast(precision):
+    """The tiled MLP's gradients equal autograd's through the same tiles and dropout masks (p 0.3): the recompute
+    replays each tile's random state (red without it) and re-enters the forward's autocast (a bf16 base under fp32
+    adapters fails without it). In fp32 to the order of the tiles' sums; under bf16 autocast to bf16's rounding:
+    autograd sums the tiles' weight gradients in bf16 at the cached weight cast, the tiles here in fp32."""
+    recipe = load_recipe("single-gpu-lora", ["lora.dropout=0.3"])
+    torch.manual_seed(0)
+    model, _ = loop_model(recipe, embedded_model(), precision)
+    model.train()
+    mlp = model.base_model.model.model.layers[0].mlp
+    x = torch.randn(2, 40, model.config.hidden_size, requires_grad=True)
+    results = []
+    for tiled in (False, True):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            if tiled:
+                y = TiledMLP.apply(mlp.forward, x, 5)
+            else:  # the same tiles, the same draws, with autograd keeping everything
+                y = torch.cat([mlp.forward(part) for part in x.reshape(-1, x.shape[-1]).chunk(5)]).view(2, 40, -1)
+        (y.float() ** 2).sum().backward()
+        results.append((x.grad.clone(), {n: p.grad.clone() for n, p in mlp.named_parameters() if p.grad is not None}))
+    (x_plain, plain), (x_tiled, tiled) = results
+    torch.testing.assert_close(x_tiled, x_plain, rtol=1e-5, atol=1e-5 * x_plain.abs().max().item())
+    assert plain.keys() == tiled.keys() and plain
+    tolerance = 1e-5 if precision == "no" else 1e-2
+    for name, grad in plain.items():
+        torch.testing.assert_close(tiled[name], grad, rtol=0, atol=tolerance * grad.abs().max().item(), msg=name)
+
+
+def test_tiles_are_about_a_hidden_size_of_tokens_or_the_number_given():
+    assert (tile_count(True, 131072, 4096), tile_count(True, 100, 4096), tile_count(6, 100, 4096)) == (32, 1, 6)
+
+
+@pytest.mark.parametrize("recipe, words, says", [
+    ("fsdp", [], "tiled_mlp runs on one process (distributed_type no, or ddp on one): fsdp syncs each weight's"),
+    ("zero3-offload", [], "deepspeed syncs each weight's gradient once"),
+    ("single-gpu-full", [], "set tiled_mlp=false or optimizer_in_backward=false"),
+    ("single-gpu-lora", ["torch_compile=true"], "set tiled_mlp=false or torch_compile=false"),
+    ("single-gpu-lora", ["tiled_mlp=1"], "tiled_mlp must be true or false or an integer, got 1"),
+])
+def test_what_a_tiled_mlp_cannot_run_with_is_one_line(recipe, words, says):
+    with pytest.raises(RecipeError, match=re.escape(says)):
+        load_recipe(recipe, ["tiled_mlp=true", *words] if "tiled_mlp=1" not in words else words)
+
+
+def test_ddp_on_more_than_one_process_is_refused_before_launch():
+    from memrecipe.planning.topology import Topology, check_supported
+
+    check_supported(load_recipe("adamw-8bit", ["tiled_mlp=true"]), Topology(1))  # the 8-bit optimizer on one GPU
+    with pytest.raises(RecipeError, match="tiled_mlp runs on one process: DDP syncs .* got 2 processes"):
+        check_supported(load_recipe("ddp", ["tiled_mlp=true"]), Topology(2))
+
+
+def test_a_model_without_dense_mlps_is_refused_in_one_line():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from model_configs import TINY_MIXTRAL
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_MIXTRAL))
+    with pytest.raises(RecipeError, match="tiled_mlp tiles dense MLPs; this model's layers have MixtralSparseMoeBlock"):
+        tile_mlps(model, True)
