@@ -1,6 +1,7 @@
 """What tests measure a model by: the bytes it holds and the tensors autograd saves, on the batches the recipes
 build (shared by the planner's tests, which hold the estimate to these measurements)."""
 
+import gc
 import weakref
 
 import torch
@@ -96,9 +97,14 @@ def activation_case(models, name, recipe, overrides, layers=None):
 def held_after_forward(model, b, autocast) -> tuple[float, int, dict]:
     """(loss, bytes allocated by the forward and still held when it ends, the gradients after backward): what a
     checkpointing mode keeps between forward and backward, read off the CPU profiler's allocations."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = lm_loss(model, b)
+    gc.collect()  # a collection inside the profile would free what earlier work allocated: net bytes below zero
+    gc.disable()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = lm_loss(model, b)
+    finally:
+        gc.enable()
     held = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     loss.backward()
     return loss.item(), held, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

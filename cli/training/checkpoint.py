@@ -98,6 +98,7 @@ class Checkpoints:
         accelerator.wait_for_everyone()
         with frozen_base_left_out(accelerator, self.model):
             accelerator.save_state(str(staging))
+        accelerator.wait_for_everyone()  # each process writes its own random states: all of them before the list
         if self.owner:  # with the list of what it holds: a file lost later is named before a resume
             (staging / STATE).write_text(json.dumps({**state, "files": checkpoint_files(staging)}))
         accelerator.wait_for_everyone()
