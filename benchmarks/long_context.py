@@ -1,5 +1,5 @@
 """The activation ladder's price, in one process on CPU: for each rung (no checkpointing, selective, full, full with
-the inputs offloaded), at doubling lengths, the bytes a training step's forward leaves held for backward (the CPU
+the inputs offloaded, full with the MLP tiled), at doubling lengths, the bytes a training step's forward leaves held for backward (the CPU
 profiler) beside the planner's count, and the tokens per second of a forward and backward. Ratios are against full
 checkpointing, measured in the same script on the same batches.
 
@@ -23,12 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 
 from helpers import loop_model  # noqa: E402
 from measuring import held_after_forward  # noqa: E402
+from memrecipe.training.loss import lm_loss  # noqa: E402
+from memrecipe.training.measure import allocation_peak  # noqa: E402
 from memrecipe.planning.activations import activation_bytes, activation_mode  # noqa: E402
 from memrecipe.planning.architecture import read_config, structure  # noqa: E402
 from memrecipe.planning.registry import load_recipe  # noqa: E402
 
 RUNGS = {"none": ["gradient_checkpointing=false"], "selective": ["gradient_checkpointing=selective"],
-         "full": ["gradient_checkpointing=true"], "offload": ["gradient_checkpointing=true", "activation_offload=true"]}
+         "full": ["gradient_checkpointing=true"], "offload": ["gradient_checkpointing=true", "activation_offload=true"],
+         "tiled": ["gradient_checkpointing=true", "tiled_mlp=true"]}
 WIDE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
         "num_key_value_heads": 4, "head_dim": 64}
 
@@ -46,6 +49,12 @@ def wide_model(folder: Path) -> str:
     return str(folder)
 
 
+def step(model, batch) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = lm_loss(model, batch)
+    loss.backward()
+
+
 def measure(model_path: str, rung: str, length: int, steps: int) -> dict:
     recipe = load_recipe("single-gpu-lora", [*RUNGS[rung], f"max_seq_length={length}", "per_device_train_batch_size=1",
                                              "lora.target_modules=all-linear", "packing=false"])  # one document a row
@@ -55,16 +64,20 @@ def measure(model_path: str, rung: str, length: int, steps: int) -> dict:
     batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
              "position_ids": torch.arange(length)[None]}
     _, held, _ = held_after_forward(model, batch, autocast=True)
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, batch)
+    peak = allocation_peak(prof)
     seconds = []
-    for _ in range(steps):
+    for _ in range(steps):  # (no profiler on: its bookkeeping would be timed too)
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        held_after_forward(model, batch, autocast=True)
+        step(model, batch)
         seconds.append(time.perf_counter() - start)
     s = structure(read_config(model_path))
     planned = activation_bytes(recipe, s, activation_mode(recipe, 2), 1, length)
-    return {"held": held, "planned": planned["forward_saved"], "host": planned["host"],
-            "tokens_per_second": length / statistics.median(seconds)}
+    return {"held": held, "planned": planned["forward_saved"], "host": planned["host"], "peak": peak,
+            "working": planned["working"], "tokens_per_second": length / statistics.median(seconds)}
 
 
 def main():
@@ -74,17 +87,19 @@ def main():
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = wide_model(Path(tmp) / "wide")
-        print(f"{'length':>7} {'rung':>10} {'held MiB':>9} {'planned':>8} {'host':>6} {'x full':>7} {'tok/s':>8} "
-              f"{'x full':>7}")
+        print(f"{'length':>7} {'rung':>10} {'held MiB':>9} {'planned':>8} {'host':>6} {'x full':>7} {'peak':>7} "
+              f"{'planned':>8} {'tok/s':>8} {'x full':>7}")
         for length in args.lengths:
             rows = {rung: measure(path, rung, length, args.steps) for rung in RUNGS}
             for rung, r in rows.items():
                 full = rows["full"]
                 print(f"{length:>7} {rung:>10} {r['held'] / 2**20:>9.1f} {r['planned'] / 2**20:>8.1f} "
-                      f"{r['host'] / 2**20:>6.1f} {r['held'] / full['held']:>7.2f} {r['tokens_per_second']:>8.0f} "
+                      f"{r['host'] / 2**20:>6.1f} {r['held'] / full['held']:>7.2f} {r['peak'] / 2**20:>7.1f} "
+                      f"{r['working'] / 2**20:>8.1f} {r['tokens_per_second']:>8.0f} "
                       f"{r['tokens_per_second'] / full['tokens_per_second']:>7.2f}")
     print("MiB. held: what the forward leaves for backward (the CPU profiler; offload's host copies included: on CPU the "
-          "host is the device); planned: the planner's bytes on the device after the forward, host: in host RAM")
+          "host is the device); planned: the planner's bytes on the device after the forward, host: in host RAM; "
+          "peak: the most allocated at once over the step (the profiler), planned: the plan's working activations")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,15 @@ def real_model_state_bytes(model, optimizer):
     return total(params), total(p.grad for p in params if p.grad is not None), total(state)
 
 
-def saved_peak(model, b, autocast):
+def saved_at_forward_end(model, b, autocast) -> int:
+    """Bytes of the tensors autograd keeps for backward when the forward ends (each storage once, parameters left
+    out); the backward then runs."""
+    bytes_at_end = []
+    saved_peak(model, b, autocast, at_forward_end=bytes_at_end)
+    return bytes_at_end[0]
+
+
+def saved_peak(model, b, autocast, at_forward_end=None):
     """Peak bytes of tensors autograd keeps for backward, over the forward and the backward (including
     gradient checkpointing's recompute), each storage counted once, parameters left out."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -64,6 +72,8 @@ def saved_peak(model, b, autocast):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = lm_loss(model, b)
+        if at_forward_end is not None:
+            at_forward_end.append(now[0])
         loss.backward()
     return now[1]
 

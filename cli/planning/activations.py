@@ -30,6 +30,31 @@ def dropout_bytes(cuda: bool) -> int:
     return 1 if cuda else 4
 
 
+def tile_count(tiles: bool | int, tokens: int, hidden: int) -> int:
+    """`tiled_mlp: true`: tiles of about `hidden` tokens (ALST's choice: a tile's [tokens x intermediate] tensors are
+    then the size of one of the MLP's weights); a number: that many (training.tiling runs it)."""
+    return max(1, -(-tokens // hidden)) if tiles is True else int(tiles)
+
+
+def mlp_bytes(recipe: Recipe, s: Structure, mode: str, cuda: bool) -> int:
+    """Per token, what one layer's dense MLP keeps for backward beside its input: what tiled_mlp frees (measured on
+    CPU at the forward's end, tests/unit/planning/test_activations.py: 16i bytes in fp32 and under autocast over
+    fp32 weights, 8i with 16-bit weights; under LoRA the frozen linears keep no inputs, the adapters theirs)."""
+    if s.experts:
+        return 0
+    intermediates = (4 if s.gated_mlp else 2) * s.intermediate  # gate, activation, up, product (plain: 2)
+    if mode in ("fp32", "mixed"):
+        return 4 * intermediates
+    if mode == "half":
+        return 2 * intermediates
+    lora = recipe.lora  # lora, qlora: gate's output, the activation and up's output in 16 bits; the adapters'
+    on_mlp = [lin for lin in s.lora_linears(lora.target_modules) if s.intermediate in (lin.in_features,
+                                                                                          lin.out_features)]
+    mask = dropout_bytes(cuda) if lora.dropout else 0
+    return 2 * intermediates - (2 * s.intermediate if s.gated_mlp else 0) + sum(
+        (2 + mask) * lin.in_features + 2 * lora.r for lin in on_mlp)
+
+
 def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str,
                            cuda: bool = False) -> int:
     """Bytes one decoder layer saves for backward (Korthikanti et al. 2022's counting, redone for
@@ -64,7 +89,11 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         # and two fp32 weights; per token the router's fp32 probabilities and int64 top-k indices
         eb = 4 if mode in ("fp32", "mixed") else 2
         per_token += s.top_k * (eb * (4 * i + 2 * h) + 32) + 4 * s.experts + 8 * s.top_k
-    total = T * per_token
+    if recipe.tiled_mlp is not False and not moe:  # the MLP's tensors exist for one tile, in its backward
+        per_token -= mlp_bytes(recipe, s, mode, cuda)
+        total = T * per_token + -(-T // tile_count(recipe.tiled_mlp, T, h)) * mlp_bytes(recipe, s, mode, cuda)
+    else:
+        total = T * per_token
     cb = 4 if mode == "fp32" else 2  # the attention's compute dtype
     repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
     if attention == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated, no log-sum-exp

@@ -13,7 +13,7 @@ from .planner import Verdict, estimate, judge
 from .recipe import Recipe
 from .registry import merge, parse_overrides
 from .rules import make_recipe
-from .topology import Topology
+from .topology import Topology, check_supported
 
 STEP = 1024  # lengths are searched in whole K of tokens (128K = 131,072)
 LIMIT = 16 * 1024 * 1024  # the longest searched: 16M tokens, past anything one process holds
@@ -35,6 +35,8 @@ def checkpoints(recipe: Recipe) -> bool:
 
 
 def rung_of(recipe: Recipe) -> str:
+    if recipe.tiled_mlp is not False:
+        return "tiled MLP"
     if recipe.activation_offload:
         return "activation offload"
     if recipe.gradient_checkpointing == "selective":
@@ -43,9 +45,9 @@ def rung_of(recipe: Recipe) -> str:
 
 
 def rungs(recipe: Recipe) -> list[Rung]:
-    """The recipe's own rung, then those above it, cheapest first: selective checkpointing (the matmuls' and
-    attention's outputs kept), full checkpointing (each layer's input), activation offload (that input in host
-    RAM)."""
+    """The recipe's own rung, then those above it that its rules accept, cheapest first: selective checkpointing
+    (the matmuls' and attention's outputs kept), full checkpointing (each layer's input), activation offload (that
+    input in host RAM), tiled MLP (its tensors one tile of tokens at a time)."""
     out = [Rung(rung_of(recipe), ())]
     if not checkpoints(recipe):
         out.append(Rung("selective checkpointing", ("gradient_checkpointing=selective",)))
@@ -55,7 +57,17 @@ def rungs(recipe: Recipe) -> list[Rung]:
         ours = () if recipe.gradient_checkpointing is True else ("gradient_checkpointing=true",)
         fsdp = ("fsdp.activation_checkpointing=false",) if recipe.fsdp and recipe.fsdp.activation_checkpointing else ()
         out.append(Rung("activation offload", (*ours, *fsdp, "activation_offload=true")))
-    return out
+    if recipe.tiled_mlp is False:  # each MLP a tile of tokens at a time (one process only: the rules say where)
+        out.append(Rung("tiled MLP", (*out[-1].words, "tiled_mlp=true")))
+    return [rung for rung in out if accepted(recipe, rung.words)]
+
+
+def accepted(recipe: Recipe, words) -> bool:
+    try:
+        with_words(recipe, words)
+    except RecipeError:
+        return False
+    return True
 
 
 def climb(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> tuple[Recipe, Rung]:
@@ -64,7 +76,8 @@ def climb(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory)
     for rung in rungs(recipe):
         try:
             climbed = with_words(recipe, rung.words)
-        except RecipeError:  # a rung its rules refuse
+            check_supported(climbed, topo)
+        except RecipeError:  # a rung its rules, or this topology, refuse
             continue
         if judge(estimate(climbed, s, topo), gpu_memory, host_memory).fits:
             return climbed, rung
@@ -104,6 +117,7 @@ def longest_per_recipe(recipe: Recipe, s: Structure, topo: Topology, gpu_memory,
     for rung in rungs(one):
         try:
             climbed = with_words(one, rung.words)
+            check_supported(climbed, topo)
         except RecipeError:
             continue
         length, verdict = longest(climbed, s, topo, gpu_memory, host_memory)

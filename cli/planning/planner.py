@@ -148,8 +148,6 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     if act["host"]:
         states.host += act["host"] * z.local
         notes.append("activation offload: each layer's checkpointed input waits in host memory")
-    if recipe.tiled_mlp is not False:  # (an over-estimate, never an under-estimate, until measured per mode)
-        notes.append("tiled_mlp: the MLP's tensors are planned as if untiled (what the tiles save is not planned yet)")
     if topo.cpu:
         notes.append("CPU smoke-test mode: every figure is host RAM")
     return Estimate(

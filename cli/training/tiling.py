@@ -7,11 +7,11 @@ have the same dtype") and without the forward's random state (LoRA's dropout wou
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from ..errors import RecipeError
+from ..planning.activations import tile_count
 
 
 class TiledMLP(torch.autograd.Function):
@@ -59,12 +59,6 @@ def set_random_state(device, state) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
-
-
-def tile_count(tiles: bool | int, tokens: int, hidden: int) -> int:
-    """`tiled_mlp: true`: tiles of about `hidden` tokens (ALST's choice: a tile's [tokens x intermediate] tensors are
-    then the size of one of the MLP's weights); a number: that many."""
-    return max(1, math.ceil(tokens / hidden)) if tiles is True else int(tiles)
 
 
 def tiled_forward(forward, tiles, x):

@@ -154,13 +154,15 @@ def test_plan_longest_finds_each_recipes_longest_sequence_its_rung_and_host_ram(
     assert header == ["RECIPE", "METHOD", "LONGEST", "RUNG", "GPU", "GiB", "HOST", "GiB", "ADD"]
     data = json.loads(cli(*words, "--json", "--method", "qlora", "lora.r=32").stdout)
     (qlora,) = data["estimates"]
-    assert qlora["recipe"] == "qlora" and qlora["rung"] == "activation offload" and qlora["micro_batch"] == 1
-    assert qlora["add"] == ["activation_offload=true"] and qlora["seq_length"] == qlora["longest_seq_length"]
-    r = load_recipe("qlora", ["lora.r=32", "per_device_train_batch_size=1", "activation_offload=true"])
+    assert qlora["recipe"] == "qlora" and qlora["rung"] == "tiled MLP" and qlora["micro_batch"] == 1
+    assert qlora["add"] == ["activation_offload=true", "tiled_mlp=true"]
+    assert qlora["seq_length"] == qlora["longest_seq_length"]
+    r = load_recipe("qlora", ["lora.r=32", "per_device_train_batch_size=1", "activation_offload=true", "tiled_mlp=true"])
     at = estimate(r, structure(LLAMA_8B), Topology(1), seq_length=qlora["longest_seq_length"])
     assert at.total == qlora["total"] and at.total <= 80 * 10**9 < estimate(
         r, structure(LLAMA_8B), Topology(1), seq_length=qlora["longest_seq_length"] + 1024).total
-    assert re.search(r"\nqlora +QLoRA +\d+K +activation offload +[\d.]+ +[\d.]+ +activation_offload=true\n", done.stdout)
+    assert re.search(r"\nqlora +QLoRA +\d+K +tiled MLP +[\d.]+ +[\d.]+ +activation_offload=true tiled_mlp=true\n",
+                     done.stdout)
 
 
 def test_at_128k_plan_recommends_a_lora_and_a_qlora_recipe_a_rung_up_where_needed(cli, tmp_path):

@@ -131,3 +131,31 @@ def test_selective_checkpointing_is_planned_for_dense_models_only():
 
     with pytest.raises(RecipeError, match="selective is planned for dense models; mixtral routes tokens to experts"):
         estimate(load_recipe("adamw-8bit", ["gradient_checkpointing=selective"]), structure(TINY_MIXTRAL), Topology(1))
+
+
+@pytest.mark.parametrize("recipe, overrides, precision", [
+    ("single-gpu-lora", [], "bf16"),  # LoRA on a bf16 base, dropout 0.05 (its fp32 noise on CPU)
+    ("single-gpu-lora", ["lora.dropout=0"], "bf16"),
+    ("adamw-8bit", [], "bf16"),  # autocast over fp32 weights
+    ("adamw-8bit", ["mixed_precision=no"], "no"),  # fp32
+    ("adamw-8bit", ["weight_dtype=bf16"], "bf16"),  # 16-bit weights
+])
+def test_a_tiled_mlp_frees_what_the_plan_says(recipe, overrides, precision):
+    """Without checkpointing every layer's tensors are held when the forward ends: with the MLP in 4 tiles they fall
+    by the planner's mlp_bytes per token and layer, within 10% and never planned to fall further than they do."""
+    from helpers import loop_model
+    from measuring import batch, saved_at_forward_end
+    from memrecipe.planning.activations import activation_mode, mlp_bytes
+    from memrecipe.training.loading import embedded_model
+
+    held = {}
+    for tiles in ("false", "4"):
+        r = load_recipe(recipe, [*overrides, "gradient_checkpointing=false", f"tiled_mlp={tiles}", "max_seq_length=48"])
+        torch.manual_seed(0)
+        model, _ = loop_model(r, embedded_model(), precision)
+        model.train()
+        held[tiles] = saved_at_forward_end(model, batch(model.config.vocab_size), autocast=precision == "bf16")
+    s = structure(read_config(None))
+    freed = held["false"] - held["4"]
+    planned = 2 * 48 * s.layers * mlp_bytes(r, s, activation_mode(r, 2 if precision == "bf16" else 4), cuda=False)
+    assert 0.9 * freed <= planned <= freed, (planned, freed)

@@ -19,7 +19,9 @@ def test_each_rung_is_words_the_recipes_rules_accept_and_climbing_keeps_fewer_ac
     for name in recipe_names():
         recipe = load_recipe(name, ["max_seq_length=32768", "per_device_train_batch_size=1"])
         ladder = rungs(recipe)
-        assert ladder[0].words == () and ladder[-1].name == "activation offload", name
+        assert ladder[0].words == () and ladder[-1].name in ("activation offload", "tiled MLP"), name
+        assert (ladder[-1].name == "tiled MLP") == (recipe.distributed_type in ("no", "ddp")
+                                                    and not recipe.optimizer_in_backward), name
         on_gpu = [estimate(with_words(recipe, rung.words), s, Topology(8)).activations for rung in ladder]
         assert on_gpu == sorted(on_gpu, reverse=True) and on_gpu[-1] < on_gpu[0], (name, on_gpu)
     fsdp = rungs(load_recipe("fsdp"))[-1].words  # FSDP's own checkpoint wrapper gives way to the loop's
@@ -38,7 +40,7 @@ def test_the_longest_sequence_fits_and_one_k_more_does_not():
 def test_a_recipe_reaches_furthest_on_its_highest_rung_and_the_host_ram_can_bind():
     s = structure(LLAMA_8B)
     lora = longest_per_recipe(load_recipe("single-gpu-lora"), s, Topology(1), GPU80, None)
-    assert lora.rung.name == "activation offload" and lora.rung.words == ("activation_offload=true",)
+    assert lora.rung.name == "tiled MLP" and lora.rung.words == ("activation_offload=true", "tiled_mlp=true")
     assert lora.recipe.per_device_train_batch_size == 1 and lora.seq_length > 128 * STEP
     tight = longest_per_recipe(load_recipe("single-gpu-lora"), s, Topology(1), GPU80, 32 * GiB)
     assert tight.seq_length < lora.seq_length and tight.verdict.estimate.host_total() <= 32 * GiB
@@ -59,8 +61,10 @@ def test_lengths_read_as_people_write_them():
 
 def test_a_recipe_without_checkpointing_climbs_through_selective_then_full_checkpointing():
     names = [rung.name for rung in rungs(load_recipe("ddp", ["gradient_checkpointing=false"]))]
-    assert names == ["no checkpointing", "selective checkpointing", "full checkpointing", "activation offload"]
+    assert names == ["no checkpointing", "selective checkpointing", "full checkpointing", "activation offload",
+                     "tiled MLP"]
     selective = rungs(load_recipe("single-gpu-lora", ["gradient_checkpointing=selective"]))
     assert [(r.name, r.words) for r in selective] == [
         ("selective checkpointing", ()), ("full checkpointing", ("gradient_checkpointing=true",)),
-        ("activation offload", ("gradient_checkpointing=true", "activation_offload=true"))]
+        ("activation offload", ("gradient_checkpointing=true", "activation_offload=true")),
+        ("tiled MLP", ("gradient_checkpointing=true", "activation_offload=true", "tiled_mlp=true"))]

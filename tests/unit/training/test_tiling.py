@@ -12,7 +12,8 @@ from measuring import batch, held_after_forward
 from memrecipe.errors import RecipeError
 from memrecipe.planning.registry import load_recipe
 from memrecipe.training.loading import embedded_model
-from memrecipe.training.tiling import TiledMLP, tile_count, tile_mlps
+from memrecipe.planning.activations import tile_count
+from memrecipe.training.tiling import TiledMLP, tile_mlps
 
 
 def trained(tiles, precision, *words):
