@@ -140,8 +140,9 @@ def echo_longest(named, shapes, topo, gpu, host, as_json):
                "method": method(row.recipe)} for row in rows]}, indent=2))
         return
     body = [[row.recipe.name, METHODS[method(row.recipe)], tokens(row.seq_length) if row.seq_length else "none",
-             *([row.rung.name, f"{row.verdict.estimate.total / GiB:.1f}", f"{row.verdict.estimate.host_total() / GiB:.1f}",
-                " ".join(row.rung.words)] if row.verdict else ["-", "-", "-", ""])] for row in rows]
+             *([row.rung.name, f"{row.verdict.estimate.total / GiB:.1f}",
+                f"{row.verdict.estimate.host_total() / GiB:.1f}", " ".join(row.rung.words)]
+               if row.verdict else ["-", "-", "-", ""])] for row in rows]
     where = "CPU" if topo.cpu else "GPU"
     click.echo(f"topology: {topo.describe()}" + (f", {gpu / GiB:.1f} GiB per GPU" if gpu and not topo.cpu else "")
                + (f", {host / GiB:.0f} GiB host RAM per machine" if host else ", host RAM not checked (--host-memory)"))
@@ -157,10 +158,9 @@ def climbed_recipes(named, shapes, topo, gpu, host):
     where it climbed: ([recipe], [(that name, rung)])."""
     recipes, climbed = [], []
     for name, r in named:
-        try:
-            check_supported(r, topo)
+        try:  # (a rung this topology does not support is not climbed to)
             at, rung = climb(r, shapes[r.model_name_or_path], topo, gpu, host)
-        except RecipeError:  # judge_each says why
+        except RecipeError:  # a model the estimate refuses: judge_each says why
             at, rung = r, None
         if rung is not None and rung.words:
             at = replace(at, name=f"{r.name}+{rung.name.split()[-1]}")

@@ -89,11 +89,9 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         # and two fp32 weights; per token the router's fp32 probabilities and int64 top-k indices
         eb = 4 if mode in ("fp32", "mixed") else 2
         per_token += s.top_k * (eb * (4 * i + 2 * h) + 32) + 4 * s.experts + 8 * s.top_k
+    total = T * per_token
     if recipe.tiled_mlp is not False and not moe:  # the MLP's tensors exist for one tile, in its backward
-        per_token -= mlp_bytes(recipe, s, mode, cuda)
-        total = T * per_token + -(-T // tile_count(recipe.tiled_mlp, T, h)) * mlp_bytes(recipe, s, mode, cuda)
-    else:
-        total = T * per_token
+        total -= (T - -(-T // tile_count(recipe.tiled_mlp, T, h))) * mlp_bytes(recipe, s, mode, cuda)
     cb = 4 if mode == "fp32" else 2  # the attention's compute dtype
     repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
     if attention == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated, no log-sum-exp
@@ -165,10 +163,10 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     else:
         saved_logits = (T - b) * V * 4  # fp32 log-softmax kept for the loss's backward
         logits = 12 * T * V  # the same three fp32 [tokens x vocab] at the log-softmax's backward (measured)
-    if recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
+    if recipe.checkpoints:
         inputs = s.layers * T * h * residual  # each layer keeps only its input; one layer is recomputed at a time
         if recipe.gradient_checkpointing == "selective":  # ... and its matmuls' and attention's outputs
-            inputs += sum(n * selective_bytes(recipe, g, mode, T) // tp for n, g in zip((n for n, _ in layers), s.groups()))
+            inputs += sum(g.layers * selective_bytes(recipe, g, mode, T) // tp for g in s.groups())
         if recipe.activation_offload:  # ... in host memory; on the device the one its layer's recompute uses and
             host, inputs = inputs, 2 * T * h * residual  # the next, prefetched (layers.HostOffload)
         forward_saved = inputs + small + norm + head_copy + saved_logits

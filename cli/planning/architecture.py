@@ -16,9 +16,9 @@ from .paths import read_adapter
 from .registry import EMBEDDED_MODEL
 
 EMBEDDED_CONFIG = EMBEDDED_MODEL / "config.json"
-# Counted by hand (no torch needed, so `plan` stays fast): the families whose counts equal the modules
-# transformers builds (tests/unit/planning/test_architecture.py checks each). Others, mixtures of experts among them, are
-# read from the real modules on the meta device.
+# Counted by hand (no torch needed, so `plan` stays fast): the families whose counts equal the modules transformers
+# builds (tests/unit/planning/test_architecture.py checks each). Others, mixtures of experts among them, are read
+# from the real modules on the meta device.
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "smollm3"}
 
 

@@ -30,10 +30,6 @@ def with_words(recipe: Recipe, words) -> Recipe:
     return make_recipe(merge(recipe.to_dict(), parse_overrides(words))) if words else recipe
 
 
-def checkpoints(recipe: Recipe) -> bool:
-    return recipe.gradient_checkpointing or bool(recipe.fsdp and recipe.fsdp.activation_checkpointing)
-
-
 def rung_of(recipe: Recipe) -> str:
     if recipe.tiled_mlp is not False:
         return "tiled MLP"
@@ -41,17 +37,23 @@ def rung_of(recipe: Recipe) -> str:
         return "activation offload"
     if recipe.gradient_checkpointing == "selective":
         return "selective checkpointing"
-    return "full checkpointing" if checkpoints(recipe) else "no checkpointing"
+    return "full checkpointing" if recipe.checkpoints else "no checkpointing"
 
 
 def rungs(recipe: Recipe) -> list[Rung]:
-    """The recipe's own rung, then those above it that its rules accept, cheapest first: selective checkpointing
-    (the matmuls' and attention's outputs kept), full checkpointing (each layer's input), activation offload (that
-    input in host RAM), tiled MLP (its tensors one tile of tokens at a time)."""
+    """The recipe's own rung, then those above it that its rules accept, cheapest first (climbs)."""
+    return [rung for rung, _ in climbs(recipe)]
+
+
+def climbs(recipe: Recipe, topo: Topology | None = None):
+    """(rung, the recipe on it) for the recipe's own rung and each above it that its rules (and `topo`, when given)
+    accept, cheapest first: selective checkpointing (the matmuls' and attention's outputs kept), full checkpointing
+    (each layer's input), activation offload (that input in host RAM), tiled MLP (its tensors one tile of tokens at
+    a time)."""
     out = [Rung(rung_of(recipe), ())]
-    if not checkpoints(recipe):
+    if not recipe.checkpoints:
         out.append(Rung("selective checkpointing", ("gradient_checkpointing=selective",)))
-    if not checkpoints(recipe) or recipe.gradient_checkpointing == "selective":
+    if not recipe.checkpoints or recipe.gradient_checkpointing == "selective":
         out.append(Rung("full checkpointing", ("gradient_checkpointing=true",)))
     if not recipe.activation_offload:  # the loop's own checkpointing (FSDP's wrapper keeps its inputs on the GPU)
         ours = () if recipe.gradient_checkpointing is True else ("gradient_checkpointing=true",)
@@ -59,29 +61,23 @@ def rungs(recipe: Recipe) -> list[Rung]:
         out.append(Rung("activation offload", (*ours, *fsdp, "activation_offload=true")))
     if recipe.tiled_mlp is False:  # each MLP a tile of tokens at a time (one process only: the rules say where)
         out.append(Rung("tiled MLP", (*out[-1].words, "tiled_mlp=true")))
-    return [rung for rung in out if accepted(recipe, rung.words)]
-
-
-def accepted(recipe: Recipe, words) -> bool:
-    try:
-        with_words(recipe, words)
-    except RecipeError:
-        return False
-    return True
+    for rung in out:
+        try:
+            climbed = with_words(recipe, rung.words)
+            if topo is not None:
+                check_supported(climbed, topo)
+        except RecipeError:  # a rung its rules, or this topology, refuse
+            continue
+        yield rung, climbed
 
 
 def climb(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> tuple[Recipe, Rung]:
     """The recipe at the cheapest rung that fits at its own length, or as written when none does (its own refusal
     is then the answer)."""
-    for rung in rungs(recipe):
-        try:
-            climbed = with_words(recipe, rung.words)
-            check_supported(climbed, topo)
-        except RecipeError:  # a rung its rules, or this topology, refuse
-            continue
+    for rung, climbed in climbs(recipe, topo):
         if judge(estimate(climbed, s, topo), gpu_memory, host_memory).fits:
             return climbed, rung
-    return recipe, rungs(recipe)[0]
+    return recipe, Rung(rung_of(recipe), ())
 
 
 def longest(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> tuple[int, Verdict | None]:
@@ -114,12 +110,7 @@ def longest_per_recipe(recipe: Recipe, s: Structure, topo: Topology, gpu_memory,
     out): the cheapest rung among those that reach furthest."""
     one = with_words(recipe, ["per_device_train_batch_size=1"])
     best = Longest(one, Rung(rung_of(one), ()), 0, None)
-    for rung in rungs(one):
-        try:
-            climbed = with_words(one, rung.words)
-            check_supported(climbed, topo)
-        except RecipeError:
-            continue
+    for rung, climbed in climbs(one, topo):
         length, verdict = longest(climbed, s, topo, gpu_memory, host_memory)
         if length > best.seq_length:
             best = Longest(climbed, rung, length, verdict)

@@ -84,7 +84,7 @@ def speed_cost(recipe: Recipe, precision: str) -> float:
     cost = 0.7 if recipe.lora else 1.0  # no weight gradients for the frozen base: ~4N instead of 6N FLOPs
     if recipe.gradient_checkpointing == "selective":
         cost *= 1.05  # the elementwise ops again: most of a forward's time is the matmuls and attention it keeps
-    elif recipe.gradient_checkpointing or (recipe.fsdp and recipe.fsdp.activation_checkpointing):
+    elif recipe.checkpoints:
         cost *= 1.33  # one more forward
     if recipe.activation_offload:
         cost *= 1.15  # a copy to the host and back per layer, partly hidden behind compute

@@ -296,6 +296,12 @@ class Recipe:
     extra: dict = field(default_factory=dict)
 
     @property
+    def checkpoints(self) -> bool:
+        """Each decoder layer is checkpointed: by the loop (gradient_checkpointing, full or selective) or by FSDP's
+        own wrapper (fsdp.activation_checkpointing)."""
+        return bool(self.gradient_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing))
+
+    @property
     def uses_bnb(self) -> bool:
         return OPTIMIZERS[self.optim].bitsandbytes
 

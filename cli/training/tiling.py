@@ -69,14 +69,16 @@ def tiled_forward(forward, tiles, x):
 def tile_mlps(model, tiles: bool | int) -> int:
     """Each decoder layer's dense MLP (a module named `mlp` whose class is an MLP: LlamaMLP, Qwen2MLP, ...) runs
     tiled; returns how many. A model whose layers route tokens to experts instead is refused in one line."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and torch.distributed.get_world_size() > 1:
         raise RecipeError("tiled_mlp runs on one process: DDP syncs each weight's gradient once, and the tiles give it "
                           "in parts: launch 1 process, or set tiled_mlp=false")
     mlps = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "mlp"]
     dense = [m for m in mlps if type(m).__name__.endswith("MLP")]
     if not dense or len(dense) < len(mlps):
         kinds = sorted({type(m).__name__ for m in mlps if m not in dense}) or ["no module named mlp"]
-        raise RecipeError(f"tiled_mlp tiles dense MLPs; this model's layers have {', '.join(kinds)}: set tiled_mlp=false")
+        raise RecipeError(f"tiled_mlp tiles dense MLPs; this model's layers have {', '.join(kinds)}: "
+                          "set tiled_mlp=false")
     for mlp in dense:
         mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles)
     return len(dense)
