@@ -22,9 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loop's own model setup
 
 from helpers import loop_model  # noqa: E402
-from measuring import held_after_forward  # noqa: E402
+from measuring import held_after_forward, step_peak  # noqa: E402
 from memrecipe.training.loss import lm_loss  # noqa: E402
-from memrecipe.training.measure import allocation_peak  # noqa: E402
 from memrecipe.planning.activations import activation_bytes, activation_mode  # noqa: E402
 from memrecipe.planning.architecture import read_config, structure  # noqa: E402
 from memrecipe.planning.registry import load_recipe  # noqa: E402
@@ -65,9 +64,7 @@ def measure(model_path: str, rung: str, length: int, steps: int) -> dict:
              "position_ids": torch.arange(length)[None]}
     _, held, _ = held_after_forward(model, batch, autocast=True)
     model.zero_grad(set_to_none=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(model, batch)
-    peak = allocation_peak(prof)
+    peak = step_peak(model, batch, autocast=True)  # beside the weights and their gradients
     seconds = []
     for _ in range(steps):  # (no profiler on: its bookkeeping would be timed too)
         model.zero_grad(set_to_none=True)

@@ -118,3 +118,24 @@ def held_after_forward(model, b, autocast) -> tuple[float, int, dict]:
     held = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     loss.backward()
     return loss.item(), held, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def step_peak(model, b, autocast) -> int:
+    """The most bytes held at once over a training step (forward and backward) beside the parameters and their
+    gradients: what the plan's working activations count, read off the CPU profiler's memory timeline."""
+    from torch.profiler._memory_profiler import Category, MemoryProfileTimeline, _CATEGORY_TO_INDEX
+
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                    record_shapes=True, with_stack=True) as prof:  # (what the timeline needs)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = lm_loss(model, b)
+            loss.backward()
+    finally:
+        gc.enable()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
+    states = [1 + _CATEGORY_TO_INDEX[c] for c in (Category.PARAMETER, Category.GRADIENT)]
+    held = [sum(size) - sum(size[i] for i in states) for size in sizes]
+    return max(held) - held[0]

@@ -149,8 +149,8 @@ def echo_longest(named, shapes, topo, gpu, host, as_json):
     click.echo(table(["RECIPE", "METHOD", "LONGEST", "RUNG", f"{where} GiB", "HOST GiB", "ADD"], body))
     click.echo("\n".join(skipped))
     click.echo(f"LONGEST: tokens per sequence at micro batch 1 (1K = 1,024 tokens), with the {where} memory and the host "
-               "RAM per machine it needs there; ADD: the key=value words that climb to its rung. An upper bound: the "
-               "gradient buffers backward allocates at long context are not planned yet (docs/long-context.md)")
+               "RAM per machine it needs there (backward's gradient buffers counted); ADD: the key=value words that climb "
+               "to its rung. lora.dropout=0 reaches further: the adapters then share their inputs (docs/long-context.md)")
 
 
 def climbed_recipes(named, shapes, topo, gpu, host):

@@ -30,6 +30,27 @@ def dropout_bytes(cuda: bool) -> int:
     return 1 if cuda else 4
 
 
+SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # linears that read one tensor
+
+
+def adapter_bytes(linears, lora, mode: str, cuda: bool, attention: str = "sdpa") -> int:
+    """Per token, what a layer's adapters on `linears` keep for backward: each its rank-r output, and its input: the
+    16-bit cast autocast makes of peft's fp32 one, and with dropout what dropout keeps. Without dropout over a
+    16-bit base (training.adapters.share_inputs) the adapters read their input as it comes: those reading one
+    tensor (SIBLINGS) keep it once, and o_proj reads what sdpa and flash attention keep of their own output (their
+    [tokens x heads x head_dim] layout: transformers' transpose and reshape copy nothing; eager's and flex's copy).
+    Measured on CPU: tests/unit/planning/test_activations.py."""
+    mask = dropout_bytes(cuda) if lora.dropout else 0
+    shared = mode == "lora" and not lora.dropout
+    kept, read = 0, {"o_proj"} if attention in ("sdpa", "flash_attention_2") else set()
+    for lin in linears:
+        tensor = next((frozenset(group) for group in SIBLINGS if lin.name in group), lin.name)
+        if not (shared and tensor in read):
+            kept += (2 + mask) * lin.in_features
+        read.add(tensor)
+    return kept + 2 * lora.r * len(linears)
+
+
 def tile_count(tiles: bool | int, tokens: int, hidden: int) -> int:
     """`tiled_mlp: true`: tiles of about `hidden` tokens (ALST's choice: a tile's [tokens x intermediate] tensors are
     then the size of one of the MLP's weights); a number: that many (training.tiling runs it)."""
@@ -50,9 +71,7 @@ def mlp_bytes(recipe: Recipe, s: Structure, mode: str, cuda: bool) -> int:
     lora = recipe.lora  # lora, qlora: gate's output, the activation and up's output in 16 bits; the adapters'
     on_mlp = [lin for lin in s.lora_linears(lora.target_modules) if s.intermediate in (lin.in_features,
                                                                                           lin.out_features)]
-    mask = dropout_bytes(cuda) if lora.dropout else 0
-    return 2 * intermediates - (2 * s.intermediate if s.gated_mlp else 0) + sum(
-        (2 + mask) * lin.in_features + 2 * lora.r for lin in on_mlp)
+    return 2 * intermediates - (2 * s.intermediate if s.gated_mlp else 0) + adapter_bytes(on_mlp, lora, mode, cuda)
 
 
 def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str,
@@ -77,9 +96,7 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
             lora = recipe.lora
             targets = s.lora_linears(lora.target_modules)
             per_token -= 8 * h + (2 * i if gated and not moe else 0)  # frozen linears and norms no longer keep their inputs
-            # each adapter: the bf16 cast of its input, its rank-r output, and with dropout what dropout keeps
-            mask = dropout_bytes(cuda) if lora.dropout else 0
-            per_token += sum((2 + mask) * lin.in_features + 2 * lora.r for lin in targets)
+            per_token += adapter_bytes(targets, lora, mode, cuda, attention)
         if mode == "qlora":
             per_token += 33 * h // 2  # the fp32 residual stream and norms (measured, Llama + bnb 4-bit)
     per_token += 8 + 4 * a  # two fp32 rsqrt vectors, SDPA's log-sum-exp per head
@@ -110,6 +127,38 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
     return total
 
 
+def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: int, cuda: bool = False) -> int:
+    """The most one layer holds while backward runs through it: `saved` (what it keeps, layer_activation_bytes) with
+    what is allocated beside it, at the largest of three places (the CPU profiler's allocation peak inside a
+    recomputed layer's backward, tests/unit/planning/test_activations.py), each beside the gradient arriving at the
+    layer, in the residual stream's dtype:
+    - the MLP's product in backward: its other tensors still held, the down projection's saved input freed, three
+      [tokens x intermediate] gradients in the compute dtype (by the frozen linear and by the adapter, then their
+      sum; then the product's, the activation's and up's); a tile's worth under tiled_mlp;
+    - the down projection's adapter in the recompute, where peft casts its 16-bit input (the MLP's product, held by
+      nothing else) to fp32 (with dropout over a 16-bit base, and under QLoRA: training.adapters.share_inputs) and
+      dropout writes its fp32 output;
+    - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden])."""
+    cb = 4 if mode == "fp32" else 2
+    residual = 2 if mode in ("half", "lora") else 4
+    mlp_tokens = tokens
+    if recipe.tiled_mlp is not False:
+        mlp_tokens = -(-tokens // tile_count(recipe.tiled_mlp, tokens, s.hidden))
+    lora = recipe.lora
+    down = [lin for lin in s.lora_linears(lora.target_modules) if lin.name == "down_proj"] if lora else []
+    places = [saved - mlp_tokens * mlp_bytes(recipe, s, mode, cuda) + tokens * 20 * s.hidden]
+    if not s.experts:
+        i = s.intermediate
+        if down:  # what the down projection keeps of its input, freed once its backward ran
+            kept = adapter_bytes(down, lora, mode, cuda) - 2 * lora.r
+        else:  # a trained linear keeps its input in the compute dtype, a frozen one nothing
+            kept = 0 if lora else cb * i
+        places.append(saved + mlp_tokens * (3 * cb * i - kept))
+        if down and (mode == "qlora" or (mode == "lora" and lora.dropout)):
+            places.append(saved + mlp_tokens * (8 if lora.dropout else 4) * i + mlp_tokens * cb * i)
+    return max(places) + tokens * residual * s.hidden
+
+
 def selective_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int) -> int:
     """What one layer keeps under selective checkpointing beside its input (training.layers.selective_policy):
     every matmul's output (the linears', and LoRA's A and B) in the compute dtype, attention's output and its
@@ -121,30 +170,11 @@ def selective_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int) -> int
     return tokens * (cb * outputs + 4 * s.heads)
 
 
-def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str | None = None,
-                     cuda: bool = False) -> dict:
-    """One micro batch on one process: `activations` and `logits` (the categories), `saved_peak` (most
-    bytes held for backward at once), `forward_saved` (held when the forward ends), `layer` (one layer's),
-    `host` (checkpointed inputs moved to host memory by activation_offload). `attention`: the kernel that runs
-    (planning.attention.pick_attention; None: what runs on CPU); `cuda`: planned for a GPU."""
-    h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
-    if attention is None:  # the kernel on CPU (what the tests measure)
-        attention = pick_attention(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,
-                            flash=False, flex=False).name
-    # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
-    # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
-    tp = recipe.parallelism.tp_size if recipe.parallelism else 1
-    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq, attention, cuda) // tp) for g in s.groups()]
-    layer = max(one for _, one in layers)  # the largest layer's (one is recomputed at a time)
-    every_layer = sum(n * one for n, one in layers)
-    host = 0
+def loss_bytes(recipe: Recipe, s: Structure, mode: str, b: int, T: int, head_copy: int) -> tuple[int, int, int]:
+    """The loss's bytes for T tokens: (what it keeps for backward, its working bytes, the head's autocast weight copy
+    left to count beside the layers: none when the fused head counts it)."""
+    h, V = s.hidden, s.vocab
     residual = 2 if mode in ("half", "lora") else 4
-    rope = T * 2 * d * (4 if mode in ("fp32", "mixed", "qlora") else 2)
-    norm = T * ({"fp32": 12, "mixed": 10, "half": 8, "lora": 4, "qlora": 10}[mode] * h + 4)
-    if recipe.fused_loss:  # the head's matmul no longer keeps its input (the chunks keep the targets' own)
-        norm -= T * h * {"fp32": 4, "mixed": 2, "half": 2, "lora": 0, "qlora": 2}[mode]
-    head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
-    small = T * 8 + rope  # input ids, rotary cos/sin
     if recipe.fused_loss:  # the chunks keep their inputs (the target positions' hidden states, planned as all)
         saved_logits = T * h * residual
         # forward, a chunk at a time: its fp32 logits and their log-sum-exp's temporary, 8 bytes a logit (12 through a
@@ -163,6 +193,37 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     else:
         saved_logits = (T - b) * V * 4  # fp32 log-softmax kept for the loss's backward
         logits = 12 * T * V  # the same three fp32 [tokens x vocab] at the log-softmax's backward (measured)
+    return saved_logits, logits, head_copy
+
+
+def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str | None = None,
+                     cuda: bool = False) -> dict:
+    """One micro batch on one process: `activations` and `logits` (the categories), `saved_peak` (most
+    bytes held for backward at once), `forward_saved` (held when the forward ends), `layer` (one layer's),
+    `host` (checkpointed inputs moved to host memory by activation_offload). `attention`: the kernel that runs
+    (planning.attention.pick_attention; None: what runs on CPU); `cuda`: planned for a GPU."""
+    h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
+    if attention is None:  # the kernel on CPU (what the tests measure)
+        attention = pick_attention(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,
+                            flash=False, flex=False).name
+    # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
+    # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
+    tp = recipe.parallelism.tp_size if recipe.parallelism else 1
+    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq, attention, cuda) // tp, g) for g in s.groups()]
+    layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
+    # a layer's backward; selectively checkpointed, its matmuls' outputs are counted in `inputs` below
+    in_backward = max((backward_peak(recipe, g, mode, T, one * tp, cuda) - (selective_bytes(recipe, g, mode, T)
+                      if recipe.gradient_checkpointing == "selective" else 0)) // tp for _, one, g in layers)
+    every_layer = sum(n * one for n, one, _ in layers)
+    host = 0
+    residual = 2 if mode in ("half", "lora") else 4
+    rope = T * 2 * d * (4 if mode in ("fp32", "mixed", "qlora") else 2)
+    norm = T * ({"fp32": 12, "mixed": 10, "half": 8, "lora": 4, "qlora": 10}[mode] * h + 4)
+    if recipe.fused_loss:  # the head's matmul no longer keeps its input (the chunks keep the targets' own)
+        norm -= T * h * {"fp32": 4, "mixed": 2, "half": 2, "lora": 0, "qlora": 2}[mode]
+    head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
+    small = T * 8 + rope  # input ids, rotary cos/sin
+    saved_logits, logits, head_copy = loss_bytes(recipe, s, mode, b, T, head_copy)
     if recipe.checkpoints:
         inputs = s.layers * T * h * residual  # each layer keeps only its input; one layer is recomputed at a time
         if recipe.gradient_checkpointing == "selective":  # ... and its matmuls' and attention's outputs
@@ -172,10 +233,10 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
         forward_saved = inputs + small + norm + head_copy + saved_logits
         saved_peak = max(forward_saved, inputs + small + layer)  # the loss's tensors are gone by the recompute
         acts = inputs + small + max(layer, norm + head_copy)
-        working = max(inputs + small + norm + head_copy + logits, inputs + small + layer)  # loss, or a recompute
+        working = max(inputs + small + norm + head_copy + logits, inputs + small + in_backward)  # loss, or a layer's backward
     else:
         acts = every_layer + small + norm + head_copy
         forward_saved = saved_peak = acts + saved_logits
-        working = acts + logits  # every layer's activations are still held at the loss
+        working = acts + max(logits, in_backward - layer)  # every layer's activations are held at the loss
     return {"activations": acts, "logits": logits, "saved_peak": saved_peak, "forward_saved": forward_saved,
             "layer": layer, "host": host, "working": working}

@@ -22,12 +22,13 @@ def lora_config(lora):
 REFERENCE_ADAPTER = "reference"  # a saved adapter's frozen copy beside the one that trains (DPO's reference model)
 
 
-def add_lora(model, lora, reference: bool = False):
+def add_lora(model, lora, reference: bool = False, autocast: bool = False):
     """The model with peft's adapters: new ones, or a saved adapter's weights to train on (`lora.adapter`) and, with
     `reference`, a frozen copy of them beside it (named REFERENCE_ADAPTER: under DPO the reference is the model
     the adapter makes, as TRL's ref_adapter_name; a few MB, no second model). Everything that trains is fp32, as
     the adapters are: peft upcasts its adapter layers, not the copies of modules_to_save nor the biases that
-    `bias` trains, which would otherwise take AdamW's updates in the base's 16 bits."""
+    `bias` trains, which would otherwise take AdamW's updates in the base's 16 bits. `autocast`: the forward runs
+    under autocast, where adapters without dropout read their input as it comes (share_inputs)."""
     from peft import PeftModel, get_peft_model
 
     if lora.adapter:
@@ -39,7 +40,28 @@ def add_lora(model, lora, reference: bool = False):
     for p in model.parameters():
         if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
             p.data = p.data.float()
+    if autocast:
+        share_inputs(model)
     return model
+
+
+def share_inputs(model) -> int:
+    """Adapters without dropout read their layer's input as it comes, under autocast: peft casts each adapter's
+    input to the adapter's fp32 first (tuners_utils._cast_input_dtype), and autocast casts it back to 16 bits for
+    the matmul, which saves that copy for backward: each adapter kept its own [tokens x in] copy (q, k and v three of
+    the same tensor) and made an fp32 one on the way (the step's peak, in the layer's recompute). Without the casts
+    the adapters reading one tensor save that one tensor. The same values reach the matmul: loss and gradients are
+    bitwise peft's (tests/unit/training/test_adapters.py). With dropout the cast stays: the masks are drawn in fp32,
+    as peft draws them. Only for a forward under autocast (the fp32 adapters' matmul needs it); returns how many
+    adapters read their input as it comes."""
+    from peft.tuners.lora import LoraLayer
+
+    shared = 0
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values()):
+            module.cast_input_dtype_enabled = False
+            shared += 1
+    return shared
 
 
 def rewrites_base(recipe) -> bool:

@@ -16,7 +16,7 @@ LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 143
             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
             "max_position_embeddings": 131072, "head_dim": 128}
 JOB = ["per_device_train_batch_size=2", "max_seq_length=2048"]
-LORA_JOB = [*JOB, "lora.r=8", "lora.alpha=16"]
+LORA_JOB = [*JOB, "lora.r=8", "lora.alpha=16", "lora.dropout=0"]  # torchtune's configs: lora_dropout 0.0
 GiB = 2**30
 
 
@@ -37,8 +37,9 @@ def longest(recipe, gpu, *overrides) -> str:
     return f"{tokens(row.seq_length)}, {row.rung.name}, {row.verdict.estimate.host_total() / GiB:.1f} GiB"
 
 
-LONG_CONTEXT = [("docs/long-context.md", f"| {gpu} GB | {{}} | {{}} |",
-                 lambda gpu=gpu: [longest("single-gpu-lora", gpu), longest("qlora", gpu, "lora.r=32")])
+LONG_CONTEXT = [("docs/long-context.md", f"| {gpu} GB | {{}} | {{}} | {{}} | {{}} |",
+                 lambda gpu=gpu: [longest("single-gpu-lora", gpu), longest("single-gpu-lora", gpu, "lora.dropout=0"),
+                                  longest("qlora", gpu, "lora.r=32"), longest("qlora", gpu, "lora.r=32", "lora.dropout=0")])
                 for gpu in (24, 48, 80)]
 
 

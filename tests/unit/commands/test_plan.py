@@ -173,5 +173,5 @@ def test_at_128k_plan_recommends_a_lora_and_a_qlora_recipe_a_rung_up_where_neede
                "max_seq_length=131072", "per_device_train_batch_size=1")
     assert done.returncode == 0, done.stderr
     assert "LoRA: single-gpu-lora+offload: the fastest recipe that fits" in done.stdout
-    assert "QLoRA: qlora: the fastest recipe that fits" in done.stdout and "nothing fits" not in done.stdout
+    assert "QLoRA: qlora+offload: the fastest recipe that fits" in done.stdout and "nothing fits" not in done.stdout
     assert "single-gpu-lora+offload: fits with activation offload (activation_offload=true), not as written" in done.stdout

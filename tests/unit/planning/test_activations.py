@@ -159,3 +159,60 @@ def test_a_tiled_mlp_frees_what_the_plan_says(recipe, overrides, precision):
     freed = held["false"] - held["4"]
     planned = 2 * 48 * s.layers * mlp_bytes(r, s, activation_mode(r, 2 if precision == "bf16" else 4), cuda=False)
     assert 0.9 * freed <= planned <= freed, (planned, freed)
+
+
+WIDE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64}  # the embedded Llama widened: per-token costs dominate
+LADDER = {"none": ["gradient_checkpointing=false"], "selective": ["gradient_checkpointing=selective"],
+          "full": ["gradient_checkpointing=true"], "offload": ["gradient_checkpointing=true", "activation_offload=true"],
+          "tiled": ["gradient_checkpointing=true", "tiled_mlp=true"]}
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memrecipe.training.loading import embedded_model
+
+    config = AutoConfig.from_pretrained(embedded_model())
+    config.update(WIDE)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("wide")
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("recipe, rung, overrides", [
+    *[("single-gpu-lora", rung, []) for rung in LADDER],  # LoRA on every linear, dropout 0.05 (peft's fp32 casts)
+    ("single-gpu-lora", "full", ["lora.dropout=0"]), ("single-gpu-lora", "tiled", ["lora.dropout=0"]),  # shared
+    ("single-gpu-full", "none", []), ("single-gpu-full", "full", []), ("single-gpu-full", "tiled", [])])
+def test_the_plans_working_peak_is_a_steps_allocation_peak_at_every_length(wide, recipe, rung, overrides):
+    """Long sequences, each rung of the ladder, LoRA and a full fine-tune: at 512, 1024 and 2048 tokens the bytes the
+    forward leaves for backward grow at the plan's per-token slope, and the most a whole step holds at once beside
+    the weights and their gradients (backward's own gradient buffers included: the CPU profiler's memory timeline)
+    is the plan's working activations, each within 10%."""
+    from helpers import loop_model
+    from measuring import held_after_forward, step_peak
+    from memrecipe.planning.activations import activation_bytes, activation_mode
+
+    s = structure(read_config(wide))
+    held, planned = {}, {}
+    for length in (512, 1024, 2048):
+        r = load_recipe(recipe, [*LADDER[rung], *overrides, f"max_seq_length={length}", "per_device_train_batch_size=1",
+                                 "packing=false", "optimizer_in_backward=false"])
+        model, _ = loop_model(r, wide, "bf16")
+        model.train()
+        ids = torch.randint(0, s.vocab, (1, length), generator=torch.Generator().manual_seed(0))
+        b = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(length)[None]}
+        held[length] = held_after_forward(model, b, autocast=True)[1]
+        model.zero_grad(set_to_none=True)
+        plan = activation_bytes(r, s, activation_mode(r, 2), 1, length)
+        # on CPU the host is the device: the offloaded inputs stay where they are, held as without the offload
+        kept = plan if rung != "offload" else activation_bytes(load_recipe(recipe, [
+            *overrides, "gradient_checkpointing=true", f"max_seq_length={length}", "per_device_train_batch_size=1",
+            "packing=false"]), s, activation_mode(r, 2), 1, length)
+        planned[length] = kept["forward_saved"]
+        peak = step_peak(model, b, autocast=True)
+        assert plan["working"] == pytest.approx(peak, rel=0.1), (length, plan["working"], peak)
+    slope = (held[2048] - held[512]) / 1536
+    assert (planned[2048] - planned[512]) / 1536 == pytest.approx(slope, rel=0.1), (planned, held)

@@ -101,3 +101,35 @@ def test_lora_options_that_cannot_work_are_refused_with_the_reason(overrides, re
     with pytest.raises(RecipeError, match="modules_to_save names 'lm_heads'"):
         estimate(load_recipe("single-gpu-lora", ["lora.modules_to_save=[lm_heads]"]), structure(read_config(None)),
                  Topology(cpu=True))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_adapters_without_dropout_share_their_input_and_train_bitwise_as_peft(dropout):
+    """Under autocast, adapters without dropout read their layer's 16-bit input as it comes (share_inputs): the
+    loss and every gradient are bitwise peft's own cast path, and the forward leaves fewer bytes for backward (q, k
+    and v keep one tensor, not three copies). With dropout peft's path stays (nothing shared, the same bytes)."""
+    from helpers import loop_model
+    from measuring import batch, held_after_forward
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.training.loading import embedded_model
+
+    recipe = load_recipe("single-gpu-lora", [f"lora.dropout={dropout}", "max_seq_length=48",
+                                             "gradient_checkpointing=false"])
+    runs = {}
+    for shared in (True, False):
+        torch.manual_seed(0)
+        model, _ = loop_model(recipe, embedded_model(), "bf16")  # (the loop's setup: share_inputs under autocast)
+        model.train()
+        if not shared:  # peft's own path: each adapter casts its input to fp32
+            for module in model.modules():
+                if hasattr(module, "cast_input_dtype_enabled"):
+                    module.cast_input_dtype_enabled = True
+        torch.manual_seed(1)
+        runs[shared] = held_after_forward(model, batch(model.config.vocab_size), autocast=True)
+    assert runs[True][0] == runs[False][0]
+    for name, grad in runs[False][2].items():
+        assert torch.equal(runs[True][2][name], grad), name
+    if dropout:
+        assert runs[True][1] == runs[False][1]
+    else:
+        assert runs[True][1] < 0.9 * runs[False][1], (runs[True][1], runs[False][1])
