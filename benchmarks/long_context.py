@@ -96,7 +96,8 @@ def main():
                       f"{r['tokens_per_second'] / full['tokens_per_second']:>7.2f}")
     print("MiB. held: what the forward leaves for backward (the CPU profiler; offload's host copies included: on CPU the "
           "host is the device); planned: the planner's bytes on the device after the forward, host: in host RAM; "
-          "peak: the most allocated at once over the step (the profiler), planned: the plan's working activations")
+          "peak: the most held at once over the step beside the weights and their gradients (the profiler's memory "
+          "timeline), planned: the plan's working activations")
 
 
 if __name__ == "__main__":
