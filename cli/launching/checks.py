@@ -145,7 +145,8 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
             f", a {METHODS[kind]} recipe: no {METHODS[method(recipe)]} recipe fits" if not same else "")
     else:
         instead = why  # nothing fits: what comes closest
-    raise RecipeError(f"recipe {recipe.name} will not fit: {where} ({breakdown(est)}); {instead}; "
+    square = "".join(f"; {note}" for note in est.notes if note.startswith(f"attention: {est.attention} keeps"))
+    raise RecipeError(f"recipe {recipe.name} will not fit: {where} ({breakdown(est)}); {instead}{square}; "
                       "--force launches anyway")
 
 

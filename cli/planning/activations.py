@@ -4,7 +4,7 @@ Llama-family layers, measured on CPU), at each checkpointing mode, and the loss'
 from __future__ import annotations
 
 from .architecture import Structure, lora_tensors_on_meta
-from .attention import dense_mask, pick_attention
+from .attention import pick_attention, square_bytes
 from .recipe import Recipe
 
 
@@ -111,10 +111,11 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         total -= (T - -(-T // tile_count(recipe.tiled_mlp, T, h))) * mlp_bytes(recipe, s, mode, cuda)
     cb = 4 if mode == "fp32" else 2  # the attention's compute dtype
     repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
+    square = square_bytes(attention, recipe.packing, b, seq, a, fp32=mode == "fp32")
     if attention == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated, no log-sum-exp
-        total += b * a * seq * seq * (4 if mode == "fp32" else 6) + repeated - T * 4 * a
-    elif dense_mask(attention, recipe.packing, b):  # sdpa under a mask: K/V repeated, the mask made additive
-        total += repeated + b * seq * seq * cb
+        total += square + repeated - T * 4 * a
+    elif square:  # sdpa under a mask: K/V repeated, the mask made additive
+        total += repeated + square
     if mode == "mixed":
         total += 2 * sum(lin.params for lin in s.linears)  # autocast's bf16 weight copies, saved for backward
     if mode in ("lora", "qlora"):  # ... and of the fp32 adapters

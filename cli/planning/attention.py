@@ -53,3 +53,27 @@ def dense_mask(name: str, packing: bool, micro_batch: int) -> bool:
     """Whether sdpa gets a dense mask: packed rows, or padded rows (more than one per micro batch, padded to the
     longest). Without one it runs causal with K/V heads grouped."""
     return name == "sdpa" and (packing or micro_batch > 1)
+
+
+SQUARE_LIMIT = 2**30  # bytes of [S x S] tensors per layer past which a plan names the kernels that keep none
+
+
+def square_bytes(name: str, packing: bool, micro_batch: int, seq: int, heads: int, fp32: bool) -> int:
+    """What one layer keeps in [S x S] tensors for backward: eager's scores (the fp32 softmax and, in 16-bit compute,
+    its 16-bit copy, per head), or sdpa's dense mask made additive in the compute dtype (measured on CPU:
+    tests/unit/planning/test_activations.py). flash_attention_2 and flex_attention keep none."""
+    if name == "eager":
+        return micro_batch * heads * seq * seq * (4 if fp32 else 6)
+    if dense_mask(name, packing, micro_batch):
+        return micro_batch * seq * seq * (4 if fp32 else 2)
+    return 0
+
+
+def square_note(name: str, square: int, seq: int) -> str | None:
+    """One line when a layer's [S x S] tensors pass SQUARE_LIMIT: which kernels this length needs."""
+    if square <= SQUARE_LIMIT:
+        return None
+    what = "scores" if name == "eager" else "dense mask (packed or padded rows)"
+    return (f"attention: {name} keeps {square / 2**30:.1f} GiB per layer in its [{seq} x {seq}] {what}: at this "
+            "length use attn_implementation=flash_attention_2 (CUDA, flash-attn installed) or flex_attention (CUDA), "
+            "which keep none (auto picks one on a GPU)")

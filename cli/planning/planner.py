@@ -14,7 +14,7 @@ from ..errors import RecipeError
 from ..units import GiB
 from .activations import activation_bytes, activation_mode
 from .architecture import Structure
-from .attention import flash_installed, pick_attention
+from .attention import flash_installed, pick_attention, square_bytes, square_note
 from .optimizers import OPTIMIZERS
 from .recipe import METHODS, Recipe, method
 from .states import (Sizes, add_reference, engine_states, loading_bytes, optimizer_state_bytes, step_temporaries,
@@ -141,6 +141,9 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         if attention != recipe.attn_implementation:
             notes.append(f"attention: {attention} ({picked.why})")
     act = activation_bytes(recipe, s, activation_mode(recipe, compute_bytes), batch, seq, attention, cuda=not topo.cpu)
+    square = square_note(attention, square_bytes(attention, recipe.packing, batch, seq, s.heads, compute_bytes == 4), seq)
+    if square:  # long context on a kernel that keeps [S x S] tensors: say which kernels keep none
+        notes.append(square)
     # the step's temporaries: after backward (the activations gone), or inside it, beside the checkpointed inputs
     working = max(act["working"], step + (act["forward_saved"] if recipe.optimizer_in_backward else 0))
     if step:
