@@ -1,7 +1,8 @@
 """The first command on a GPU box: every recipe the machine can hold, a few steps each through `memrecipe run`,
 on real-shaped models with random weights built from the config.json files beside this script (no hub), then
-one run stopped and resumed, and preference tuning (`memrecipe run dpo`) on the embedded pairs; one table of what
-the plan said against what the runs measured.
+one run stopped and resumed, preference tuning (`memrecipe run dpo`) on the embedded pairs, and one long-context
+run (16K tokens a sequence on the activation ladder's top rung, generated documents); one table of what the plan said
+against what the runs measured.
 
     python benchmarks/gpu_acceptance.py                        # the 1B shape, every recipe this box can hold
     python benchmarks/gpu_acceptance.py --shapes 1b,moe,8b     # the larger shapes too (opt-in)
@@ -35,6 +36,10 @@ ONE_GPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation
 SEVERAL_GPUS = [("ddp", [], 0), ("fsdp", [], 0), ("fsdp-lora", [], 0), ("fsdp-qlora", [], 0), ("zero2", [], 0),
                 ("tp", [], 4)]  # 0: every GPU
 CPU = [("single-gpu-lora", [], 1), ("ddp", [], 2), ("single-gpu-lora", ["attn_implementation=sdpa"], 1)]
+# long context: one document of max_seq_length tokens a micro batch, on the ladder's top rung (docs/long-context.md)
+LONG = ("single-gpu-lora", ["activation_offload=true", "tiled_mlp=true", "per_device_train_batch_size=1",
+                            "gradient_accumulation_steps=1", "packing=false"], 1)
+LONG_TOKENS = {"gpu": 16384, "cpu": 1024}
 PREFERENCES = [("single-gpu-lora", [], 1), ("qlora", [], 1)]  # `memrecipe run dpo` on the embedded pairs (--cpu: the first)
 LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit": "bitsandbytes",
              "single-gpu-full": "torchao", "apollo_adamw": "apollo_torch", "zero3-offload": "deepspeed",
@@ -59,6 +64,18 @@ def build_model(config_file: Path, folder: Path) -> Path:
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(EMBEDDED_MODEL).save_pretrained(folder)
     return folder
+
+
+def long_documents(path: Path, documents: int, tokens: int) -> Path:
+    """A dataset of `documents` texts, each longer than `tokens` tokens of the embedded tokenizer (a run cuts them
+    at max_seq_length): the long-context row's data, written here (no hub)."""
+    import random
+
+    rng = random.Random(0)
+    words = "the of and model data memory token layer river stone cloud light table music ocean number".split()
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(tokens))}) + "\n"
+                            for _ in range(documents)))
+    return path
 
 
 def skip_reason(recipe: str, overrides: list, processes: int, model: str | None, cpu: bool) -> str | None:
@@ -208,6 +225,9 @@ def main():
         shapes = {s: None for s in args.shapes.split(",")}
         cases = [("sft", *c) for c in ONE_GPU + ([(r, o, n or gpus) for r, o, n in SEVERAL_GPUS] if gpus > 1 else [])]
         cases += [("dpo", *c) for c in PREFERENCES]
+    length = LONG_TOKENS["cpu" if args.cpu else "gpu"]
+    long_data = long_documents(args.out / "long.jsonl", steps + 2, length)
+    cases.append(("sft", LONG[0], [*LONG[1], f"max_seq_length={length}"], LONG[2]))
     rows = []
     for shape in shapes:
         model = None if args.cpu else str(build_model(HERE / "gpu_configs" / SHAPES[shape], args.out / "models" / shape))
@@ -215,7 +235,8 @@ def main():
         for index, (script, recipe, overrides, processes) in enumerate(cases):
             name = " ".join(["dpo"] * (script == "dpo") + [recipe, *overrides])
             words = [*overrides, *extra, f"max_steps={steps}", "save_steps=null", "eval_steps=null",
-                     *([] if model is None else ["--model", model])]
+                     *([] if model is None else ["--model", model]),
+                     *(["--dataset", str(long_data)] if "tiled_mlp=true" in overrides else [])]
             reason = skip_reason(recipe, [*overrides, *extra], processes, model, args.cpu)
             if reason:
                 rows.append({"recipe": name, "shape": shape, "processes": processes, "status": "skipped",

@@ -321,7 +321,9 @@ def say_setup(run, steps_per_epoch):
                            "outputs)", True: "full checkpointing (each layer keeps its input)" + (
                            ", in host RAM" if recipe.activation_offload else ""), False: "every one kept"}.get(
                            setup["gradient_checkpointing"], "checkpointed by the engine")
-        + (f"; {setup['tiled_mlps']} MLPs run in tiles of tokens, recomputed in backward" if setup["tiled_mlps"] else ""))
+        + (f"; {setup['tiled_mlps']} MLPs run in tiles of tokens, recomputed in backward" if setup["tiled_mlps"] else "")
+        + (f"; {setup['lora_shared_inputs']} LoRA layers' adapters share their inputs (no dropout)"
+           if setup["lora_shared_inputs"] else ""))
     if setup["bf16_update_rounding"]:  # the optimizer's choice, said: never a silent fallback
         say(f"weights: bf16, no fp32 master; optim {recipe.optim} rounds each update {setup['bf16_update_rounding']}")
     if setup["optimizer_first_use"]:

@@ -50,6 +50,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "optimizer_in_backward": hasattr(getattr(optimizer, "optimizer", optimizer), "optimizers"),
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
         "tiled_mlps": sum(getattr(getattr(m, "forward", None), "func", None) is tiled_forward for m in model.modules()),
+        # LoRA layers whose adapters read their input as it comes (training.adapters.share_inputs)
+        "lora_shared_inputs": sum(getattr(m, "cast_input_dtype_enabled", True) is False for m in model.modules()),
         # the kernel transformers runs, and why (training.loading.attention: attn_implementation auto resolved)
         "attention": getattr(getattr(accelerator.unwrap_model(model), "config", None), "_attn_implementation", None),
         "attention_why": getattr(getattr(accelerator.unwrap_model(model), "memrecipe_attention", None), "why", None),

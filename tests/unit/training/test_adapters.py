@@ -133,3 +133,21 @@ def test_adapters_without_dropout_share_their_input_and_train_bitwise_as_peft(dr
         assert runs[True][1] == runs[False][1]
     else:
         assert runs[True][1] < 0.9 * runs[False][1], (runs[True][1], runs[False][1])
+
+
+def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs():
+    from types import SimpleNamespace
+
+    from helpers import loop_model
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.training.loading import embedded_model
+    from memrecipe.training.measure import describe_setup
+
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value="NO"), num_processes=1, process_index=0,
+                                  device="cpu", mixed_precision="bf16", unwrap_model=lambda m: m)
+    counted = {}
+    for dropout in (0.0, 0.05):
+        model, _ = loop_model(load_recipe("single-gpu-lora", [f"lora.dropout={dropout}"]), embedded_model(), "bf16")
+        counted[dropout] = describe_setup(accelerator, model, None)["lora_shared_inputs"]
+    layers = sum(1 for name, _ in model.named_modules() if name.endswith(("q_proj", "down_proj")))  # 2 a decoder layer
+    assert counted == {0.0: 7 * layers // 2, 0.05: 0}  # every linear of every layer; none with dropout
