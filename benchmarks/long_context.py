@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loop's own model setup
 
 from helpers import loop_model  # noqa: E402
-from measuring import held_after_forward, step_peak  # noqa: E402
+from measuring import held_after_forward, profiled_peak, step_peak  # noqa: E402
 from memrecipe.training.loss import lm_loss  # noqa: E402
 from memrecipe.planning.activations import activation_bytes, activation_mode  # noqa: E402
 from memrecipe.planning.architecture import read_config, structure  # noqa: E402
@@ -77,10 +77,50 @@ def measure(model_path: str, rung: str, length: int, steps: int) -> dict:
             "working": planned["working"], "tokens_per_second": length / statistics.median(seconds)}
 
 
+def library_peak(model_path: str, length: int, library: str) -> int:
+    """The step peak (beside the weights and gradients) of a library trainer's own training_step on the same model
+    and row: transformers' Trainer (gradient checkpointing, peft's LoRA on every linear, dropout 0.05, bf16), TRL's
+    SFTTrainer (its default loss). (TRL's activation_offloading needs an accelerator: its OffloadActivations reads
+    torch.accelerator.current_accelerator(), None on CPU.)"""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
+                                             task_type="CAUSAL_LM"))
+    ids = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    with tempfile.TemporaryDirectory() as out:
+        common = {"output_dir": out, "per_device_train_batch_size": 1, "gradient_checkpointing": True,
+                  "gradient_checkpointing_kwargs": {"use_reentrant": False}, "bf16": True, "use_cpu": True,
+                  "report_to": []}
+        if library == "Trainer":
+            trainer = Trainer(model=model, args=TrainingArguments(**common))
+            inputs = {"input_ids": torch.tensor([ids]), "labels": torch.tensor([ids]),
+                      "attention_mask": torch.ones(1, length, dtype=torch.long)}
+        else:
+            from datasets import Dataset
+            from trl import SFTConfig, SFTTrainer
+
+            trainer = SFTTrainer(model=model, args=SFTConfig(**common, max_length=length, packing=False),
+                                 train_dataset=Dataset.from_dict({"input_ids": [ids]}),
+                                 processing_class=AutoTokenizer.from_pretrained(model_path))
+            inputs = trainer.data_collator([{"input_ids": ids}])
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as train() does
+        prepared = trainer.accelerator.prepare_model(trainer.model)
+        trainer.current_gradient_accumulation_steps = 1  # (what train() sets before its first step)
+        prepared.train()
+        trainer.training_step(prepared, inputs)  # (warm: the first step's one-time allocations)
+        prepared.zero_grad(set_to_none=True)
+        return profiled_peak(lambda: trainer.training_step(prepared, inputs))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--libraries", action="store_true", help="also the step peak of transformers' Trainer and "
+                        "TRL's SFTTrainer (with and without its activation offloading) at each length")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = wide_model(Path(tmp) / "wide")
@@ -94,6 +134,15 @@ def main():
                       f"{r['host'] / 2**20:>6.1f} {r['held'] / full['held']:>7.2f} {r['peak'] / 2**20:>7.1f} "
                       f"{r['working'] / 2**20:>8.1f} {r['tokens_per_second']:>8.0f} "
                       f"{r['tokens_per_second'] / full['tokens_per_second']:>7.2f}")
+    if args.libraries:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = wide_model(Path(tmp) / "wide")
+            print(f"\n{'length':>7} {'trainer':>22} {'step peak MiB':>14} {'x memrecipe full':>17}")
+            for length in args.lengths:
+                ours = measure(path, "full", length, 1)["peak"]
+                for library in ("Trainer", "TRL SFTTrainer"):
+                    peak = library_peak(path, length, library)
+                    print(f"{length:>7} {library:>22} {peak / 2**20:>14.1f} {peak / ours:>17.2f}", flush=True)
     print("MiB. held: what the forward leaves for backward (the CPU profiler; offload's host copies included: on CPU the "
           "host is the device); planned: the planner's bytes on the device after the forward, host: in host RAM; "
           "peak: the most held at once over the step beside the weights and their gradients (the profiler's memory "

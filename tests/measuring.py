@@ -123,6 +123,18 @@ def held_after_forward(model, b, autocast) -> tuple[float, int, dict]:
 def step_peak(model, b, autocast) -> int:
     """The most bytes held at once over a training step (forward and backward) beside the parameters and their
     gradients: what the plan's working activations count, read off the CPU profiler's memory timeline."""
+    return profiled_peak(lambda: _step(model, b, autocast))
+
+
+def _step(model, b, autocast):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = lm_loss(model, b)
+    loss.backward()
+
+
+def profiled_peak(step) -> int:
+    """The most bytes `step()` holds at once beside the parameters and their gradients, above what was held before
+    it (the CPU profiler's memory timeline)."""
     from torch.profiler._memory_profiler import Category, MemoryProfileTimeline, _CATEGORY_TO_INDEX
 
     gc.collect()
@@ -130,9 +142,7 @@ def step_peak(model, b, autocast) -> int:
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
                                     record_shapes=True, with_stack=True) as prof:  # (what the timeline needs)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = lm_loss(model, b)
-            loss.backward()
+            step()
     finally:
         gc.enable()
     _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
