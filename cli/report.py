@@ -34,7 +34,10 @@ def bf16_peak(device_name: str | None) -> float | None:
 
 def flops_per_token(params: int, trainable: int, layers: int, hidden: int, seq: int) -> float:
     """Model FLOPs per trained token: 6N for full fine-tuning (forward 2N, backward 4N), 4N when only
-    adapters train (no weight gradients for the frozen base), plus attention's 12 x layers x hidden x seq."""
+    adapters train (no weight gradients for the frozen base), plus attention's 12 x layers x hidden x seq. N: the
+    parameters a token multiplies by (Structure.active_params: top_k experts, not the embedding lookup). Attention
+    is counted over whole rows of `seq` tokens: an upper bound for packed rows, whose documents attend only within
+    themselves (the MFU it gives reads high there)."""
     weights = 6 * params if trainable >= params else 4 * params + 2 * trainable
     return weights + 12 * layers * hidden * seq
 
@@ -178,7 +181,8 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
     timed = this_session[1:] or this_session
     speed = sum(r["tokens"] for r in timed) / max(sum(r["seconds"] for r in timed), 1e-9)
     per_process = speed / accelerator.num_processes
-    fpt = flops_per_token(shape.params, setup["trainable_params"], shape.layers, shape.hidden, recipe.max_seq_length)
+    fpt = flops_per_token(shape.active_params, setup["trainable_params"], shape.layers, shape.hidden,
+                          recipe.max_seq_length)
     peak = bf16_peak(name) if cuda else None
     throughput = {"tokens_per_second": speed, "tokens_per_second_per_process": per_process,
                   "seconds_per_step": sum(r["seconds"] for r in timed) / max(len(timed), 1),

@@ -100,6 +100,13 @@ class Structure:
     def params(self) -> int:
         return sum(g.layers * g.layer_params for g in self.groups()) + sum(self.top_params)
 
+    @property
+    def active_params(self) -> int:
+        """The parameters one token's forward multiplies by (MFU's N): a routed layer's experts at top_k of
+        `experts`, the input embedding left out (a lookup, not a matmul), a tied head counted once, as the head."""
+        routed = sum(g.layers * g.expert_params * (g.experts - g.top_k) // g.experts for g in self.groups() if g.experts)
+        return self.params - routed - (0 if self.tied_embeddings else self.vocab * self.hidden)
+
     def layer_tensors(self) -> list[Tensor]:
         """One decoder layer's parameter tensors (of this group)."""
         per_layer = [Tensor(lin.name, (lin.out_features, lin.in_features), "linear") for lin in self.linears]

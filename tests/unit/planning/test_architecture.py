@@ -75,3 +75,20 @@ def test_a_mixture_of_experts_with_dense_first_layers_is_planned_block_by_block(
     assert (s.experts, s.top_k, s.layers) == (4, 2, 3) and "1 of its 3 layers are dense" in s.notes[-1]
     experts = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 3)
     assert sum(g.layers * g.expert_params for g in s.groups()) == experts > 0
+
+
+def test_mfu_counts_the_parameters_a_token_multiplies_by():
+    """OLMoE-1B-7B (published: 1.3B active of 6.9B, the input embedding counted): 8 of 64 experts a token, and
+    neither model's input embedding (a lookup). MFU over every expert read ~5x too high."""
+    import json
+    from pathlib import Path
+
+    from model_configs import LLAMA_8B
+
+    olmoe = structure(json.loads((Path(__file__).parents[3] / "benchmarks" / "gpu_configs" / "olmoe-1b-7b.json")
+                                 .read_text()))
+    embedding = olmoe.vocab * olmoe.hidden
+    assert 6.8e9 < olmoe.params < 7.0e9 and 1.25e9 < olmoe.active_params + embedding < 1.35e9
+    assert olmoe.params / olmoe.active_params > 5
+    llama = structure(LLAMA_8B)
+    assert llama.active_params == llama.params - llama.vocab * llama.hidden  # untied: the head multiplies, not the embedding
