@@ -46,6 +46,11 @@ LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit"
              "zero2": "deepspeed"}
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "logits")
 GiB = 2**30
+# The memory verdict. Over: a measured category more than 5% above its plan fails (the model states are counted
+# tensor by tensor, so 5% is room for allocator rounding and small unplanned buffers, not for a missing term: a run
+# planned to fit that does not is the failure this guards). Under: more than 20% below fails too (a plan 25% high
+# refuses runs that would fit, and hides which term is wrong). Categories under 1 MiB both ways are not judged.
+OVER, UNDER, JUDGED_FROM = 1.05, 0.80, 2**20
 
 
 def build_model(config_file: Path, folder: Path) -> Path:
@@ -130,9 +135,12 @@ def row(name: str, shape: str, processes: int, report: dict) -> dict:
     measured = {c: max(p["held"].get(c) or 0 for p in procs) for c in CATEGORIES}
     peak = max(p.get(peak_key) or 0 for p in procs) if peak_key else None
     history, tput = report["history"], report["throughput"]
+    planned = {c: plan.get(c) for c in (*CATEGORIES, "total")}
+    verdict, why = memory_verdict(planned, {**measured, "total": peak}, plan.get("overhead") or 0, peak_key)
     return {"recipe": name, "shape": shape, "processes": processes, "status": "ran",
+            "memory_verdict": verdict, "memory_why": why,
             "attention": report["setup"].get("attention"),
-            "planned": {c: plan.get(c) for c in (*CATEGORIES, "total")},
+            "planned": planned,
             "measured": {**measured, "total": peak}, "peak_kind": peak_key,
             "measured_minus_planned_total": None if peak is None else peak - plan["total"],
             "tokens_per_second": tput["tokens_per_second"], "mfu": tput.get("mfu"),
@@ -140,6 +148,23 @@ def row(name: str, shape: str, processes: int, report: dict) -> dict:
             "loss_fell": report["final_train_loss"] < history[0]["loss"],
             # preference tuning: the last step's reward accuracy on its training pairs
             "reward_accuracy": history[-1].get("rewards/accuracies")}
+
+
+def memory_verdict(planned: dict, measured: dict, allowance: int, peak_kind: str | None) -> tuple[str, str]:
+    """("PASS" | "FAIL", why): each model-state category's measured bytes (the largest process's held storages)
+    against its plan, and on a GPU the allocator's peak against the plan's total less its allowance for the CUDA
+    context and the allocator's slack (which the allocator does not see), within UNDER..OVER. The logits are not
+    judged here (the loss's window is measured apart)."""
+    pairs = [(c, planned.get(c) or 0, measured.get(c) or 0) for c in ("parameters", "gradients", "optimizer_state")]
+    if peak_kind == "cuda_max_allocated_bytes":
+        pairs.append(("total (allocator peak vs plan less allowance)", planned["total"] - allowance, measured["total"]))
+    wrong = [f"{c}: {m / GiB:.3g} GiB measured, {p / GiB:.3g} planned ({m / p:.2f}x)" if p else
+             f"{c}: {m / GiB:.3g} GiB measured, none planned"
+             for c, p, m in pairs if max(p, m) >= JUDGED_FROM and not (p and UNDER <= m / p <= OVER)]
+    if wrong:
+        return "FAIL", "; ".join(wrong) + f" (allowed {UNDER:.2f}x-{OVER:.2f}x of the plan)"
+    judged = [c.split(" ")[0] for c, p, m in pairs if max(p, m) >= JUDGED_FROM]
+    return "PASS", f"{', '.join(judged)} within {UNDER:.2f}x-{OVER:.2f}x of the plan"
 
 
 def resume_check(whole_folder: Path, processes: int, cpu: bool, timeout: float, steps: int, whole: dict) -> dict:
@@ -182,7 +207,8 @@ def markdown(rows: list[dict]) -> str:
         return "-" if n is None else f"{n / GiB:.3g}"
 
     head = ["recipe", "shape", "procs", "status", "attention",
-            *[f"{c} planned/measured GiB" for c in (*CATEGORIES, "total")], "measured-planned", "tokens/s", "MFU",
+            *[f"{c} planned/measured GiB" for c in (*CATEGORIES, "total")], "measured-planned", "memory", "tokens/s",
+            "MFU",
             "loss", "resume / kernels"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -198,7 +224,8 @@ def markdown(rows: list[dict]) -> str:
         if "kernels_agree" in r:
             resume = ("agree: " if r["kernels_agree"] else "FAIL: ") + r["kernel_note"]
         lines.append(f"| {r['recipe']} | {r['shape']} | {r['processes']} | ran | {r['attention']} | " + " | ".join(cells)
-                     + f" | {gib(r['measured_minus_planned_total'])} | {r['tokens_per_second']:,.0f} | {mfu} | {loss}"
+                     + f" | {gib(r['measured_minus_planned_total'])} | {r['memory_verdict']}: {r['memory_why']}"
+                     f" | {r['tokens_per_second']:,.0f} | {mfu} | {loss}"
                      f" | {resume} |")
     return "\n".join(lines) + "\n"
 

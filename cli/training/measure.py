@@ -224,11 +224,24 @@ def flat_config(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def ddp_buckets(model) -> int:
+    """Bytes of DDP's gradient buckets: its reducer's own flat copies of the gradients, which no parameter's .grad
+    shares unless gradient_as_bucket_view (accelerate's default: off). They live in C++, seen through DDP's logging
+    data (bucket_sizes, in bytes)."""
+    if not hasattr(model, "_get_ddp_logging_data"):
+        return 0
+    logged = model._get_ddp_logging_data()
+    if logged.get("gradient_as_bucket_view"):
+        return 0
+    return sum(int(b) for b in str(logged.get("bucket_sizes", "")).split(",") if b.strip())
+
+
 def held_bytes(model, optimizer, beside=()) -> dict:
     """Bytes of parameters, gradients and optimizer state this process really holds right after an
     optimizer step (before zero_grad): FSDP's local shards, DeepSpeed ZeRO-3's partitions and its
     (possibly offloaded) fp32 master weights, gradients and moments, torchao's 8-bit state tensors,
-    APOLLO's projection matrices, and the parameters of models kept `beside` it. Each storage counted once. With the step in backward no gradient
+    APOLLO's projection matrices, DDP's gradient buckets, and the parameters of models kept `beside` it. Each storage
+    counted once. With the step in backward no gradient
     outlives its parameter's update: `gradients` is the most that was alive at once in the first backward."""
     seen: set[int] = set()
 
@@ -266,6 +279,7 @@ def held_bytes(model, optimizer, beside=()) -> dict:
     else:
         peak = getattr(inner, "gradient_peak", None)  # optimizer_in_backward: measured in its hooks
         out["gradients"] = peak if peak is not None else sum(size(p.grad) for p in params)
+        out["gradients"] += ddp_buckets(model)
         out["optimizer_state"] = sum(size(v) for s in inner.state.values() for v in s.values())
     return out
 

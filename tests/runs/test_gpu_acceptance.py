@@ -31,7 +31,25 @@ def test_the_acceptance_script_runs_sft_dpo_and_a_long_context_row_resumes_one_a
         assert r["tokens_per_second"] > 0, r
         assert all(r["planned"][c] > 0 and r["measured"][c] > 0 for c in ("parameters", "optimizer_state", "total")), r
         assert r["measured_minus_planned_total"] == r["measured"]["total"] - r["planned"]["total"]
+    assert all(r["memory_verdict"] == "PASS" for r in rows), [r["memory_why"] for r in rows]  # DDP's buckets counted
     assert rows[0]["resume_exact"] is True, rows[0]["resume_note"]  # stopped half-way, resumed: the same losses
     table = (tmp_path / "acceptance.md").read_text()
     assert table.count("| ran |") == 5 and "| exact |" in table and "| agree: step 1 loss" in table
     assert ", reward accuracy " in table
+
+
+def test_a_plan_20_percent_low_or_30_percent_high_fails_the_memory_verdict():
+    """The table judges the plan: a measured category above it (beyond 5%) or far below it (beyond 20%) fails, and the
+    GPU's allocator peak is held to the plan less its allowance."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_acceptance import memory_verdict
+
+    GiB = 2**30
+    measured = {"parameters": 16 * GiB, "gradients": 0.1 * GiB, "optimizer_state": 0.2 * GiB, "total": 30 * GiB}
+    plan = {"parameters": 16 * GiB, "gradients": 0.1 * GiB, "optimizer_state": 0.2 * GiB, "total": 31 * GiB}
+    assert memory_verdict(plan, measured, GiB, "cuda_max_allocated_bytes")[0] == "PASS"
+    low = memory_verdict(plan | {"parameters": 0.8 * 16 * GiB}, measured, GiB, "cuda_max_allocated_bytes")
+    assert low[0] == "FAIL" and "parameters: 16 GiB measured, 12.8 planned (1.25x)" in low[1]
+    high = memory_verdict(plan | {"total": 1.3 * 31 * GiB}, measured, GiB, "cuda_max_allocated_bytes")
+    assert high[0] == "FAIL" and high[1].startswith("total (allocator peak vs plan less allowance)")
+    assert memory_verdict(plan | {"total": 1.3 * 31 * GiB}, measured, GiB, "peak_rss_bytes")[0] == "PASS"  # (CPU: RSS)

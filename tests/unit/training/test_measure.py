@@ -36,3 +36,26 @@ def test_a_windows_counts_are_summed_over_processes_and_each_tensor_parallel_bat
     assert local == 14 and counts == {"targets": 24, "tokens": 28, "slots": 32}
     shared, _ = window_counts(window, targets=24, reduce=lambda t: 2 * t, tp_size=2)  # one tp group of 2 ranks
     assert shared == {"targets": 12, "tokens": 14, "slots": 16}
+
+
+def test_ddps_gradient_buckets_are_held_gradients_too():
+    """DDP's reducer keeps a flat copy of the gradients in its buckets (gradient_as_bucket_view off, accelerate's
+    default): the held gradients are twice the .grad bytes, as the planner counts them (planning/states.py)."""
+    import os
+
+    import torch.distributed as dist
+
+    from helpers import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(100, 100))
+        model(torch.randn(4, 100)).sum().backward()
+        grads = sum(p.grad.nbytes for p in model.parameters())
+        assert held_bytes(model, torch.optim.SGD(model.parameters()))["gradients"] == 2 * grads
+        viewed = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(100, 100), gradient_as_bucket_view=True)
+        viewed(torch.randn(4, 100)).sum().backward()
+        assert held_bytes(viewed, torch.optim.SGD(viewed.parameters()))["gradients"] == grads
+    finally:
+        dist.destroy_process_group()
