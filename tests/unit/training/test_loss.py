@@ -66,6 +66,29 @@ def test_fused_equals_plain_for_a_full_fine_tune():
     assert_same(tiny_model())
 
 
+def test_the_fused_heads_backward_never_waits_for_the_device():
+    """No op in the head's backward reads a value back to the host (nonzero, a boolean index, item): on a GPU each
+    would stall the stream twice a tile (~256 times an 8B micro batch of 2 x 2048). Same gradients: the test above."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = copy.deepcopy(tiny_model())
+    fuse_head(model, 5)
+    loss = lm_loss(model, batch())
+    with Ops() as ops:
+        loss.backward()
+    assert "mm" in ops.names and not ops.names & {"nonzero", "index", "index_put_", "_local_scalar_dense",
+                                                   "masked_select"}, sorted(ops.names)
+
+
 def test_fused_equals_plain_with_tied_embeddings():
     model = tiny_model()
     model.lm_head.weight = model.model.embed_tokens.weight
