@@ -217,8 +217,21 @@ def model_inputs(batch: dict, flatten: bool = False) -> dict:
         ids, positions = batch["input_ids"], batch["position_ids"]
         if flatten:
             ids, positions = ids.reshape(1, -1), positions.reshape(1, -1)
+            return {"input_ids": ids, "position_ids": positions, "use_cache": False, **varlen_kwargs(positions)}
         return {"input_ids": ids, "position_ids": positions, "use_cache": False}
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def varlen_kwargs(positions: torch.Tensor) -> dict:
+    """flash-attn's variable-length arguments for a flattened packed row, worked out once a micro batch
+    (transformers' prepare_fa_kwargs_from_position_ids, as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    passes them): given them, each layer's _flash_attention_forward skips _is_packed_sequence and its own
+    prepare_fa_kwargs_from_position_ids, which read the positions back to the host 2-3 times a layer (and break a
+    compiled graph). One host read here, for the longest document."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    (cu_q, cu_k), (longest_q, longest_k) = prepare_fa_kwargs_from_position_ids(positions)
+    return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": int(longest_q), "max_length_k": int(longest_k)}
 
 
 def target_losses(model, batch) -> torch.Tensor:

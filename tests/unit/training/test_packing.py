@@ -125,6 +125,13 @@ def test_only_varlen_attention_gets_a_packed_micro_batch_as_one_row(implementati
     inputs = model_inputs(batch, flatten=varlen(model))
     assert inputs["input_ids"].shape == inputs["position_ids"].shape == ((1, rows * width) if flattened else (rows, width))
     assert torch.equal(inputs["position_ids"].reshape(rows, width), batch["position_ids"])
+    if flattened:  # flash-attn's varlen arguments, once a micro batch: each document (and each row's padding) a sequence
+        starts = (inputs["position_ids"][0] == 0).nonzero().squeeze(1).tolist()
+        assert inputs["cu_seq_lens_q"].tolist() == inputs["cu_seq_lens_k"].tolist() == starts + [rows * width]
+        longest = max(b - a for a, b in zip(starts, starts[1:] + [rows * width]))
+        assert inputs["max_length_q"] == inputs["max_length_k"] == longest and isinstance(longest, int)
+    else:
+        assert "cu_seq_lens_q" not in inputs
     unpacked = Collator(0)(documents()[:3])
     assert model_inputs(unpacked, flatten=True)["input_ids"].shape == unpacked["input_ids"].shape  # padded rows stay
 
