@@ -17,7 +17,13 @@ transformers 5.23 and torch 2.13:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
@@ -28,19 +34,45 @@ class Attention(NamedTuple):
     why: str  # one line: why this one
 
 
+@functools.lru_cache(maxsize=None)
 def flash_installed() -> bool:
-    """The flash-attn package is importable here (looked up, not imported)."""
-    return importlib.util.find_spec("flash_attn") is not None
+    """flash-attn imports here. Found is not enough: a wheel built for another torch is found and dies on import
+    (undefined symbols), and `auto` would pick it. Imported in a subprocess, so that `plan` stays torch-free, and
+    the answer cached per installed file (~/.cache/memrecipe/flash_attn_imports.json): one import a machine."""
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is None or not spec.origin:
+        return False
+    key = f"{spec.origin}:{os.path.getmtime(spec.origin)}:{sys.executable}"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memrecipe" / "flash_attn_imports.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        try:
+            done = subprocess.run([sys.executable, "-c", "import flash_attn"], capture_output=True, timeout=300)
+            known[key] = done.returncode == 0
+        except subprocess.TimeoutExpired:
+            known[key] = False
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(known))
+        except OSError:  # a read-only home: asked again next time
+            pass
+    return known[key]
 
 
-def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, flash: bool, flex: bool) -> Attention:
-    """`auto`: flash-attn's varlen kernel where it can run (CUDA, 16-bit compute, installed), else flex_attention's
-    block-sparse mask for packed rows on CUDA, else sdpa. Any other choice is taken as asked."""
+def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, flash: bool, flex: bool,
+                   flash_error: str | None = None) -> Attention:
+    """`auto`: flash-attn's varlen kernel where it can run (CUDA, 16-bit compute, installed and importing), else
+    flex_attention's block-sparse mask for packed rows on CUDA, else sdpa. Any other choice is taken as asked.
+    `flash_error`: why an installed flash-attn does not import."""
     if requested != "auto":
         return Attention(requested, "as the recipe asks")
     if cuda and half and flash:
         return Attention("flash_attention_2", "auto: flash-attn is installed; packed documents run as varlen sequences")
-    why = "flash-attn is not installed" if cuda and half else "flash-attn needs CUDA and 16-bit compute"
+    why = "flash-attn needs CUDA and 16-bit compute" if not (cuda and half) else (
+        f"flash-attn is installed but does not import ({flash_error})" if flash_error else "flash-attn is not installed")
     if cuda and packing and flex:
         return Attention("flex_attention", f"auto: {why}; flex_attention skips the blocks across packed documents "
                                            "and above the diagonal (compiled on first use)")

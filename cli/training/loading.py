@@ -111,11 +111,22 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
     except (KeyError, AttributeError):  # remote code: its class is known once loaded; assume it supports both
         model_class = None
     cuda = device is not None and device.type == "cuda"
-    flash = is_flash_attn_2_available() and getattr(model_class, "_supports_flash_attn", True)
+    error = flash_import_error() if is_flash_attn_2_available() else None
+    flash = is_flash_attn_2_available() and not error and getattr(model_class, "_supports_flash_attn", True)
     flex = (cuda and importlib.util.find_spec("triton") is not None and getattr(model_class, "_supports_flex_attn", True)
             and not getattr(config, "attention_dropout", 0))
     return pick_attention(recipe.attn_implementation, cuda=cuda, half=precision in ("bf16", "fp16"), packing=recipe.packing,
-                   flash=flash, flex=flex)
+                          flash=flash, flex=flex, flash_error=error)
+
+
+def flash_import_error() -> str | None:
+    """Why flash-attn, found by transformers' package check, does not import here (a wheel built for another torch:
+    undefined symbols), or None when it does."""
+    try:
+        import flash_attn  # noqa: F401
+    except Exception as e:  # ImportError, OSError: whatever the broken build raises
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    return None
 
 
 def load_pretrained(recipe, name_or_path: str, precision: str, device=None, own_weights: bool = False):

@@ -2,6 +2,7 @@
 mask, or sdpa), the run says which, and the planner plans what it picks."""
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -36,7 +37,10 @@ def cuda_facts(monkeypatch, flash: bool, triton: bool):
     Triton lookup patched (the loop's `attention` reads both)."""
     import transformers.utils
 
+    from memrecipe.training import loading
+
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash)
+    monkeypatch.setattr(loading, "flash_import_error", lambda: None)  # (a flash-attn that imports)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" and triton
                         else find_spec(name, *a))
@@ -158,3 +162,35 @@ def test_a_cuda_only_kernel_is_refused_on_cpu_before_anything_is_written(cli, tm
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"error: attn_implementation={kernel} trains on CUDA only" in out.stderr and "attn_implementation=auto" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_flash_attn_that_is_found_but_does_not_import_is_not_picked(monkeypatch, tmp_path):
+    """A flash-attn wheel built for another torch is found (find_spec, transformers' package check) and dies on
+    import: auto falls back as when it is absent and says why, in the loop and in the plan (its import tried in a
+    subprocess, so plan stays torch-free; the answer cached)."""
+    import sys
+
+    import transformers.utils
+
+    from memrecipe.planning import attention as planning_attention
+
+    for name, body in (("broken", "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c10')"), ("fine", "")):
+        (tmp_path / name / "flash_attn").mkdir(parents=True)
+        (tmp_path / name / "flash_attn" / "__init__.py").write_text(body + "\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for name, imports in (("broken", False), ("fine", True)):
+        monkeypatch.syspath_prepend(str(tmp_path / name))
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path / name))
+        sys.modules.pop("flash_attn", None)
+        planning_attention.flash_installed.cache_clear()
+        assert planning_attention.flash_installed() is imports
+        monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+        kernel = attention(load_recipe("single-gpu-lora"), embedded_model(), "bf16", torch.device("cuda"))
+        assert kernel.name == ("flash_attention_2" if imports else "sdpa"), kernel  # (no Triton here: not flex)
+        if not imports:
+            assert "flash-attn is installed but does not import (ImportError: flash_attn_2_cuda.so: undefined" in kernel.why
+        monkeypatch.undo()
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sys.modules.pop("flash_attn", None)
+    planning_attention.flash_installed.cache_clear()
+    assert len(json.loads((tmp_path / "cache" / "memrecipe" / "flash_attn_imports.json").read_text())) == 2
