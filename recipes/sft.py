@@ -95,8 +95,8 @@ def accumulate_window(model, window, accelerator):
     loss by the accumulation steps; scaling by both makes the gradient sum(token losses) / targets,
     exactly the gradient of one big batch. Returns (mean loss per target token, targets).
     """
-    local = sum(count_targets(batch["labels"]) for batch in window)
-    targets = accelerator.reduce(torch.tensor(local, device=accelerator.device), "sum").item()
+    local = sum(count_targets(batch["labels"], per_sequence=True).sum() for batch in window)  # on the device
+    targets = accelerator.reduce(local, "sum").item()  # (read once a step, not once a micro batch)
     scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / targets
     loss_sum = torch.zeros((), device=accelerator.device)
     for batch in window:
@@ -235,7 +235,8 @@ def train_loader(recipe, train_set, collate):
     # Its own generator: starting an epoch's iterator must not draw from the global RNG that dropout
     # uses, or a resumed run would see other dropout masks than the run it continues.
     return DataLoader(train_set, batch_size=recipe.per_device_train_batch_size, shuffle=True, drop_last=True,
-                      collate_fn=collate, generator=torch.Generator().manual_seed(recipe.seed))
+                      collate_fn=collate, generator=torch.Generator().manual_seed(recipe.seed),
+                      pin_memory=torch.cuda.is_available())  # page-locked: the copy to the GPU overlaps compute
 
 
 def setup_optimizer(recipe, accelerator, model):
