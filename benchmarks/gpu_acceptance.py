@@ -114,11 +114,13 @@ def skip_reason(recipe: str, overrides: list, processes: int, model: str | None,
     return None
 
 
-def run(folder: Path, recipe: str, words: list, processes: int, cpu: bool, timeout: float, script: str = "sft"
-        ) -> tuple[dict | None, str]:
-    """One `memrecipe run SCRIPT`; (its report.json, '') or (None, why it failed)."""
+def run(folder: Path, recipe: str, words: list, processes: int, cpu: bool, timeout: float, script: str = "sft",
+        snapshot: bool = False) -> tuple[dict | None, str]:
+    """One `memrecipe run SCRIPT`; (its report.json, '') or (None, why it failed). `snapshot`: record the CUDA
+    allocator's history (a run of its own: recording slows the steps it covers, which would bias tokens/s)."""
     cmd = [sys.executable, "-m", "memrecipe", "run", script, "--recipe", recipe, "--output-dir", str(folder),
-           "--num-processes", str(processes), *(["--cpu"] if cpu else ["--memory-snapshot"]), *words]
+           "--num-processes", str(processes), *(["--cpu"] if cpu else []), *(["--memory-snapshot"] * snapshot),
+           *words]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -280,8 +282,13 @@ def main():
                 print(f"{name} ({shape}): FAILED: {why}", flush=True)
                 continue
             result = row(name, shape, processes, report)
-            if index == 0:  # stopped and resumed
+            if index == 0:  # stopped and resumed; and its memory history, in a short run of its own
                 result.update(resume_check(args.out / tag, processes, args.cpu, timeout, steps, report))
+                if not args.cpu:
+                    snap, why = run(args.out / f"{tag}-snapshot", recipe, [*words[:-1], "max_steps=4"], processes,
+                                    False, timeout, script, snapshot=True)
+                    pickles = sorted(str(p) for p in (args.out / f"{tag}-snapshot").rglob("memory_snapshot_rank*.pickle"))
+                    result["memory_snapshot"] = pickles or f"none: {why}"  # (open at https://pytorch.org/memory_viz)
             if "attn_implementation=sdpa" in overrides:
                 auto = [r for r in rows if r["status"] == "ran" and r["shape"] == shape and r["recipe"] == recipe
                         and r["processes"] == processes]

@@ -293,7 +293,8 @@ class MemorySnapshot:
         self.out, self.rank, self.cuda = out, accelerator.process_index, accelerator.device.type == "cuda"
         self.steps, self.saved = (3 if self.cuda else 1), False
         if self.cuda:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            # python stacks only: C++ frames ("all") cost more per allocation (torch/cuda/memory.py, stacks)
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
         else:
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                    profile_memory=True, record_shapes=True, with_stack=True)
