@@ -79,6 +79,10 @@ def card(report: dict) -> str:
         lines.append("(on CPU peak RSS is mostly libraries and kernel caches; the measured parameters, gradients and "
                      "optimizer state are exact byte counts of what each rank holds)")
     lines.append("(logits: planned for a full max_seq_length of targets, measured on the first micro batch)")
+    paged = max(p["held"].get("paged") or 0 for p in procs)
+    if paged:  # bitsandbytes' paged state: CUDA managed memory, which max_memory_allocated does not count
+        lines.append(f"(optimizer state: {_gib(paged)} GiB of it paged by bitsandbytes, in CUDA managed memory, which "
+                     "the allocator's peak above leaves out: it sits on the GPU until memory runs short)")
     gathered = [(name, plan.get(f"gathered_{key}") or 0) for name, key in (("parameters", "params"),
                                                                             ("gradients", "grads"))]
     if any(size for _, size in gathered):

@@ -187,7 +187,16 @@ def loading_bytes(recipe: Recipe, s: Structure, cb: int, local: int) -> int:
     are each process's private copy; a 16-bit frozen base stays mapped from the checkpoint, one copy per
     machine. Under FSDP2 accelerate upcasts trainable weights to fp32 on every rank before sharding
     (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model), so loading in bf16 would not save the copies.
-    ZeRO-2 counts its copy with its model states; ZeRO-3 builds the model partitioned (zero.Init)."""
+    ZeRO-2 counts its copy with its model states; ZeRO-3 builds the model partitioned (zero.Init). DPO's frozen
+    copy under FSDP (reference.frozen_copy) is loaded whole by every process before it is sharded, after the policy
+    is on the GPUs: the larger of the two loads."""
+    if recipe.fsdp is not None and recipe.dpo_reference == "copy":
+        return max(policy_loading_bytes(recipe, s, cb, local), weight_bytes(recipe) * s.params * local)
+    return policy_loading_bytes(recipe, s, cb, local)
+
+
+def policy_loading_bytes(recipe: Recipe, s: Structure, cb: int, local: int) -> int:
+    """Host RAM per machine while the trained model loads (loading_bytes)."""
     if recipe.deepspeed is not None:
         return 0
     if recipe.quantization is not None:

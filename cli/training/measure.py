@@ -281,6 +281,11 @@ def held_bytes(model, optimizer, beside=()) -> dict:
         out["gradients"] = peak if peak is not None else sum(size(p.grad) for p in params)
         out["gradients"] += ddp_buckets(model)
         out["optimizer_state"] = sum(size(v) for s in inner.state.values() for v in s.values())
+    # bitsandbytes' paged state (get_state_buffer: tensors of >= 1e5 elements, functional.get_paged: CUDA managed
+    # memory wrapped by torch.frombuffer, marked is_paged): counted above, but invisible to the CUDA allocator, so
+    # its peak (max_memory_allocated) leaves it out; said apart, to be added to that peak
+    out["paged"] = sum(v.untyped_storage().nbytes() for s in inner.state.values() for v in s.values()
+                       if torch.is_tensor(v) and getattr(v, "is_paged", False))
     return out
 
 

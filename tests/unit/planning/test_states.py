@@ -155,3 +155,16 @@ def test_a_mixture_of_experts_holds_what_the_planner_says(models, recipe, moe):
     params, grads, state = real_model_state_bytes(model, optimizer)
     est = estimate(r, structure(read_config(models[moe])), CPU1)
     assert (est.parameters, est.gradients, est.optimizer_state) == pytest.approx((params, grads, state), rel=0.01)
+
+
+def test_dpos_frozen_copy_under_fsdp_is_planned_loading_whole_on_every_rank():
+    """Under FSDP2 rank 0 alone loads the policy (cpu_ram_efficient_loading); DPO's frozen copy is then loaded whole
+    by every process before it is sharded (reference.frozen_copy: own_weights): 8 fp32 copies of an 8B on the host."""
+    from model_configs import LLAMA_8B
+
+    s = structure(LLAMA_8B)
+    copy = load_recipe("fsdp", ["dpo.precompute_ref_log_probs=false"], script="dpo")
+    store = load_recipe("fsdp", ["dpo.precompute_ref_log_probs=true"], script="dpo")
+    eight = Topology(8)
+    assert estimate(store, s, eight).host_load == 4 * s.params  # rank 0's fp32 load alone
+    assert estimate(copy, s, eight).host_load == 8 * 4 * s.params

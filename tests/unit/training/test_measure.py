@@ -22,7 +22,8 @@ def test_each_storage_is_counted_once_and_a_model_beside_adds_its_own():
     optimizer.step()
     params = 100 * 8 * 4 + 2 * 8 * 4  # the tied matrix once, the norm's weight and bias
     # AdamW: two moments and a 0-d fp32 step per parameter
-    assert held_bytes(model, optimizer) == {"parameters": params, "gradients": params, "optimizer_state": 2 * params + 3 * 4}
+    assert held_bytes(model, optimizer) == {"parameters": params, "gradients": params, "optimizer_state": 2 * params + 3 * 4,
+                                          "paged": 0}
     frozen = torch.nn.Linear(8, 8, bias=False).bfloat16()  # e.g. DPO's reference copy
     assert held_bytes(model, optimizer, beside=[frozen])["parameters"] == params + 8 * 8 * 2
     # a model beside that shares the policy's weights (DPO's adapters-off reference) holds nothing more
@@ -59,3 +60,15 @@ def test_ddps_gradient_buckets_are_held_gradients_too():
         assert held_bytes(viewed, torch.optim.SGD(viewed.parameters()))["gradients"] == grads
     finally:
         dist.destroy_process_group()
+
+
+def test_paged_optimizer_state_is_counted_and_said_apart():
+    """bitsandbytes' paged state (CUDA managed memory, torch.frombuffer, is_paged) is optimizer state the CUDA
+    allocator never sees: held bytes count it, and say it apart (`paged`) for the allocator's peak to add."""
+    model = torch.nn.Linear(1000, 100)
+    optimizer = torch.optim.SGD(model.parameters())
+    paged = torch.zeros(100_000)
+    paged.is_paged = True  # (what bitsandbytes' functional.get_paged marks; CUDA-only, so planted here)
+    optimizer.state[model.weight] = {"state1": paged, "state2": torch.zeros(10)}
+    held = held_bytes(model, optimizer)
+    assert held["paged"] == 400_000 and held["optimizer_state"] == 400_040
