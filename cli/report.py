@@ -79,6 +79,10 @@ def card(report: dict) -> str:
         lines.append("(on CPU peak RSS is mostly libraries and kernel caches; the measured parameters, gradients and "
                      "optimizer state are exact byte counts of what each rank holds)")
     lines.append("(logits: planned for a full max_seq_length of targets, measured on the first micro batch)")
+    before = [p.get("cuda_peak_before_training_bytes") for p in procs]
+    if any(b is not None for b in before):  # the window of the peak above starts at the first training head
+        lines.append("(the CUDA peak above is read from the first training forward's output head on; before it, "
+                     "loading and setup peaked at " + ", ".join(_gib(b) for b in before) + " GiB per rank)")
     paged = max(p["held"].get("paged") or 0 for p in procs)
     if paged:  # bitsandbytes' paged state: CUDA managed memory, which max_memory_allocated does not count
         lines.append(f"(optimizer state: {_gib(paged)} GiB of it paged by bitsandbytes, in CUDA managed memory, which "

@@ -122,6 +122,7 @@ class LossMemory:
         from .loss import output_head
 
         self.device, self._bytes, self._profiler, self._model = device, None, None, model
+        self.before_peak = None  # CUDA: the allocator's peak before the window (loading, setup, forward to the head)
         self._hook = output_head(model).register_forward_pre_hook(self._start)
 
     def _start(self, module, args):
@@ -136,6 +137,9 @@ class LossMemory:
         gc.collect()
         gc.disable()
         if self.device.type == "cuda":
+            # the peak so far is loading's and setup's own (bitsandbytes quantizing on the GPU, DPO's store pass,
+            # the frozen copy) and the first forward up to the head: kept before the window resets it
+            self.before_peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
@@ -418,6 +422,8 @@ class Meter:
         processes = gather_object([{"process_index": self.accelerator.process_index,
                                     "num_processes": self.accelerator.num_processes, "held": self.held,
                                     "tokens": self.tokens, "load_peak_rss_bytes": self.load_peak,
+                                    # CUDA: the allocator's peak before the loss's window reset it (loading's own)
+                                    "cuda_peak_before_training_bytes": getattr(self.loss_memory, "before_peak", None),
                                     **peak_memory(self.accelerator.device)}])
         if self.snapshot is not None and not self.snapshot.saved:
             self.snapshot.save()
