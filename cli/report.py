@@ -100,6 +100,9 @@ def card(report: dict) -> str:
         planned = (plan.get("host_offload") or 0) / 2**20
         lines.append(f"activation offload: {offloaded / 2**20:,.2f} MiB of checkpointed inputs per micro batch waited "
                      f"in host memory (planned at full sequence length: {planned:,.2f} MiB per machine)")
+    if setup.get("allocator_expandable_segments") is not None:  # what the allocator applied, read off its segments
+        lines.append("CUDA allocator: expandable segments " + ("applied" if setup["allocator_expandable_segments"] else
+                     "NOT applied") + f" (environment: {setup.get('allocator_conf') or 'none set'})")
     if setup.get("attention"):
         lines.append(f"attention: {setup['attention']}" + (f" ({setup['attention_why']})" if setup.get("attention_why")
                                                           else ""))

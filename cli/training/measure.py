@@ -58,6 +58,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "cpu_threads": torch.get_num_threads(),  # what CPU work (DeepSpeed's CPU Adam, collation) runs on
         # the CUDA allocator's configuration (memrecipe/__init__.py sets one unless the user did)
         "allocator_conf": ", ".join(f"{k}={os.environ[k]}" for k in ALLOCATOR_CONF if k in os.environ) or None,
+        # ... and what the allocator applied: read off its segments, not the variable (None off CUDA)
+        "allocator_expandable_segments": _expandable_segments(accelerator.device),
     }
     if hasattr(model, "zero_optimization_stage"):  # a DeepSpeedEngine
         facts["zero_stage"] = model.zero_optimization_stage()
@@ -182,6 +184,16 @@ def allocation_peak(profiler, until: str | None = None) -> int:
         now += nbytes
         peak = max(peak, now)
     return peak
+
+
+def _expandable_segments(device) -> bool | None:
+    """Whether the CUDA allocator really grows its segments in place (expandable_segments applied): read off its
+    segments, each of which says so (torch.cuda.memory_snapshot()'s is_expandable, as torch's own test_cuda reads
+    it), not the environment variable. None off CUDA, or before the allocator holds a segment."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    flags = [segment["is_expandable"] for segment in torch.cuda.memory_snapshot() if "is_expandable" in segment]
+    return any(flags) if flags else None
 
 
 def _checkpointing(model) -> bool | str:

@@ -72,3 +72,16 @@ def test_paged_optimizer_state_is_counted_and_said_apart():
     optimizer.state[model.weight] = {"state1": paged, "state2": torch.zeros(10)}
     held = held_bytes(model, optimizer)
     assert held["paged"] == 400_000 and held["optimizer_state"] == 400_040
+
+
+def test_the_allocators_expandable_segments_are_read_off_its_segments(monkeypatch):
+    """What the CUDA allocator applied, not the environment variable: its segments say (planted snapshots here)."""
+    from types import SimpleNamespace
+
+    from memrecipe.training import measure
+
+    cuda = SimpleNamespace(type="cuda")
+    for segments, applied in (([{"is_expandable": True}], True), ([{"is_expandable": False}], False), ([], None)):
+        monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda segments=segments: segments)
+        assert measure._expandable_segments(cuda) is applied
+    assert measure._expandable_segments(torch.device("cpu")) is None
