@@ -140,12 +140,14 @@ def row(name: str, shape: str, processes: int, report: dict) -> dict:
                for p in procs) if peak_key else None
     history, tput = report["history"], report["throughput"]
     planned = {c: plan.get(c) for c in (*CATEGORIES, "total")}
-    verdict, why = memory_verdict(planned, {**measured, "total": peak}, plan.get("overhead") or 0, peak_key)
+    used = max((p.get("cuda_device_used_peak_bytes") or 0 for p in procs), default=0) or None
+    verdict, why = memory_verdict(planned, {**measured, "total": peak, "device_used": used}, plan.get("overhead") or 0,
+                                  peak_key)
     return {"recipe": name, "shape": shape, "processes": processes, "status": "ran",
             "memory_verdict": verdict, "memory_why": why,
             "attention": report["setup"].get("attention"),
             "planned": planned,
-            "measured": {**measured, "total": peak}, "peak_kind": peak_key,
+            "measured": {**measured, "total": peak, "device_used": used}, "peak_kind": peak_key,
             "measured_minus_planned_total": None if peak is None else peak - plan["total"],
             "tokens_per_second": tput["tokens_per_second"], "mfu": tput.get("mfu"),
             "loss_first": history[0]["loss"], "loss_last": report["final_train_loss"],
@@ -162,6 +164,8 @@ def memory_verdict(planned: dict, measured: dict, allowance: int, peak_kind: str
     pairs = [(c, planned.get(c) or 0, measured.get(c) or 0) for c in ("parameters", "gradients", "optimizer_state")]
     if peak_kind == "cuda_max_allocated_bytes":
         pairs.append(("total (allocator peak vs plan less allowance)", planned["total"] - allowance, measured["total"]))
+    if measured.get("device_used"):  # what the driver says the device holds, against the whole plan
+        pairs.append(("device used (mem_get_info, sampled) vs the whole plan", planned["total"], measured["device_used"]))
     wrong = [f"{c}: {m / GiB:.3g} GiB measured, {p / GiB:.3g} planned ({m / p:.2f}x)" if p else
              f"{c}: {m / GiB:.3g} GiB measured, none planned"
              for c, p, m in pairs if max(p, m) >= JUDGED_FROM and not (p and UNDER <= m / p <= OVER)]

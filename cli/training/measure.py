@@ -110,6 +110,44 @@ def peak_memory(device) -> dict:
     return out
 
 
+class DeviceSampler:
+    """The most device memory in use while training runs, sampled every `every` seconds in a thread: on CUDA,
+    torch.cuda.mem_get_info (what the driver says is used on the device: the CUDA context, kernels, NCCL's buffers
+    and the allocator's reserved segments, none of which max_memory_allocated sees; the whole plan's figure, its
+    allowance included, is what this is held to). Device-wide: on a GPU shared with other processes it counts
+    theirs too. `read`: () -> bytes in use (tests plant one)."""
+
+    def __init__(self, device, every: float = 0.05, read=None):
+        import threading
+
+        if read is None and getattr(device, "type", None) == "cuda":
+            def read():
+                free, total = torch.cuda.mem_get_info(device)
+                return total - free
+        self.read, self.peak, self.every = read, None, every
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True) if read is not None else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def _run(self):
+        while True:
+            used = self.read()
+            self.peak = used if self.peak is None else max(self.peak, used)
+            if self._done.wait(self.every):
+                return
+
+    def stop(self) -> int | None:
+        """Stops sampling (one last sample) and returns the peak, or None where nothing samples (CPU)."""
+        if self._thread is not None:
+            self._done.set()
+            self._thread.join()
+            self._thread = None
+            used = self.read()
+            self.peak = used if self.peak is None else max(self.peak, used)
+        return self.peak
+
+
 class LossMemory:
     """Peak bytes the loss adds, measured once: from the output head's forward until the gradient of
     its input exists (head, logits or chunks, cross-entropy, their backward), above what was held when
@@ -364,6 +402,7 @@ class Meter:
         # this process's peak host RAM up to here: loading and preparing the model, before any step (under FSDP2's
         # cpu_ram_efficient_loading rank 0 alone holds the whole model)
         self.load_peak = peak_memory(torch.device("cpu"))["peak_rss_bytes"]
+        self.device_use = DeviceSampler(accelerator.device)  # what the device really holds, sampled (CUDA)
         # the optimizer as the recipe chose it: how updates reach bf16 weights, what its first step costs on a GPU
         self.setup["bf16_update_rounding"] = bf16_rounding(recipe)
         # memrecipe's tiny model, trained at its own settings (registry.with_embedded_settings), not the recipe's
@@ -436,6 +475,7 @@ class Meter:
                                     "tokens": self.tokens, "load_peak_rss_bytes": self.load_peak,
                                     # CUDA: the allocator's peak before the loss's window reset it (loading's own)
                                     "cuda_peak_before_training_bytes": getattr(self.loss_memory, "before_peak", None),
+                                    "cuda_device_used_peak_bytes": self.device_use.stop(),
                                     **peak_memory(self.accelerator.device)}])
         if self.snapshot is not None and not self.snapshot.saved:
             self.snapshot.save()

@@ -58,3 +58,5 @@ def test_a_plan_20_percent_low_or_30_percent_high_fails_the_memory_verdict():
     high = memory_verdict(plan | {"total": 1.3 * 31 * GiB}, measured, GiB, "cuda_max_allocated_bytes")
     assert high[0] == "FAIL" and high[1].startswith("total (allocator peak vs plan less allowance)")
     assert memory_verdict(plan | {"total": 1.3 * 31 * GiB}, measured, GiB, "peak_rss_bytes")[0] == "PASS"  # (CPU: RSS)
+    over = memory_verdict(plan, measured | {"device_used": 34 * GiB}, GiB, "cuda_max_allocated_bytes")  # the driver's
+    assert over[0] == "FAIL" and "device used (mem_get_info, sampled) vs the whole plan: 34 GiB" in over[1]

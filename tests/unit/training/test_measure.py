@@ -85,3 +85,15 @@ def test_the_allocators_expandable_segments_are_read_off_its_segments(monkeypatc
         monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda segments=segments: segments)
         assert measure._expandable_segments(cuda) is applied
     assert measure._expandable_segments(torch.device("cpu")) is None
+
+
+def test_the_device_sampler_keeps_the_most_in_use_and_samples_nothing_off_cuda():
+    from memrecipe.training.measure import DeviceSampler
+
+    readings = iter([10, 30, 20] + [5] * 10_000)
+    sampler = DeviceSampler(torch.device("cuda"), every=0.001, read=lambda: next(readings))
+    import time
+
+    time.sleep(0.05)
+    assert sampler.stop() == 30
+    assert DeviceSampler(torch.device("cpu")).stop() is None
