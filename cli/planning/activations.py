@@ -30,6 +30,12 @@ def dropout_bytes(cuda: bool) -> int:
     return 1 if cuda else 4
 
 
+def residual_bytes(mode: str) -> int:
+    """Bytes an element of the residual stream (the layers' inputs, the hidden states) takes: 16 bits over a 16-bit
+    base, fp32 where the norms and embeddings stay fp32 (fp32, autocast over fp32 weights, QLoRA's upcast)."""
+    return 2 if mode in ("half", "lora") else 4
+
+
 SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # linears that read one tensor
 
 
@@ -141,7 +147,7 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
       dropout writes its fp32 output;
     - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden])."""
     cb = 4 if mode == "fp32" else 2
-    residual = 2 if mode in ("half", "lora") else 4
+    residual = residual_bytes(mode)
     mlp_tokens = tokens
     if recipe.tiled_mlp is not False:
         mlp_tokens = -(-tokens // tile_count(recipe.tiled_mlp, tokens, s.hidden))
@@ -175,7 +181,7 @@ def loss_bytes(recipe: Recipe, s: Structure, mode: str, b: int, T: int, head_cop
     """The loss's bytes for T tokens: (what it keeps for backward, its working bytes, the head's autocast weight copy
     left to count beside the layers: none when the fused head counts it)."""
     h, V = s.hidden, s.vocab
-    residual = 2 if mode in ("half", "lora") else 4
+    residual = residual_bytes(mode)
     if recipe.fused_loss:  # the chunks keep their inputs (the target positions' hidden states, planned as all)
         saved_logits = T * h * residual
         # forward, a chunk at a time: its fp32 logits and their log-sum-exp's temporary, 8 bytes a logit (12 through a
@@ -217,7 +223,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
                       if recipe.gradient_checkpointing == "selective" else 0)) // tp for _, one, g in layers)
     every_layer = sum(n * one for n, one, _ in layers)
     host = 0
-    residual = 2 if mode in ("half", "lora") else 4
+    residual = residual_bytes(mode)
     rope = T * 2 * d * (4 if mode in ("fp32", "mixed", "qlora") else 2)
     norm = T * ({"fp32": 12, "mixed": 10, "half": 8, "lora": 4, "qlora": 10}[mode] * h + 4)
     if recipe.fused_loss:  # the head's matmul no longer keeps its input (the chunks keep the targets' own)

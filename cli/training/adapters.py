@@ -45,23 +45,20 @@ def add_lora(model, lora, reference: bool = False, autocast: bool = False):
     return model
 
 
-def share_inputs(model) -> int:
+def share_inputs(model) -> None:
     """Adapters without dropout read their layer's input as it comes, under autocast: peft casts each adapter's
     input to the adapter's fp32 first (tuners_utils._cast_input_dtype), and autocast casts it back to 16 bits for
     the matmul, which saves that copy for backward: each adapter kept its own [tokens x in] copy (q, k and v three of
     the same tensor) and made an fp32 one on the way (the step's peak, in the layer's recompute). Without the casts
     the adapters reading one tensor save that one tensor. The same values reach the matmul: loss and gradients are
     bitwise peft's (tests/unit/training/test_adapters.py). With dropout the cast stays: the masks are drawn in fp32,
-    as peft draws them. Only for a forward under autocast (the fp32 adapters' matmul needs it); returns how many
-    adapters read their input as it comes."""
+    as peft draws them. Only for a forward under autocast (the fp32 adapters' matmul needs it); the run's setup
+    counts the layers it changed (measure.describe_setup, lora_shared_inputs)."""
     from peft.tuners.lora import LoraLayer
 
-    shared = 0
     for module in model.modules():
         if isinstance(module, LoraLayer) and all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values()):
             module.cast_input_dtype_enabled = False
-            shared += 1
-    return shared
 
 
 def rewrites_base(recipe) -> bool:

@@ -130,10 +130,13 @@ class DeviceSampler:
         if self._thread is not None:
             self._thread.start()
 
+    def _sample(self):
+        used = self.read()
+        self.peak = used if self.peak is None else max(self.peak, used)
+
     def _run(self):
         while True:
-            used = self.read()
-            self.peak = used if self.peak is None else max(self.peak, used)
+            self._sample()
             if self._done.wait(self.every):
                 return
 
@@ -143,8 +146,7 @@ class DeviceSampler:
             self._done.set()
             self._thread.join()
             self._thread = None
-            used = self.read()
-            self.peak = used if self.peak is None else max(self.peak, used)
+            self._sample()
         return self.peak
 
 
