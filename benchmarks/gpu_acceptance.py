@@ -37,8 +37,8 @@ SEVERAL_GPUS = [("ddp", [], 0), ("fsdp", [], 0), ("fsdp-lora", [], 0), ("fsdp-ql
                 ("tp", [], 4)]  # 0: every GPU
 CPU = [("single-gpu-lora", [], 1), ("ddp", [], 2), ("single-gpu-lora", ["attn_implementation=sdpa"], 1)]
 # long context: one document of max_seq_length tokens a micro batch, on the ladder's top rung (docs/long-context.md)
-LONG = ("single-gpu-lora", ["activation_offload=true", "tiled_mlp=true", "per_device_train_batch_size=1",
-                            "gradient_accumulation_steps=1", "packing=false"], 1)
+LONG = ("single-gpu-lora", ["activation_offload=true", "lean_norms=true", "tiled_mlp=true",
+                            "per_device_train_batch_size=1", "gradient_accumulation_steps=1", "packing=false"], 1)
 LONG_TOKENS = {"gpu": 16384, "cpu": 1024}
 PREFERENCES = [("single-gpu-lora", [], 1), ("qlora", [], 1)]  # `memrecipe run dpo` on the embedded pairs (--cpu: the first)
 LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit": "bitsandbytes",

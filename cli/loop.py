@@ -5,8 +5,8 @@ notices that say nothing about the run (memrecipe/__init__.py).
     the recipe      load_recipe, flag_overrides, RecipeError
     the run folder  open_run
     the model       make_accelerator, embedded_model, load_tokenizer, load_pretrained, tensor_parallel,
-                    enable_checkpointing, tile_mlps, add_lora, compile_layers, keep_initial_adapter, fuse_head,
-                    frozen_copy
+                    enable_checkpointing, tile_mlps, lean_norms, add_lora, compile_layers, keep_initial_adapter,
+                    fuse_head, frozen_copy
     the data        prepare_datasets, Collator
     the optimizer   make_optimizer, wrap_first, prepare
     a step          lm_loss, count_targets, Checkpoints
@@ -29,6 +29,7 @@ from .training.layers import compile_layers, enable_checkpointing, tensor_parall
 from .training.loading import embedded_model, load_pretrained
 from .training.loss import count_targets, fuse_head, lm_loss
 from .training.measure import Meter
+from .training.norms import lean_norms
 from .training.optimizers import make_optimizer
 from .training.preference import (METRICS, REFERENCE_STORE, PairCollator, pair_values, preference_sums, prepare_pairs,
                                   reference_store, reference_weights, rows_key, sequence_logps, target_counts,
@@ -42,8 +43,8 @@ quiet_deepspeed()  # a plain accelerate launch without CUDA: name DeepSpeed's CP
 __all__ = ["load_recipe", "flag_overrides", "RecipeError",
            "open_run",
            "make_accelerator", "embedded_model", "load_tokenizer", "load_pretrained", "tensor_parallel",
-           "enable_checkpointing", "tile_mlps", "add_lora", "compile_layers", "keep_initial_adapter", "fuse_head",
-           "frozen_copy",
+           "enable_checkpointing", "tile_mlps", "lean_norms", "add_lora", "compile_layers", "keep_initial_adapter",
+           "fuse_head", "frozen_copy",
            "prepare_datasets", "Collator",
            "make_optimizer", "wrap_first", "prepare",
            "lm_loss", "count_targets", "Checkpoints",

@@ -28,7 +28,7 @@ from typing import Callable
 # first: importing memrecipe quiets library notices that say nothing about the run
 from memrecipe.loop import (Checkpoints, Collator, Meter, RecipeError, add_lora, compile_layers,  # isort: skip
                             count_targets, embedded_model, enable_checkpointing, flag_overrides, fuse_head,
-                            keep_initial_adapter, lm_loss, load_pretrained, load_recipe, load_tokenizer,
+                            keep_initial_adapter, lean_norms, lm_loss, load_pretrained, load_recipe, load_tokenizer,
                             make_accelerator, make_optimizer, open_run, prepare, prepare_datasets, save_final,
                             tensor_parallel, tile_mlps, wrap_first, write_report)
 import torch
@@ -203,6 +203,8 @@ def setup_model(recipe, model_path, accelerator, run, say):
             say(f"lora: trains on the saved adapter {recipe.lora.adapter} (r {recipe.lora.r})")
     if recipe.tiled_mlp is not False:  # each MLP a tile of tokens at a time, recomputed in backward
         tile_mlps(model, recipe.tiled_mlp)
+    if recipe.lean_norms:  # each RMSNorm keeps its input (no fp32 copy), its backward a tile of tokens at a time
+        lean_norms(model)
     if recipe.torch_compile:
         compile_layers(model)  # each decoder layer in place: names, hooks and checkpoints unchanged
     # PiSSA/OLoRA rewrite the base: the adapter as initialized is kept, to convert the final one back
@@ -323,6 +325,7 @@ def say_setup(run, steps_per_epoch):
                            ", in host RAM" if recipe.activation_offload else ""), False: "every one kept"}.get(
                            setup["gradient_checkpointing"], "checkpointed by the engine")
         + (f"; {setup['tiled_mlps']} MLPs run in tiles of tokens, recomputed in backward" if setup["tiled_mlps"] else "")
+        + (f"; {setup['lean_norms']} RMSNorms keep their inputs, not fp32 copies" if setup["lean_norms"] else "")
         + (f"; {setup['lora_shared_inputs']} LoRA layers' adapters share their inputs (no dropout)"
            if setup["lora_shared_inputs"] else ""))
     if setup["bf16_update_rounding"]:  # the optimizer's choice, said: never a silent fallback

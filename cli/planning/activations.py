@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .architecture import Structure, lora_tensors_on_meta
 from .attention import pick_attention, square_bytes
+from .hardware import usable_cores
 from .recipe import Recipe
 
 
@@ -63,6 +64,12 @@ def tile_count(tiles: bool | int, tokens: int, hidden: int) -> int:
     return max(1, -(-tokens // hidden)) if tiles is True else int(tiles)
 
 
+def norm_rows(width: int, hidden: int) -> int:
+    """How many rows of `width` a lean norm (training.norms) works on at a time: a tile of hidden x hidden elements,
+    `hidden` tokens of the residual stream (tiled_mlp's tile), as many rows of a narrower norm (per head)."""
+    return max(1, hidden * hidden // width)
+
+
 def mlp_bytes(recipe: Recipe, s: Structure, mode: str, cuda: bool) -> int:
     """Per token, what one layer's dense MLP keeps for backward beside its input: what tiled_mlp frees (measured on
     CPU at the forward's end, tests/unit/planning/test_activations.py: 16i bytes in fp32 and under autocast over
@@ -113,6 +120,8 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         eb = 4 if mode in ("fp32", "mixed") else 2
         per_token += s.top_k * (eb * (4 * i + 2 * h) + 32) + 4 * s.experts + 8 * s.top_k
     total = T * per_token
+    if recipe.lean_norms:  # each of the two norms keeps its input, not an fp32 copy and (trained) its output
+        total -= T * 2 * lean_norm_saving(mode, h)
     if recipe.tiled_mlp is not False and not moe:  # the MLP's tensors exist for one tile, in its backward
         total -= (T - -(-T // tile_count(recipe.tiled_mlp, T, h))) * mlp_bytes(recipe, s, mode, cuda)
     cb = 4 if mode == "fp32" else 2  # the attention's compute dtype
@@ -134,6 +143,31 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
     return total
 
 
+def lean_norm_saving(mode: str, h: int) -> int:
+    """Per token, what one lean norm (training.norms) keeps less than transformers' RMSNorm: that one keeps its input
+    in fp32 (a copy where the residual stream is 16-bit) and, when its weight trains, its output; the lean one keeps
+    its input as it comes (measured on CPU: tests/unit/planning/test_activations.py)."""
+    trains = mode in ("fp32", "mixed", "half")
+    residual = residual_bytes(mode)
+    return 4 * h + (residual * h if trains else 0) - residual * h
+
+
+def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool) -> int:
+    """What the attention kernel's backward allocates beside the layer's saved tensors (the MLP's freed by then): the
+    gradients of q, k and v, K and V at every query head (the CPU kernel gets them repeated; flash-attn expands them
+    under GQA, then sums them into K's and V's heads), and its working buffers: on a GPU flash's fp32 dq accumulator
+    and row sums (flash-attn's csrc/flash_attn/flash_api.cpp, mha_varlen_bwd: dq_accum, softmax_d, dk_expanded); on
+    CPU grad_out made contiguous and each thread's fp32 and 16-bit blocks of scores
+    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: 256 x 512 from 768 tokens)."""
+    cb = 4 if mode == "fp32" else 2
+    per_head = s.heads * s.head_dim
+    grads = tokens * 3 * cb * per_head
+    if cuda:
+        return grads + tokens * (2 * cb * s.kv_dim + 4 * (per_head + s.heads))
+    block = (256 if tokens >= 768 else 64 if tokens >= 192 else 32) * min(512, tokens)
+    return grads + tokens * cb * per_head + usable_cores() * block * (8 + (4 if cb == 2 else 0))
+
+
 def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: int, cuda: bool = False) -> int:
     """The most one layer holds while backward runs through it: `saved` (what it keeps, layer_activation_bytes) with
     what is allocated beside it, at the largest of three places (the CPU profiler's allocation peak inside a
@@ -145,7 +179,8 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     - the down projection's adapter in the recompute, where peft casts its 16-bit input (the MLP's product, held by
       nothing else) to fp32 (with dropout over a 16-bit base, and under QLoRA: training.adapters.share_inputs) and
       dropout writes its fp32 output;
-    - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden])."""
+    - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden]);
+      under lean_norms, five over a tile of hidden_size tokens, and its input's gradient."""
     cb = 4 if mode == "fp32" else 2
     residual = residual_bytes(mode)
     mlp_tokens = tokens
@@ -153,7 +188,14 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
         mlp_tokens = -(-tokens // tile_count(recipe.tiled_mlp, tokens, s.hidden))
     lora = recipe.lora
     down = [lin for lin in s.lora_linears(lora.target_modules) if lin.name == "down_proj"] if lora else []
-    places = [saved - mlp_tokens * mlp_bytes(recipe, s, mode, cuda) + tokens * 20 * s.hidden]
+    if recipe.lean_norms:  # its input's gradient, and five fp32 buffers over a tile of tokens
+        norm = tokens * residual * s.hidden + 20 * min(tokens, s.hidden) * s.hidden
+    else:
+        norm = tokens * 20 * s.hidden
+    mlp_freed = saved - mlp_tokens * mlp_bytes(recipe, s, mode, cuda)
+    # by the attention's backward, the norm after it and the MLP's input are freed too
+    after_attention = tokens * s.hidden * (cb + (residual if recipe.lean_norms else 4))
+    places = [mlp_freed + norm, mlp_freed - after_attention + attention_backward_bytes(s, mode, tokens, cuda)]
     if not s.experts:
         i = s.intermediate
         if down:  # what the down projection keeps of its input, freed once its backward ran
@@ -228,6 +270,8 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     norm = T * ({"fp32": 12, "mixed": 10, "half": 8, "lora": 4, "qlora": 10}[mode] * h + 4)
     if recipe.fused_loss:  # the head's matmul no longer keeps its input (the chunks keep the targets' own)
         norm -= T * h * {"fp32": 4, "mixed": 2, "half": 2, "lora": 0, "qlora": 2}[mode]
+    if recipe.lean_norms:  # the final norm too
+        norm -= T * lean_norm_saving(mode, h)
     head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
     small = T * 8 + rope  # input ids, rotary cos/sin
     saved_logits, logits, head_copy = loss_bytes(recipe, s, mode, b, T, head_copy)

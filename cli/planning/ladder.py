@@ -33,6 +33,8 @@ def with_words(recipe: Recipe, words) -> Recipe:
 def rung_of(recipe: Recipe) -> str:
     if recipe.tiled_mlp is not False:
         return "tiled MLP"
+    if recipe.lean_norms:
+        return "lean norms"
     if recipe.activation_offload:
         return "activation offload"
     if recipe.gradient_checkpointing == "selective":
@@ -48,8 +50,8 @@ def rungs(recipe: Recipe) -> list[Rung]:
 def climbs(recipe: Recipe, topo: Topology | None = None):
     """(rung, the recipe on it) for the recipe's own rung and each above it that its rules (and `topo`, when given)
     accept, cheapest first: selective checkpointing (the matmuls' and attention's outputs kept), full checkpointing
-    (each layer's input), activation offload (that input in host RAM), tiled MLP (its tensors one tile of tokens at
-    a time)."""
+    (each layer's input), activation offload (that input in host RAM), lean norms (each RMSNorm's input kept as it
+    comes, its backward a tile of tokens at a time), tiled MLP (its tensors one tile of tokens at a time)."""
     out = [Rung(rung_of(recipe), ())]
     if not recipe.checkpoints:
         out.append(Rung("selective checkpointing", ("gradient_checkpointing=selective",)))
@@ -59,6 +61,8 @@ def climbs(recipe: Recipe, topo: Topology | None = None):
         ours = () if recipe.gradient_checkpointing is True else ("gradient_checkpointing=true",)
         fsdp = ("fsdp.activation_checkpointing=false",) if recipe.fsdp and recipe.fsdp.activation_checkpointing else ()
         out.append(Rung("activation offload", (*ours, *fsdp, "activation_offload=true")))
+    if not recipe.lean_norms:  # each RMSNorm keeps its input as it comes, its backward a tile at a time
+        out.append(Rung("lean norms", (*out[-1].words, "lean_norms=true")))
     if recipe.tiled_mlp is False:  # each MLP a tile of tokens at a time (one process only: the rules say where)
         out.append(Rung("tiled MLP", (*out[-1].words, "tiled_mlp=true")))
     for rung in out:

@@ -269,6 +269,9 @@ class Recipe:
     # each layer's MLP runs a tile of tokens at a time, recomputed in backward: its [tokens x intermediate] tensors
     # exist one tile at a time (true: tiles of about hidden_size tokens; or a number of tiles), for one more MLP forward
     tiled_mlp: bool | int = spec(False, low=2)
+    # each RMSNorm keeps its input instead of an fp32 copy and runs its backward a tile of tokens at a time (fp32
+    # buffers over the whole sequence otherwise): gradients equal to rounding, for one more pass over the input
+    lean_norms: bool = False
     fused_loss: bool = True  # LM head + cross-entropy chunk by chunk, recomputed in backward: no full logits
     # target tokens per chunk of the fused loss: fewer hold less ([tokens x vocab] in fp32) but re-read the head more
     loss_chunk_tokens: int = spec(LOSS_CHUNK_TOKENS, low=1)

@@ -70,6 +70,10 @@ def check_activations(r: Recipe) -> None:
         raise RecipeError("tiled_mlp gives each weight its gradient in parts, tile by tile: optimizer_in_backward "
                           "steps at the first, and torch_compile traces a layer whole: set tiled_mlp=false or "
                           f"{'optimizer_in_backward' if r.optimizer_in_backward else 'torch_compile'}=false")
+    if r.lean_norms and (r.torch_compile or r.parallelism):
+        raise RecipeError("lean_norms replaces each RMSNorm's forward: torch_compile fuses the norm its own way, and "
+                          "under tensor parallelism it is not checked yet: set lean_norms=false or "
+                          f"{'torch_compile=false' if r.torch_compile else 'parallelism=null'}")
     if r.activation_offload and r.gradient_checkpointing == "selective":
         raise RecipeError("activation_offload moves the layer inputs that full checkpointing keeps to host RAM, and "
                           "gradient_checkpointing: selective keeps more on the GPU to recompute less: use "

@@ -14,6 +14,7 @@ import torch
 from .. import ALLOCATOR_CONF
 from ..planning.optimizers import OPTIMIZERS, bf16_rounding
 from ..planning.registry import is_embedded
+from .norms import lean_forward
 from .tiling import tiled_forward
 
 # accelerate's distributed types, in words for the start-up line
@@ -50,6 +51,7 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "optimizer_in_backward": hasattr(getattr(optimizer, "optimizer", optimizer), "optimizers"),
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
         "tiled_mlps": sum(getattr(getattr(m, "forward", None), "func", None) is tiled_forward for m in model.modules()),
+        "lean_norms": sum(getattr(getattr(m, "forward", None), "func", None) is lean_forward for m in model.modules()),
         # LoRA layers whose adapters read their input as it comes (training.adapters.share_inputs)
         "lora_shared_inputs": sum(getattr(m, "cast_input_dtype_enabled", True) is False for m in model.modules()),
         # the kernel transformers runs, and why (training.loading.attention: attn_implementation auto resolved)

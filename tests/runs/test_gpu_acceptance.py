@@ -21,7 +21,7 @@ def test_the_acceptance_script_runs_sft_dpo_and_a_long_context_row_resumes_one_a
     assert [(r["recipe"], r["processes"], r["status"]) for r in rows] == [
         ("single-gpu-lora", 1, "ran"), ("ddp", 2, "ran"), ("single-gpu-lora attn_implementation=sdpa", 1, "ran"),
         ("dpo single-gpu-lora", 1, "ran"),  # and the long-context row: one 1K-token document a step on the top rung
-        ("single-gpu-lora activation_offload=true tiled_mlp=true per_device_train_batch_size=1 "
+        ("single-gpu-lora activation_offload=true lean_norms=true tiled_mlp=true per_device_train_batch_size=1 "
          "gradient_accumulation_steps=1 packing=false max_seq_length=1024", 1, "ran")]
     assert [r["attention"] for r in rows] == ["sdpa"] * 5  # (auto on CPU)
     assert rows[3]["reward_accuracy"] > 0 and all(r["reward_accuracy"] is None for r in rows[:3])  # preference pairs

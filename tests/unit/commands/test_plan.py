@@ -155,13 +155,15 @@ def test_plan_longest_finds_each_recipes_longest_sequence_its_rung_and_host_ram(
     data = json.loads(cli(*words, "--json", "--method", "qlora", "lora.r=32").stdout)
     (qlora,) = data["estimates"]
     assert qlora["recipe"] == "qlora" and qlora["rung"] == "tiled MLP" and qlora["micro_batch"] == 1
-    assert qlora["add"] == ["activation_offload=true", "tiled_mlp=true"]
+    assert qlora["add"] == ["activation_offload=true", "lean_norms=true", "tiled_mlp=true"]
     assert qlora["seq_length"] == qlora["longest_seq_length"]
-    r = load_recipe("qlora", ["lora.r=32", "per_device_train_batch_size=1", "activation_offload=true", "tiled_mlp=true"])
+    r = load_recipe("qlora", ["lora.r=32", "per_device_train_batch_size=1", "activation_offload=true", "lean_norms=true",
+                              "tiled_mlp=true"])
     at = estimate(r, structure(LLAMA_8B), Topology(1), seq_length=qlora["longest_seq_length"])
     assert at.total == qlora["total"] and at.total <= 80 * 10**9 < estimate(
         r, structure(LLAMA_8B), Topology(1), seq_length=qlora["longest_seq_length"] + 1024).total
-    assert re.search(r"\nqlora +QLoRA +\d+K +tiled MLP +[\d.]+ +[\d.]+ +activation_offload=true tiled_mlp=true\n",
+    assert re.search(r"\nqlora +QLoRA +\d+K +tiled MLP +[\d.]+ +[\d.]+ +activation_offload=true lean_norms=true "
+                     r"tiled_mlp=true\n",
                      done.stdout)
 
 

@@ -81,14 +81,14 @@ def test_a_run_that_fits_a_rung_up_the_ladder_is_refused_naming_the_words_that_c
 
 
 def test_a_long_run_on_a_kernel_that_keeps_s_by_s_tensors_is_refused_naming_the_kernels_that_keep_none():
-    """sdpa over packed rows at 128K keeps a 32 GiB dense mask in every layer: no rung of the ladder fits, and the
+    """sdpa over packed rows at 256K keeps a 128 GiB dense mask in every layer: no rung of the ladder fits, and the
     refusal says which kernels this length needs; the plan of a kernel that keeps none says nothing of it."""
     from memrecipe.launching.checks import check_fits
     from memrecipe.planning.hardware import Machine
 
     gpu = Machine(gpus=1, gpu_memory=80 * 10**9, bf16=True, cores=16, host_memory=512 * 2**30)
-    words = ["per_device_train_batch_size=1", "max_seq_length=131072", "attn_implementation=sdpa"]
-    with pytest.raises(RecipeError, match=r"attention: sdpa keeps 32\.0 GiB per layer in its \[131072 x 131072\] dense "
+    words = ["per_device_train_batch_size=1", "max_seq_length=262144", "attn_implementation=sdpa"]
+    with pytest.raises(RecipeError, match=r"attention: sdpa keeps 128\.0 GiB per layer in its \[262144 x 262144\] dense "
                                           r"mask \(packed or padded rows\): at this length use "
                                           r"attn_implementation=flash_attention_2 .* or flex_attention"):
         check_fits(load_recipe("single-gpu-lora", words), Topology(1), gpu, words, force=False,

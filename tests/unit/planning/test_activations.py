@@ -165,7 +165,9 @@ WIDE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2, "n
         "num_key_value_heads": 2, "head_dim": 64}  # the embedded Llama widened: per-token costs dominate
 LADDER = {"none": ["gradient_checkpointing=false"], "selective": ["gradient_checkpointing=selective"],
           "full": ["gradient_checkpointing=true"], "offload": ["gradient_checkpointing=true", "activation_offload=true"],
-          "tiled": ["gradient_checkpointing=true", "tiled_mlp=true"]}
+          "tiled": ["gradient_checkpointing=true", "tiled_mlp=true"],
+          "lean": ["gradient_checkpointing=true", "tiled_mlp=true", "lean_norms=true"],
+          "lean, none": ["gradient_checkpointing=false", "lean_norms=true"]}
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +187,8 @@ def wide(tmp_path_factory):
 @pytest.mark.parametrize("recipe, rung, overrides", [
     *[("single-gpu-lora", rung, []) for rung in LADDER],  # LoRA on every linear, dropout 0.05 (peft's fp32 casts)
     ("single-gpu-lora", "full", ["lora.dropout=0"]), ("single-gpu-lora", "tiled", ["lora.dropout=0"]),  # shared
-    ("single-gpu-full", "none", []), ("single-gpu-full", "full", []), ("single-gpu-full", "tiled", [])])
+    ("single-gpu-lora", "lean", ["lora.dropout=0"]),
+    *[("single-gpu-full", rung, []) for rung in ("none", "full", "tiled", "lean", "lean, none")]])
 def test_the_plans_working_peak_is_a_steps_allocation_peak_at_every_length(wide, recipe, rung, overrides):
     """Long sequences, each rung of the ladder, LoRA and a full fine-tune: at 256, 512 and 1024 tokens the bytes the
     forward leaves for backward grow at the plan's per-token slope, and the most a whole step holds at once beside

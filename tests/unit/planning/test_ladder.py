@@ -19,13 +19,15 @@ def test_each_rung_is_words_the_recipes_rules_accept_and_climbing_keeps_fewer_ac
     for name in recipe_names():
         recipe = load_recipe(name, ["max_seq_length=32768", "per_device_train_batch_size=1"])
         ladder = rungs(recipe)
-        assert ladder[0].words == () and ladder[-1].name in ("activation offload", "tiled MLP"), name
-        assert (ladder[-1].name == "tiled MLP") == (recipe.distributed_type in ("no", "ddp")
-                                                    and not recipe.optimizer_in_backward), name
+        assert ladder[0].words == () and ladder[-1].name in ("activation offload", "lean norms", "tiled MLP"), name
+        tiles = recipe.distributed_type in ("no", "ddp") and not recipe.optimizer_in_backward and not recipe.torch_compile
+        assert (ladder[-1].name == "tiled MLP") == tiles, name
+        assert ("lean norms" in [rung.name for rung in ladder]) == (not recipe.torch_compile and not recipe.parallelism)
         on_gpu = [estimate(with_words(recipe, rung.words), s, Topology(8)).activations for rung in ladder]
         assert on_gpu == sorted(on_gpu, reverse=True) and on_gpu[-1] < on_gpu[0], (name, on_gpu)
     fsdp = rungs(load_recipe("fsdp"))[-1].words  # FSDP's own checkpoint wrapper gives way to the loop's
-    assert fsdp == ("gradient_checkpointing=true", "fsdp.activation_checkpointing=false", "activation_offload=true")
+    assert fsdp == ("gradient_checkpointing=true", "fsdp.activation_checkpointing=false", "activation_offload=true",
+                    "lean_norms=true")
 
 
 def test_the_longest_sequence_fits_and_one_k_more_does_not():
@@ -40,7 +42,8 @@ def test_the_longest_sequence_fits_and_one_k_more_does_not():
 def test_a_recipe_reaches_furthest_on_its_highest_rung_and_the_host_ram_can_bind():
     s = structure(LLAMA_8B)
     lora = longest_per_recipe(load_recipe("single-gpu-lora"), s, Topology(1), GPU80, None)
-    assert lora.rung.name == "tiled MLP" and lora.rung.words == ("activation_offload=true", "tiled_mlp=true")
+    assert lora.rung.name == "tiled MLP"
+    assert lora.rung.words == ("activation_offload=true", "lean_norms=true", "tiled_mlp=true")
     assert lora.recipe.per_device_train_batch_size == 1 and lora.seq_length > 128 * STEP
     tight = longest_per_recipe(load_recipe("single-gpu-lora"), s, Topology(1), GPU80, 32 * GiB)
     assert tight.seq_length < lora.seq_length and tight.verdict.estimate.host_total() <= 32 * GiB
@@ -64,9 +67,10 @@ def test_lengths_read_as_people_write_them():
 def test_a_recipe_without_checkpointing_climbs_through_selective_then_full_checkpointing():
     names = [rung.name for rung in rungs(load_recipe("ddp", ["gradient_checkpointing=false"]))]
     assert names == ["no checkpointing", "selective checkpointing", "full checkpointing", "activation offload",
-                     "tiled MLP"]
+                     "lean norms", "tiled MLP"]
     selective = rungs(load_recipe("single-gpu-lora", ["gradient_checkpointing=selective"]))
     assert [(r.name, r.words) for r in selective] == [
         ("selective checkpointing", ()), ("full checkpointing", ("gradient_checkpointing=true",)),
         ("activation offload", ("gradient_checkpointing=true", "activation_offload=true")),
-        ("tiled MLP", ("gradient_checkpointing=true", "activation_offload=true", "tiled_mlp=true"))]
+        ("lean norms", ("gradient_checkpointing=true", "activation_offload=true", "lean_norms=true")),
+        ("tiled MLP", ("gradient_checkpointing=true", "activation_offload=true", "lean_norms=true", "tiled_mlp=true"))]
