@@ -121,7 +121,9 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--libraries", action="store_true", help="also the step peak of transformers' Trainer and "
-                        "TRL's SFTTrainer (with and without its activation offloading) at each length")
+                        "TRL's SFTTrainer at each length, and each one's longest length under --budget-mib")
+    parser.add_argument("--budget-mib", type=float, default=1024, help="the activation budget the longest lengths are "
+                        "read at: extrapolated along each trainer's measured peaks (first to last length)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = wide_model(Path(tmp) / "wide")
@@ -139,11 +141,21 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             path = wide_model(Path(tmp) / "wide")
             print(f"\n{'length':>7} {'trainer':>22} {'step peak MiB':>14} {'x memrecipe full':>17}")
+            peaks = {}
             for length in args.lengths:
-                ours = measure(path, "full", length, 1)["peak"]
+                ours = peaks.setdefault("memrecipe full", {})[length] = measure(path, "full", length, 1)["peak"]
+                peaks.setdefault("memrecipe tiled", {})[length] = measure(path, "tiled", length, 1)["peak"]
                 for library in ("Trainer", "TRL SFTTrainer"):
-                    peak = library_peak(path, length, library)
+                    peak = peaks.setdefault(library, {})[length] = library_peak(path, length, library)
                     print(f"{length:>7} {library:>22} {peak / 2**20:>14.1f} {peak / ours:>17.2f}", flush=True)
+            budget = args.budget_mib * 2**20
+            print(f"\nthe longest length under {args.budget_mib:.0f} MiB of step peak, along each one's measured "
+                  f"peaks from {args.lengths[0]} to {args.lengths[-1]} tokens:")
+            for name, at in peaks.items():
+                first, last = args.lengths[0], args.lengths[-1]
+                per_token = (at[last] - at[first]) / (last - first)
+                print(f"{name:>22} {first + (budget - at[first]) / per_token:>10,.0f} tokens "
+                      f"({per_token / 1024:.1f} KiB a token)")
     print("MiB. held: what the forward leaves for backward (the CPU profiler; offload's host copies included: on CPU the "
           "host is the device); planned: the planner's bytes on the device after the forward, host: in host RAM; "
           "peak: the most held at once over the step beside the weights and their gradients (the profiler's memory "

@@ -188,12 +188,13 @@ def wide(tmp_path_factory):
     *[("single-gpu-lora", rung, []) for rung in LADDER],  # LoRA on every linear, dropout 0.05 (peft's fp32 casts)
     ("single-gpu-lora", "full", ["lora.dropout=0"]), ("single-gpu-lora", "tiled", ["lora.dropout=0"]),  # shared
     ("single-gpu-lora", "lean", ["lora.dropout=0"]),
+    ("qlora", "full", []), ("qlora", "lean", []),  # adapters over 4-bit linears (bitsandbytes' CPU kernels)
     *[("single-gpu-full", rung, []) for rung in ("none", "full", "tiled", "lean", "lean, none")]])
 def test_the_plans_working_peak_is_a_steps_allocation_peak_at_every_length(wide, recipe, rung, overrides):
-    """Long sequences, each rung of the ladder, LoRA and a full fine-tune: at 256, 512 and 1024 tokens the bytes the
-    forward leaves for backward grow at the plan's per-token slope, and the most a whole step holds at once beside
-    the weights and their gradients (backward's own gradient buffers included: the CPU profiler's memory timeline)
-    is the plan's working activations, each within 10%."""
+    """Long sequences, each rung of the ladder, LoRA, QLoRA and a full fine-tune: at 256, 512 and 1024 tokens the
+    bytes the forward leaves for backward grow at the plan's per-token slope, and the most a whole step holds at once
+    beside the weights and their gradients (backward's own gradient buffers included: the CPU profiler's memory
+    timeline) is the plan's working activations, each within 10%."""
     from helpers import loop_model
     from measuring import held_after_forward, step_peak
     from memrecipe.planning.activations import activation_bytes, activation_mode
