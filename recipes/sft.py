@@ -326,8 +326,10 @@ def say_setup(run, steps_per_epoch):
                            setup["gradient_checkpointing"], "checkpointed by the engine")
         + (f"; {setup['tiled_mlps']} MLPs run in tiles of tokens, recomputed in backward" if setup["tiled_mlps"] else "")
         + (f"; {setup['lean_norms']} RMSNorms keep their inputs, not fp32 copies" if setup["lean_norms"] else "")
-        + (f"; {setup['lora_shared_inputs']} LoRA layers' adapters share their inputs (no dropout)"
-           if setup["lora_shared_inputs"] else ""))
+        + (f"; {setup['lora_shared_inputs']} LoRA layers' adapters share their inputs" if setup["lora_shared_inputs"]
+           else "")
+        + (f", {setup['lora_recomputed_dropout']} redraw their dropout in backward" if setup["lora_recomputed_dropout"]
+           else ""))
     if setup["bf16_update_rounding"]:  # the optimizer's choice, said: never a silent fallback
         say(f"weights: bf16, no fp32 master; optim {recipe.optim} rounds each update {setup['bf16_update_rounding']}")
     if setup["optimizer_first_use"]:

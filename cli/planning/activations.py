@@ -40,15 +40,17 @@ def residual_bytes(mode: str) -> int:
 SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # linears that read one tensor
 
 
-def adapter_bytes(linears, lora, mode: str, cuda: bool, attention: str = "sdpa") -> int:
-    """Per token, what a layer's adapters on `linears` keep for backward: each its rank-r output, and its input: the
-    16-bit cast autocast makes of peft's fp32 one, and with dropout what dropout keeps. Without dropout over a
-    16-bit base (training.adapters.share_inputs) the adapters read their input as it comes: those reading one
-    tensor (SIBLINGS) keep it once, and o_proj reads what sdpa and flash attention keep of their own output (their
-    [tokens x heads x head_dim] layout: transformers' transpose and reshape copy nothing; eager's and flex's copy).
-    Measured on CPU: tests/unit/planning/test_activations.py."""
-    mask = dropout_bytes(cuda) if lora.dropout else 0
-    shared = mode == "lora" and not lora.dropout
+def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str = "sdpa") -> int:
+    """Per token, what a layer's adapters on `linears` keep for backward: each its rank-r output, and its input. Over
+    a 16-bit base (training.adapters.share_inputs) the adapters read their input as it comes, their dropout redrawn
+    in backward (recompute_dropout): those reading one tensor (SIBLINGS) keep it once, and o_proj reads what sdpa and
+    flash attention keep of their own output (their [tokens x heads x head_dim] layout: transformers' transpose and
+    reshape copy nothing; eager's and flex's copy). Over bitsandbytes' layers with dropout, each keeps the 16-bit cast
+    autocast makes of peft's fp32 one and what dropout keeps. Measured on CPU: tests/unit/planning/test_activations.py."""
+    lora = recipe.lora
+    own_dropout = lora.dropout and recipe.quantization is not None  # (bitsandbytes' layers cast their own way)
+    mask = dropout_bytes(cuda) if own_dropout else 0
+    shared = mode == "lora" and not own_dropout
     kept, read = 0, {"o_proj"} if attention in ("sdpa", "flash_attention_2") else set()
     for lin in linears:
         tensor = next((frozenset(group) for group in SIBLINGS if lin.name in group), lin.name)
@@ -84,7 +86,7 @@ def mlp_bytes(recipe: Recipe, s: Structure, mode: str, cuda: bool) -> int:
     lora = recipe.lora  # lora, qlora: gate's output, the activation and up's output in 16 bits; the adapters'
     on_mlp = [lin for lin in s.lora_linears(lora.target_modules) if s.intermediate in (lin.in_features,
                                                                                           lin.out_features)]
-    return 2 * intermediates - (2 * s.intermediate if s.gated_mlp else 0) + adapter_bytes(on_mlp, lora, mode, cuda)
+    return 2 * intermediates - (2 * s.intermediate if s.gated_mlp else 0) + adapter_bytes(on_mlp, recipe, mode, cuda)
 
 
 def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str,
@@ -109,7 +111,7 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
             lora = recipe.lora
             targets = s.lora_linears(lora.target_modules)
             per_token -= 8 * h + (2 * i if gated and not moe else 0)  # frozen linears and norms no longer keep their inputs
-            per_token += adapter_bytes(targets, lora, mode, cuda, attention)
+            per_token += adapter_bytes(targets, recipe, mode, cuda, attention)
         if mode == "qlora":
             per_token += 33 * h // 2  # the fp32 residual stream and norms (measured, Llama + bnb 4-bit)
     per_token += 8 + 4 * a  # two fp32 rsqrt vectors, SDPA's log-sum-exp per head
@@ -177,8 +179,8 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
       [tokens x intermediate] gradients in the compute dtype (by the frozen linear and by the adapter, then their
       sum; then the product's, the activation's and up's); a tile's worth under tiled_mlp;
     - the down projection's adapter in the recompute, where peft casts its 16-bit input (the MLP's product, held by
-      nothing else) to fp32 (with dropout over a 16-bit base, and under QLoRA: training.adapters.share_inputs) and
-      dropout writes its fp32 output;
+      nothing else) to fp32 (with dropout, and under QLoRA: training.adapters.share_inputs) and dropout writes its
+      mask and its fp32 output;
     - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden]);
       under lean_norms, five over a tile of hidden_size tokens, and its input's gradient."""
     cb = 4 if mode == "fp32" else 2
@@ -199,12 +201,14 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     if not s.experts:
         i = s.intermediate
         if down:  # what the down projection keeps of its input, freed once its backward ran
-            kept = adapter_bytes(down, lora, mode, cuda) - 2 * lora.r
+            kept = adapter_bytes(down, recipe, mode, cuda) - 2 * lora.r
         else:  # a trained linear keeps its input in the compute dtype, a frozen one nothing
             kept = 0 if lora else cb * i
         places.append(saved + mlp_tokens * (3 * cb * i - kept))
         if down and (mode == "qlora" or (mode == "lora" and lora.dropout)):
-            places.append(saved + mlp_tokens * (8 if lora.dropout else 4) * i + mlp_tokens * cb * i)
+            # a redrawn dropout's mask, which the layer no longer keeps, is made again beside them
+            redrawn = dropout_bytes(cuda) if lora.dropout and recipe.quantization is None else 0
+            places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn + cb) * i)
     return max(places) + tokens * residual * s.hidden
 
 

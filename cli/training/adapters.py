@@ -3,9 +3,11 @@ PiSSA/OLoRA's initial adapter kept to convert the final one back."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def lora_config(lora):
@@ -28,7 +30,7 @@ def add_lora(model, lora, reference: bool = False, autocast: bool = False):
     the adapter makes, as TRL's ref_adapter_name; a few MB, no second model). Everything that trains is fp32, as
     the adapters are: peft upcasts its adapter layers, not the copies of modules_to_save nor the biases that
     `bias` trains, which would otherwise take AdamW's updates in the base's 16 bits. `autocast`: the forward runs
-    under autocast, where adapters without dropout read their input as it comes (share_inputs)."""
+    under autocast, where adapters read their input as it comes and recompute their dropout (share_inputs)."""
     from peft import PeftModel, get_peft_model
 
     if lora.adapter:
@@ -45,20 +47,52 @@ def add_lora(model, lora, reference: bool = False, autocast: bool = False):
     return model
 
 
-def share_inputs(model) -> None:
-    """Adapters without dropout read their layer's input as it comes, under autocast: peft casts each adapter's
-    input to the adapter's fp32 first (tuners_utils._cast_input_dtype), and autocast casts it back to 16 bits for
-    the matmul, which saves that copy for backward: each adapter kept its own [tokens x in] copy (q, k and v three of
-    the same tensor) and made an fp32 one on the way (the step's peak, in the layer's recompute). Without the casts
-    the adapters reading one tensor save that one tensor. The same values reach the matmul: loss and gradients are
-    bitwise peft's (tests/unit/training/test_adapters.py). With dropout the cast stays: the masks are drawn in fp32,
-    as peft draws them. Only for a forward under autocast (the fp32 adapters' matmul needs it); the run's setup
-    counts the layers it changed (measure.describe_setup, lora_shared_inputs)."""
+def share_inputs(model) -> int:
+    """Adapters read their layer's input as it comes, under autocast: peft casts each adapter's input to the
+    adapter's fp32 first (tuners_utils._cast_input_dtype), and autocast casts it back to 16 bits for the matmul, which
+    saves that copy for backward: each adapter kept its own [tokens x in] copy (q, k and v three of the same tensor)
+    and made an fp32 one on the way (the step's peak, in the layer's recompute). Without the casts the adapters
+    reading one tensor save that one tensor. With dropout, a vanilla LoRA layer's cast, dropout and A run inside a
+    checkpoint of their own (recompute_dropout): the same masks from the same random state, nothing kept but the
+    shared input. The same values reach every matmul: loss and gradients are bitwise peft's
+    (tests/unit/training/test_adapters.py). Layers whose own forward casts otherwise (bitsandbytes' quantized ones)
+    keep peft's casts when they drop out. Only for a forward under autocast (the fp32 adapters' matmul needs it).
+    Returns how many adapters recompute their dropout; the run's setup counts the layers changed
+    (measure.describe_setup, lora_shared_inputs)."""
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import Linear
 
+    recomputed = 0
     for module in model.modules():
-        if isinstance(module, LoraLayer) and all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values()):
+        if not isinstance(module, LoraLayer):
+            continue
+        if type(module) is Linear:  # vanilla LoRA on a 16-bit nn.Linear: peft's forward, cast then dropout
+            for name, dropout in module.lora_dropout.items():
+                if isinstance(dropout, torch.nn.Dropout) and name not in module.lora_variant:
+                    recompute_dropout(module, name)
+                    recomputed += 1
+        if all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values()):
             module.cast_input_dtype_enabled = False
+    return recomputed
+
+
+def recompute_dropout(layer, name: str) -> None:
+    """The adapter `name` of a peft LoRA Linear runs its input's cast to fp32, its dropout and its A as one
+    checkpoint (torch.utils.checkpoint, non-reentrant: the random state kept, so backward redraws the forward's
+    masks): peft's ops in peft's order, keeping only the input, where peft's kept the dropout's mask and autocast's
+    16-bit copy of its output for every adapter. The dropout module moves under A (still switched by train/eval)."""
+    linear = layer.lora_A[name]
+    linear.input_dropout = layer.lora_dropout[name]
+    layer.lora_dropout[name] = torch.nn.Identity()
+    linear.forward = functools.partial(dropped_forward, linear)
+
+
+def dropped_forward(linear, x):
+    return checkpoint(dropped, linear, x, use_reentrant=False)
+
+
+def dropped(linear, x):
+    return torch.nn.Linear.forward(linear, linear.input_dropout(x.to(linear.weight.dtype)))
 
 
 def rewrites_base(recipe) -> bool:

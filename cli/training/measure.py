@@ -54,6 +54,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "lean_norms": sum(getattr(getattr(m, "forward", None), "func", None) is lean_forward for m in model.modules()),
         # LoRA layers whose adapters read their input as it comes (training.adapters.share_inputs)
         "lora_shared_inputs": sum(getattr(m, "cast_input_dtype_enabled", True) is False for m in model.modules()),
+        # adapters whose dropout runs in a checkpoint of its own (training.adapters.recompute_dropout)
+        "lora_recomputed_dropout": sum(hasattr(m, "input_dropout") for m in model.modules()),
         # the kernel transformers runs, and why (training.loading.attention: attn_implementation auto resolved)
         "attention": getattr(getattr(accelerator.unwrap_model(model), "config", None), "_attn_implementation", None),
         "attention_why": getattr(getattr(accelerator.unwrap_model(model), "memrecipe_attention", None), "why", None),

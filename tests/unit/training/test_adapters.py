@@ -103,11 +103,22 @@ def test_lora_options_that_cannot_work_are_refused_with_the_reason(overrides, re
                  Topology(cpu=True))
 
 
+def peft_path(model) -> None:
+    """Undo share_inputs: every adapter casts its input to fp32 and drops out as peft's own forward does."""
+    for module in model.modules():
+        for name, linear in getattr(module, "lora_A", {}).items():
+            if hasattr(linear, "input_dropout"):
+                module.lora_dropout[name] = linear.input_dropout
+                del linear.input_dropout, linear.forward
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = True
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
-def test_adapters_without_dropout_share_their_input_and_train_bitwise_as_peft(dropout):
-    """Under autocast, adapters without dropout read their layer's 16-bit input as it comes (share_inputs): the
-    loss and every gradient are bitwise peft's own cast path, and the forward leaves fewer bytes for backward (q, k
-    and v keep one tensor, not three copies). With dropout peft's path stays (nothing shared, the same bytes)."""
+def test_adapters_share_their_input_redraw_their_dropout_and_train_bitwise_as_peft(dropout):
+    """Under autocast, adapters read their layer's 16-bit input as it comes and, with dropout, redraw it in backward
+    (share_inputs): the loss and every gradient are bitwise peft's own path, and the forward leaves fewer bytes for
+    backward (q, k and v keep one tensor, not three copies; no masks, no dropped copies)."""
     from helpers import loop_model
     from measuring import batch, held_after_forward
     from memrecipe.planning.registry import load_recipe
@@ -120,19 +131,14 @@ def test_adapters_without_dropout_share_their_input_and_train_bitwise_as_peft(dr
         torch.manual_seed(0)
         model, _ = loop_model(recipe, embedded_model(), "bf16")  # (the loop's setup: share_inputs under autocast)
         model.train()
-        if not shared:  # peft's own path: each adapter casts its input to fp32
-            for module in model.modules():
-                if hasattr(module, "cast_input_dtype_enabled"):
-                    module.cast_input_dtype_enabled = True
+        if not shared:
+            peft_path(model)
         torch.manual_seed(1)
         runs[shared] = held_after_forward(model, batch(model.config.vocab_size), autocast=True)
     assert runs[True][0] == runs[False][0]
     for name, grad in runs[False][2].items():
         assert torch.equal(runs[True][2][name], grad), name
-    if dropout:
-        assert runs[True][1] == runs[False][1]
-    else:
-        assert runs[True][1] < 0.9 * runs[False][1], (runs[True][1], runs[False][1])
+    assert runs[True][1] < (0.6 if dropout else 0.9) * runs[False][1], (runs[True][1], runs[False][1])
 
 
 def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs():
@@ -148,6 +154,8 @@ def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs():
     counted = {}
     for dropout in (0.0, 0.05):
         model, _ = loop_model(load_recipe("single-gpu-lora", [f"lora.dropout={dropout}"]), embedded_model(), "bf16")
-        counted[dropout] = describe_setup(accelerator, model, None)["lora_shared_inputs"]
+        setup = describe_setup(accelerator, model, None)
+        counted[dropout] = setup["lora_shared_inputs"], setup["lora_recomputed_dropout"]
     layers = sum(1 for name, _ in model.named_modules() if name.endswith(("q_proj", "down_proj")))  # 2 a decoder layer
-    assert counted == {0.0: 7 * layers // 2, 0.05: 0}  # every linear of every layer; none with dropout
+    linears = 7 * layers // 2  # every linear of every layer
+    assert counted == {0.0: (linears, 0), 0.05: (linears, linears)}
