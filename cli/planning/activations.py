@@ -41,23 +41,20 @@ SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # linears
 
 
 def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str = "sdpa") -> int:
-    """Per token, what a layer's adapters on `linears` keep for backward: each its rank-r output, and its input. Over
-    a 16-bit base (training.adapters.share_inputs) the adapters read their input as it comes, their dropout redrawn
-    in backward (recompute_dropout): those reading one tensor (SIBLINGS) keep it once, and o_proj reads what sdpa and
-    flash attention keep of their own output (their [tokens x heads x head_dim] layout: transformers' transpose and
-    reshape copy nothing; eager's and flex's copy). Over bitsandbytes' layers with dropout, each keeps the 16-bit cast
-    autocast makes of peft's fp32 one and what dropout keeps. Measured on CPU: tests/unit/planning/test_activations.py."""
-    lora = recipe.lora
-    own_dropout = lora.dropout and recipe.quantization is not None  # (bitsandbytes' layers cast their own way)
-    mask = dropout_bytes(cuda) if own_dropout else 0
-    shared = mode == "lora" and not own_dropout
+    """Per token, what a layer's adapters on `linears` keep for backward: each its rank-r output, and its input. Under
+    autocast (training.adapters.share_inputs) the adapters read their input as it comes and redraw their dropout in
+    backward (recompute_dropout): over a 16-bit residual stream those reading one tensor (SIBLINGS) keep it once, and
+    o_proj reads what sdpa and flash attention keep of their own output (their [tokens x heads x head_dim] layout:
+    transformers' transpose and reshape copy nothing; eager's and flex's copy). Measured on CPU:
+    tests/unit/planning/test_activations.py."""
+    shared = mode == "lora"
     kept, read = 0, {"o_proj"} if attention in ("sdpa", "flash_attention_2") else set()
     for lin in linears:
         tensor = next((frozenset(group) for group in SIBLINGS if lin.name in group), lin.name)
         if not (shared and tensor in read):
-            kept += (2 + mask) * lin.in_features
+            kept += 2 * lin.in_features
         read.add(tensor)
-    return kept + 2 * lora.r * len(linears)
+    return kept + 2 * recipe.lora.r * len(linears)
 
 
 def tile_count(tiles: bool | int, tokens: int, hidden: int) -> int:
@@ -206,8 +203,8 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
             kept = 0 if lora else cb * i
         places.append(saved + mlp_tokens * (3 * cb * i - kept))
         if down and (mode == "qlora" or (mode == "lora" and lora.dropout)):
-            # a redrawn dropout's mask, which the layer no longer keeps, is made again beside them
-            redrawn = dropout_bytes(cuda) if lora.dropout and recipe.quantization is None else 0
+            # a redrawn dropout's mask, which the layer does not keep, is made again beside them
+            redrawn = dropout_bytes(cuda) if lora.dropout else 0
             places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn + cb) * i)
     return max(places) + tokens * residual * s.hidden
 

@@ -52,47 +52,56 @@ def share_inputs(model) -> int:
     adapter's fp32 first (tuners_utils._cast_input_dtype), and autocast casts it back to 16 bits for the matmul, which
     saves that copy for backward: each adapter kept its own [tokens x in] copy (q, k and v three of the same tensor)
     and made an fp32 one on the way (the step's peak, in the layer's recompute). Without the casts the adapters
-    reading one tensor save that one tensor. With dropout, a vanilla LoRA layer's cast, dropout and A run inside a
-    checkpoint of their own (recompute_dropout): the same masks from the same random state, nothing kept but the
-    shared input. The same values reach every matmul: loss and gradients are bitwise peft's
-    (tests/unit/training/test_adapters.py). Layers whose own forward casts otherwise (bitsandbytes' quantized ones)
-    keep peft's casts when they drop out. Only for a forward under autocast (the fp32 adapters' matmul needs it).
-    Returns how many adapters recompute their dropout; the run's setup counts the layers changed
-    (measure.describe_setup, lora_shared_inputs)."""
+    reading one tensor save that one tensor. With dropout, each adapter's cast, dropout and A run inside a checkpoint
+    of their own (recompute_dropout): the same masks from the same random state, nothing kept but the shared input.
+    The same values reach every matmul: loss and gradients are bitwise peft's (tests/unit/training/test_adapters.py).
+    Only for a forward under autocast (the fp32 adapters' matmul needs it). Returns how many adapters recompute their
+    dropout; the run's setup counts the layers changed (measure.describe_setup, lora_shared_inputs)."""
     from peft.tuners.lora import LoraLayer
-    from peft.tuners.lora.layer import Linear
 
-    recomputed = 0
+    recomputed, layers = 0, layer_casts()
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
-        if type(module) is Linear:  # vanilla LoRA on a 16-bit nn.Linear: peft's forward, cast then dropout
-            for name, dropout in module.lora_dropout.items():
-                if isinstance(dropout, torch.nn.Dropout) and name not in module.lora_variant:
-                    recompute_dropout(module, name)
-                    recomputed += 1
+        casts = layers.get(type(module))
+        for name, dropout in module.lora_dropout.items():
+            if casts and isinstance(dropout, torch.nn.Dropout) and name not in module.lora_variant:  # vanilla LoRA
+                recompute_dropout(module, name, casts)
+                recomputed += 1
         if all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values()):
             module.cast_input_dtype_enabled = False
     return recomputed
 
 
-def recompute_dropout(layer, name: str) -> None:
-    """The adapter `name` of a peft LoRA Linear runs its input's cast to fp32, its dropout and its A as one
-    checkpoint (torch.utils.checkpoint, non-reentrant: the random state kept, so backward redraws the forward's
-    masks): peft's ops in peft's order, keeping only the input, where peft's kept the dropout's mask and autocast's
-    16-bit copy of its output for every adapter. The dropout module moves under A (still switched by train/eval)."""
+def layer_casts() -> dict:
+    """peft's LoRA layers whose forward recompute_dropout reproduces -> when each casts an adapter's input to the
+    adapter's dtype: peft/tuners/lora/layer.py's Linear always; bitsandbytes' (peft/tuners/lora/bnb.py) only outside
+    CUDA autocast (`requires_conversion = not torch.is_autocast_enabled()`)."""
+    from peft.tuners.lora import bnb, layer
+
+    outside_cuda_autocast = lambda: not torch.is_autocast_enabled()  # noqa: E731 (the device-less form: CUDA's)
+    return {layer.Linear: lambda: True, **{getattr(bnb, name): outside_cuda_autocast
+                                           for name in ("Linear4bit", "Linear8bitLt") if hasattr(bnb, name)}}
+
+
+def recompute_dropout(layer, name: str, casts) -> None:
+    """The adapter `name` of a peft LoRA layer runs its input's cast (where the layer's own forward casts: `casts`),
+    its dropout and its A as one checkpoint (torch.utils.checkpoint, non-reentrant: the random state kept, so
+    backward redraws the forward's masks): peft's ops in peft's order, keeping only the input, where peft's kept
+    the dropout's mask and autocast's 16-bit copy of its output for every adapter. The dropout module moves under A
+    (still switched by train/eval)."""
     linear = layer.lora_A[name]
     linear.input_dropout = layer.lora_dropout[name]
     layer.lora_dropout[name] = torch.nn.Identity()
-    linear.forward = functools.partial(dropped_forward, linear)
+    linear.forward = functools.partial(dropped_forward, linear, casts)
 
 
-def dropped_forward(linear, x):
-    return checkpoint(dropped, linear, x, use_reentrant=False)
+def dropped_forward(linear, casts, x):
+    return checkpoint(dropped, linear, casts(), x, use_reentrant=False)
 
 
-def dropped(linear, x):
-    return torch.nn.Linear.forward(linear, linear.input_dropout(x.to(linear.weight.dtype)))
+def dropped(linear, cast: bool, x):
+    return torch.nn.Linear.forward(linear, linear.input_dropout(x.to(linear.weight.dtype) if cast else x))
 
 
 def rewrites_base(recipe) -> bool:

@@ -15,6 +15,8 @@ from memrecipe.planning.topology import Topology
 LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
             "max_position_embeddings": 131072, "head_dim": 128}
+LLAMA_70B = {**LLAMA_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64}
 JOB = ["per_device_train_batch_size=2", "max_seq_length=2048"]
 LORA_JOB = [*JOB, "lora.r=8", "lora.alpha=16", "lora.dropout=0"]  # torchtune's configs: lora_dropout 0.0
 GiB = 2**30
@@ -29,18 +31,24 @@ def text(path) -> str:
     return " ".join((REPO / path).read_text().split())  # prose wraps anywhere
 
 
-def longest(recipe, gpu, *overrides) -> str:
-    """'222K, activation offload, 55.5 GiB': plan --longest's row for the 8B on one GPU of `gpu` GB."""
+def longest(recipe, gpu, *overrides, model=LLAMA_8B) -> str:
+    """'222K, activation offload, 55.5 GiB': plan --longest's row for the model (the 8B) on one GPU of `gpu` GB."""
     from memrecipe.planning.ladder import longest_per_recipe, tokens
 
-    row = longest_per_recipe(load_recipe(recipe, list(overrides)), structure(LLAMA_8B), Topology(1), gpu * 10**9, None)
+    row = longest_per_recipe(load_recipe(recipe, list(overrides)), structure(model), Topology(1), gpu * 10**9, None)
+    if not row.seq_length:
+        return "does not fit"
     return f"{tokens(row.seq_length)}, {row.rung.name}, {row.verdict.estimate.host_total() / GiB:.1f} GiB"
 
 
 LONG_CONTEXT = [("docs/long-context.md", f"| {gpu} GB | {{}} | {{}} | {{}} | {{}} |",
                  lambda gpu=gpu: [longest("single-gpu-lora", gpu), longest("single-gpu-lora", gpu, "lora.dropout=0"),
                                   longest("qlora", gpu, "lora.r=32"), longest("qlora", gpu, "lora.r=32", "lora.dropout=0")])
-                for gpu in (24, 48, 80)]
+                for gpu in (24, 48, 80)] + [
+    ("docs/long-context.md", f"| 70B, {gpu} GB | {{}} | {{}} | {{}} |",
+     lambda gpu=gpu: [longest("single-gpu-lora", gpu, model=LLAMA_70B), longest("qlora", gpu, "lora.r=32", model=LLAMA_70B),
+                      longest("qlora", gpu, "lora.r=32", "lora.dropout=0", model=LLAMA_70B)])
+    for gpu in (24, 48, 80)]
 
 
 @pytest.mark.parametrize("path, sentence, figures", [*LONG_CONTEXT,

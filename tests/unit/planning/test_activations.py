@@ -77,19 +77,17 @@ def test_dropout_keeps_fp32_noise_on_cpu_and_a_bool_mask_on_the_fused_kernel_gpu
     assert dropout_bytes(cuda=False) == 4 and dropout_bytes(cuda=True) == 1
 
 
-@pytest.mark.parametrize("recipe, dropout", [("qlora", 0.05), ("qlora", 0.0), ("single-gpu-lora", 0.05)])
-def test_a_gpu_plan_counts_dropouts_bool_mask(recipe, dropout):
-    """Llama-3.1-8B, QLoRA on every linear layer: per token and layer, a GPU keeps 3 bytes less per adapter input
-    element than the CPU (~117 KB), and nothing differs without dropout, nor where the adapters redraw their dropout
-    in backward (LoRA over a 16-bit base: nothing of the dropout is kept)."""
-    recipe = load_recipe(recipe, [f"lora.dropout={dropout}", "lora.target_modules=all-linear"])
+@pytest.mark.parametrize("recipe", ["single-gpu-lora", "qlora"])
+def test_a_redrawn_dropout_is_not_kept_on_either_device(recipe):
+    """Llama-3.1-8B, LoRA and QLoRA on every linear layer: adapters redraw their dropout in backward
+    (training.adapters.recompute_dropout), so a layer keeps the same with dropout as without, on a GPU as on CPU;
+    what differs by device is the mask made again in the down adapter's recompute (dropout_bytes)."""
     s = structure(LLAMA_8B)
-    cpu, gpu = (layer_activation_bytes(recipe, s, "lora", 1, 1024, "flash_attention_2", cuda) for cuda in (False, True))
-    inputs = sum(lin.in_features for lin in s.lora_linears(recipe.lora.target_modules))
-    kept = dropout and recipe.quantization is not None
-    assert cpu - gpu == (3 * 1024 * inputs if kept else 0)
-    if kept:
-        assert 116_000 < (cpu - gpu) / 1024 < 118_000
+    kept = {(dropout, cuda): layer_activation_bytes(load_recipe(recipe, [f"lora.dropout={dropout}",
+                                                                         "lora.target_modules=all-linear"]),
+                                                    s, "lora", 1, 1024, "flash_attention_2", cuda)
+            for dropout in (0.0, 0.05) for cuda in (False, True)}
+    assert len(set(kept.values())) == 1, kept
 
 
 @pytest.mark.parametrize("recipe, overrides, precision", [

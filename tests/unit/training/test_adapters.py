@@ -114,8 +114,9 @@ def peft_path(model) -> None:
             module.cast_input_dtype_enabled = True
 
 
+@pytest.mark.parametrize("recipe", ["single-gpu-lora", "qlora"])  # peft's Linear; bitsandbytes' Linear4bit
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
-def test_adapters_share_their_input_redraw_their_dropout_and_train_bitwise_as_peft(dropout):
+def test_adapters_share_their_input_redraw_their_dropout_and_train_bitwise_as_peft(dropout, recipe):
     """Under autocast, adapters read their layer's 16-bit input as it comes and, with dropout, redraw it in backward
     (share_inputs): the loss and every gradient are bitwise peft's own path, and the forward leaves fewer bytes for
     backward (q, k and v keep one tensor, not three copies; no masks, no dropped copies)."""
@@ -124,8 +125,7 @@ def test_adapters_share_their_input_redraw_their_dropout_and_train_bitwise_as_pe
     from memrecipe.planning.registry import load_recipe
     from memrecipe.training.loading import embedded_model
 
-    recipe = load_recipe("single-gpu-lora", [f"lora.dropout={dropout}", "max_seq_length=48",
-                                             "gradient_checkpointing=false"])
+    recipe = load_recipe(recipe, [f"lora.dropout={dropout}", "max_seq_length=48", "gradient_checkpointing=false"])
     runs = {}
     for shared in (True, False):
         torch.manual_seed(0)
