@@ -46,8 +46,8 @@ class LeanRMSNorm(torch.autograd.Function):
             part = grads[start:start + ctx.rows]
             if want_weight:  # autograd's product in the output's dtype, summed over the tokens in fp32
                 grad_weight += (part * normed.to(x.dtype)).to(torch.float32).sum(0)
-            if want_x:  # d/dx of x * rsqrt(mean(x^2) + eps), through the cast
-                upstream = (part * weight).to(torch.float32)
+            if want_x:  # d/dx of x * rsqrt(mean(x^2) + eps), through the cast (whose gradient is in x's dtype)
+                upstream = (part * weight).to(x.dtype).to(torch.float32)
                 mean = (upstream * normed).mean(-1, keepdim=True)
                 grad_x[start:start + ctx.rows] = rsqrt * (upstream - normed * mean)
         return (grad_x.view_as(x) if want_x else None, grad_weight.to(weight.dtype) if want_weight else None,
