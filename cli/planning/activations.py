@@ -45,14 +45,17 @@ def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str
     autocast (training.adapters.share_inputs) the adapters read their input as it comes and redraw their dropout in
     backward (recompute_dropout): over a 16-bit residual stream those reading one tensor (SIBLINGS) keep it once, and
     o_proj reads what sdpa and flash attention keep of their own output (their [tokens x heads x head_dim] layout:
-    transformers' transpose and reshape copy nothing; eager's and flex's copy). Measured on CPU:
+    transformers' transpose and reshape copy nothing; eager's and flex's copy). Compiled layers keep peft's dropout:
+    each adapter its 16-bit copy of the dropped input and the mask. Measured on CPU:
     tests/unit/planning/test_activations.py."""
-    shared = mode == "lora"
+    kept_dropout = bool(recipe.lora.dropout) and recipe.torch_compile
+    mask = dropout_bytes(cuda) if kept_dropout else 0
+    shared = mode == "lora" and not kept_dropout
     kept, read = 0, {"o_proj"} if attention in ("sdpa", "flash_attention_2") else set()
     for lin in linears:
         tensor = next((frozenset(group) for group in SIBLINGS if lin.name in group), lin.name)
         if not (shared and tensor in read):
-            kept += 2 * lin.in_features
+            kept += (2 + mask) * lin.in_features
         read.add(tensor)
     return kept + 2 * recipe.lora.r * len(linears)
 
@@ -204,7 +207,7 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
         places.append(saved + mlp_tokens * (3 * cb * i - kept))
         if down and (mode == "qlora" or (mode == "lora" and lora.dropout)):
             # a redrawn dropout's mask, which the layer does not keep, is made again beside them
-            redrawn = dropout_bytes(cuda) if lora.dropout else 0
+            redrawn = dropout_bytes(cuda) if lora.dropout and not recipe.torch_compile else 0
             places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn + cb) * i)
     return max(places) + tokens * residual * s.hidden
 

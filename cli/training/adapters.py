@@ -24,13 +24,15 @@ def lora_config(lora):
 REFERENCE_ADAPTER = "reference"  # a saved adapter's frozen copy beside the one that trains (DPO's reference model)
 
 
-def add_lora(model, lora, reference: bool = False, autocast: bool = False):
+def add_lora(model, lora, reference: bool = False, autocast: bool = False, compiled: bool = False):
     """The model with peft's adapters: new ones, or a saved adapter's weights to train on (`lora.adapter`) and, with
     `reference`, a frozen copy of them beside it (named REFERENCE_ADAPTER: under DPO the reference is the model
     the adapter makes, as TRL's ref_adapter_name; a few MB, no second model). Everything that trains is fp32, as
     the adapters are: peft upcasts its adapter layers, not the copies of modules_to_save nor the biases that
     `bias` trains, which would otherwise take AdamW's updates in the base's 16 bits. `autocast`: the forward runs
-    under autocast, where adapters read their input as it comes and recompute their dropout (share_inputs)."""
+    under autocast, where adapters read their input as it comes and redraw their dropout in backward (share_inputs;
+    not when `compiled`: the layers will be compiled, and the compiler's handling of random ops inside a checkpoint
+    is not checked here, so dropout stays peft's)."""
     from peft import PeftModel, get_peft_model
 
     if lora.adapter:
@@ -43,11 +45,11 @@ def add_lora(model, lora, reference: bool = False, autocast: bool = False):
         if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
             p.data = p.data.float()
     if autocast:
-        share_inputs(model)
+        share_inputs(model, redraw=not compiled)
     return model
 
 
-def share_inputs(model) -> int:
+def share_inputs(model, redraw: bool = True) -> int:
     """Adapters read their layer's input as it comes, under autocast: peft casts each adapter's input to the
     adapter's fp32 first (tuners_utils._cast_input_dtype), and autocast casts it back to 16 bits for the matmul, which
     saves that copy for backward: each adapter kept its own [tokens x in] copy (q, k and v three of the same tensor)
@@ -63,7 +65,7 @@ def share_inputs(model) -> int:
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
-        casts = layers.get(type(module))
+        casts = layers.get(type(module)) if redraw else None
         for name, dropout in module.lora_dropout.items():
             if casts and isinstance(dropout, torch.nn.Dropout) and name not in module.lora_variant:  # vanilla LoRA
                 recompute_dropout(module, name, casts)
