@@ -37,6 +37,11 @@ def residual_bytes(mode: str) -> int:
     return 2 if mode in ("half", "lora") else 4
 
 
+def compute_bytes(mode: str) -> int:
+    """Bytes an element of the layers' matmuls and attention takes: fp32 without autocast, else 16 bits."""
+    return 4 if mode == "fp32" else 2
+
+
 SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # linears that read one tensor
 
 
@@ -126,7 +131,7 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         total -= T * 2 * lean_norm_saving(mode, h)
     if recipe.tiled_mlp is not False and not moe:  # the MLP's tensors exist for one tile, in its backward
         total -= (T - -(-T // tile_count(recipe.tiled_mlp, T, h))) * mlp_bytes(recipe, s, mode, cuda)
-    cb = 4 if mode == "fp32" else 2  # the attention's compute dtype
+    cb = compute_bytes(mode)  # the attention's compute dtype
     repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
     square = square_bytes(attention, recipe.packing, b, seq, a, fp32=mode == "fp32")
     if attention == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated, no log-sum-exp
@@ -150,8 +155,7 @@ def lean_norm_saving(mode: str, h: int) -> int:
     in fp32 (a copy where the residual stream is 16-bit) and, when its weight trains, its output; the lean one keeps
     its input as it comes (measured on CPU: tests/unit/planning/test_activations.py)."""
     trains = mode in ("fp32", "mixed", "half")
-    residual = residual_bytes(mode)
-    return 4 * h + (residual * h if trains else 0) - residual * h
+    return 4 * h if trains else (4 - residual_bytes(mode)) * h
 
 
 def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool) -> int:
@@ -161,7 +165,7 @@ def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool) -
     and row sums (flash-attn's csrc/flash_attn/flash_api.cpp, mha_varlen_bwd: dq_accum, softmax_d, dk_expanded); on
     CPU grad_out made contiguous and each thread's fp32 and 16-bit blocks of scores
     (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: 256 x 512 from 768 tokens)."""
-    cb = 4 if mode == "fp32" else 2
+    cb = compute_bytes(mode)
     per_head = s.heads * s.head_dim
     grads = tokens * 3 * cb * per_head
     if cuda:
@@ -183,7 +187,7 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
       mask and its fp32 output;
     - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden]);
       under lean_norms, five over a tile of hidden_size tokens, and its input's gradient."""
-    cb = 4 if mode == "fp32" else 2
+    cb = compute_bytes(mode)
     residual = residual_bytes(mode)
     mlp_tokens = tokens
     if recipe.tiled_mlp is not False:
@@ -216,7 +220,7 @@ def selective_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int) -> int
     """What one layer keeps under selective checkpointing beside its input (training.layers.selective_policy):
     every matmul's output (the linears', and LoRA's A and B) in the compute dtype, attention's output and its
     fp32 log-sum-exp per head. Measured on CPU: tests/unit/planning/test_activations.py."""
-    cb = 4 if mode == "fp32" else 2
+    cb = compute_bytes(mode)
     outputs = sum(lin.out_features for lin in s.linears) + s.heads * s.head_dim
     if recipe.lora is not None:
         outputs += sum(recipe.lora.r + lin.out_features for lin in s.lora_linears(recipe.lora.target_modules))

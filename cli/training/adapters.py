@@ -49,7 +49,7 @@ def add_lora(model, lora, reference: bool = False, autocast: bool = False, compi
     return model
 
 
-def share_inputs(model, redraw: bool = True) -> int:
+def share_inputs(model, redraw: bool = True) -> None:
     """Adapters read their layer's input as it comes, under autocast: peft casts each adapter's input to the
     adapter's fp32 first (tuners_utils._cast_input_dtype), and autocast casts it back to 16 bits for the matmul, which
     saves that copy for backward: each adapter kept its own [tokens x in] copy (q, k and v three of the same tensor)
@@ -57,11 +57,11 @@ def share_inputs(model, redraw: bool = True) -> int:
     reading one tensor save that one tensor. With dropout, each adapter's cast, dropout and A run inside a checkpoint
     of their own (recompute_dropout): the same masks from the same random state, nothing kept but the shared input.
     The same values reach every matmul: loss and gradients are bitwise peft's (tests/unit/training/test_adapters.py).
-    Only for a forward under autocast (the fp32 adapters' matmul needs it). Returns how many adapters recompute their
-    dropout; the run's setup counts the layers changed (measure.describe_setup, lora_shared_inputs)."""
+    Only for a forward under autocast (the fp32 adapters' matmul needs it); the run's setup counts the layers and
+    adapters changed (measure.describe_setup: lora_shared_inputs, lora_recomputed_dropout)."""
     from peft.tuners.lora import LoraLayer
 
-    recomputed, layers = 0, layer_casts()
+    layers = layer_casts()
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
@@ -69,10 +69,8 @@ def share_inputs(model, redraw: bool = True) -> int:
         for name, dropout in module.lora_dropout.items():
             if casts and isinstance(dropout, torch.nn.Dropout) and name not in module.lora_variant:  # vanilla LoRA
                 recompute_dropout(module, name, casts)
-                recomputed += 1
         if all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values()):
             module.cast_input_dtype_enabled = False
-    return recomputed
 
 
 def layer_casts() -> dict:

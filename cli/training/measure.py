@@ -50,8 +50,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "optimizer_class": _optimizer_class(optimizer),
         "optimizer_in_backward": hasattr(getattr(optimizer, "optimizer", optimizer), "optimizers"),
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
-        "tiled_mlps": sum(getattr(getattr(m, "forward", None), "func", None) is tiled_forward for m in model.modules()),
-        "lean_norms": sum(getattr(getattr(m, "forward", None), "func", None) is lean_forward for m in model.modules()),
+        "tiled_mlps": _runs_as(model, tiled_forward),
+        "lean_norms": _runs_as(model, lean_forward),
         # LoRA layers whose adapters read their input as it comes (training.adapters.share_inputs)
         "lora_shared_inputs": sum(getattr(m, "cast_input_dtype_enabled", True) is False for m in model.modules()),
         # adapters whose dropout runs in a checkpoint of its own (training.adapters.recompute_dropout)
@@ -238,6 +238,11 @@ def _expandable_segments(device) -> bool | None:
         return None
     flags = [segment["is_expandable"] for segment in torch.cuda.memory_snapshot() if "is_expandable" in segment]
     return any(flags) if flags else None
+
+
+def _runs_as(model, forward) -> int:
+    """How many of the model's modules had their forward replaced by functools.partial(forward, ...)."""
+    return sum(getattr(getattr(m, "forward", None), "func", None) is forward for m in model.modules())
 
 
 def _checkpointing(model) -> bool | str:
