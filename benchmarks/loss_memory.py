@@ -68,7 +68,7 @@ def embedded_case():
 def trainer(model, window):
     """One optimizer step over the window, loss normalised by its target tokens (as the loop does)."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    targets = sum(count_targets(b["labels"]) for b in window)
+    targets = sum(count_targets(b) for b in window)
 
     def step():
         for batch in window:
@@ -105,7 +105,7 @@ def compare(name, path, window, steps):
             run()
             times[key].append(time.perf_counter() - start)
     seconds = {k: statistics.median(v) for k, v in times.items()}
-    share = sum(count_targets(b["labels"]) for b in window) / sum(b["labels"].numel() for b in window)
+    share = sum(count_targets(b) for b in window) / sum(b["labels"].numel() for b in window)
     print(f"\n{name}: {share:.0%} of the positions are targets")
     print(f"{'loss':6} {'loss peak MiB':>14} {'s/step':>8}")
     for key in ("plain", "fused"):

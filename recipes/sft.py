@@ -13,7 +13,9 @@ each is one call in its setup_* function. Everything it takes from memrecipe com
 Gradient accumulation is exact: an optimizer step sees a window of `gradient_accumulation_steps`
 micro batches on every process, and its loss is the sum over all the window's target tokens
 divided by their number, counted over all processes. Micro batch x accumulation x processes
-therefore trains like one big batch, however unevenly the tokens fall.
+therefore trains like one big batch, however unevenly the tokens fall. Under Ulysses sequence
+parallelism each process holds a slice of every sequence (its own targets, each counted once), and
+micro batch x accumulation x (processes / sp) sequences make a step.
 """
 
 import argparse
@@ -30,7 +32,7 @@ from memrecipe.loop import (Checkpoints, Collator, Meter, RecipeError, add_lora,
                             count_targets, embedded_model, enable_checkpointing, flag_overrides, fuse_head,
                             keep_initial_adapter, lean_norms, lm_loss, load_pretrained, load_recipe, load_tokenizer,
                             make_accelerator, make_optimizer, open_run, prepare, prepare_datasets, save_final,
-                            tensor_parallel, tile_mlps, wrap_first, write_report)
+                            skip_batches, sp_size, tensor_parallel, tile_mlps, wrap_first, write_report)
 import torch
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
@@ -91,13 +93,15 @@ def accumulate_window(model, window, accelerator):
     """Forward and backward over one window of micro batches, leaving the step's gradient in .grad.
 
     The loss's denominator is the number of target tokens in the whole window, over all
-    processes. Gradients are averaged over processes and accelerate divides each micro batch's
+    processes. Gradients are averaged over the data-parallel processes (all of them; under Ulysses,
+    processes / sp: DeepSpeed sums a sequence's slices) and accelerate divides each micro batch's
     loss by the accumulation steps; scaling by both makes the gradient sum(token losses) / targets,
     exactly the gradient of one big batch. Returns (mean loss per target token, targets).
     """
-    local = sum(count_targets(batch["labels"], per_sequence=True).sum() for batch in window)  # on the device
+    local = sum(count_targets(batch, per_sequence=True).sum() for batch in window)  # on the device
     targets = accelerator.reduce(local, "sum").item()  # (read once a step, not once a micro batch)
-    scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / targets
+    averaged = accelerator.num_processes // sp_size(accelerator)
+    scale = averaged * accelerator.gradient_accumulation_steps / targets
     loss_sum = torch.zeros((), device=accelerator.device)
     for batch in window:
         with accelerator.accumulate(model):  # no gradient sync until the window's last micro batch
@@ -164,7 +168,7 @@ def evaluate(model, dataloader, accelerator):
     loss_sum, targets = 0.0, 0
     for batch in dataloader:
         per_sequence = lm_loss(model, batch, per_sequence=True)
-        counts = count_targets(batch["labels"], per_sequence=True)
+        counts = count_targets(batch, per_sequence=True)
         per_sequence, counts = accelerator.gather_for_metrics((per_sequence, counts))
         loss_sum, targets = loss_sum + per_sequence.sum().item(), targets + counts.sum().item()
     model.train()
@@ -190,8 +194,8 @@ def setup_model(recipe, model_path, accelerator, run, say):
     initial adapter's folder or None)."""
     # the weights in the recipe's dtype; 4/8-bit quantization (bitsandbytes) as they load
     model = load_pretrained(recipe, model_path, accelerator.mixed_precision, accelerator.device)
-    if recipe.parallelism:  # tensor parallel: each linear split over the mesh's "tp" dimension
-        tensor_parallel(model, recipe.parallelism.tp_size, accelerator.torch_device_mesh)
+    if recipe.tensor_parallel > 1:  # tensor parallel: each linear split over the mesh's "tp" dimension
+        tensor_parallel(model, recipe.tensor_parallel, accelerator.torch_device_mesh)
     offload = None
     if recipe.gradient_checkpointing:  # recompute each layer in backward (+ its saved input in host memory)
         offload = enable_checkpointing(model, recipe.activation_offload, recipe.gradient_checkpointing == "selective")
@@ -203,7 +207,7 @@ def setup_model(recipe, model_path, accelerator, run, say):
         if recipe.lora.adapter:
             say(f"lora: trains on the saved adapter {recipe.lora.adapter} (r {recipe.lora.r})")
     if recipe.tiled_mlp is not False:  # each MLP a tile of tokens at a time, recomputed in backward
-        tile_mlps(model, recipe.tiled_mlp)
+        tile_mlps(model, recipe.tiled_mlp, deepspeed=accelerator.distributed_type.value == "DEEPSPEED")
     if recipe.lean_norms:  # each RMSNorm keeps its input (no fp32 copy), its backward a tile of tokens at a time
         lean_norms(model)
     if recipe.torch_compile:
@@ -223,7 +227,8 @@ def setup_data(recipe, tokenizer, accelerator, say):
     padded per batch."""
     with accelerator.main_process_first():
         train_set, eval_set = prepare_datasets(recipe, tokenizer, say)  # logs what the loss will learn from
-    collate = Collator(tokenizer.pad_token_id, 64 if recipe.torch_compile else 1)  # compiled: few shapes
+    # compiled: few shapes; under Ulysses: rows of a multiple of sp tokens, each with its position_ids
+    collate = Collator(tokenizer.pad_token_id, 64 if recipe.torch_compile else 1, sequence_parallel=sp_size(accelerator))
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_train_batch_size, collate_fn=collate) \
         if eval_set is not None else None
     return train_loader(recipe, train_set, collate), eval_loader
@@ -302,7 +307,8 @@ def say_setup(run, steps_per_epoch):
     """The start-up lines: what runs where, the batch arithmetic, what the data leaves out."""
     recipe, accelerator, setup, say = run.recipe, run.accelerator, run.meter.setup, run.say
     world, accumulation = accelerator.num_processes, accelerator.gradient_accumulation_steps
-    tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch
+    sp = setup["sequence_parallel"]
+    data_parallel = world // (recipe.tensor_parallel * sp)  # a TP group's ranks share a batch, an SP group's a sequence
     say(f"memrecipe {'dpo' if recipe.dpo else 'sft'}: recipe {recipe.name} | {world} process(es), {setup['engine']} on "
         f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
         f"{setup['params']:,} parameters train")
@@ -310,10 +316,13 @@ def say_setup(run, steps_per_epoch):
         say(f"model: memrecipe's embedded tiny Llama (random weights), at its own settings: learning_rate "
             f"{recipe.learning_rate:g}, max_seq_length {recipe.max_seq_length}, {recipe.num_train_epochs:g} epochs "
             "(the recipe's numbers are a real model's: --model gives them)")
-    say(f"batch: {recipe.per_device_train_batch_size} sequences x {accumulation} accumulation x {world} "
-        f"process(es) per step | {run.total_steps} steps ({steps_per_epoch} per epoch)")
+    say(f"batch: {recipe.per_device_train_batch_size} sequences x {accumulation} accumulation x {data_parallel} "
+        f"data-parallel process(es) per step | {run.total_steps} steps ({steps_per_epoch} per epoch)")
+    if sp > 1:
+        say(f"sequence parallel: Ulysses over groups of {sp} processes (DeepSpeed): each holds 1/{sp} of every "
+            f"sequence, and its attention whole sequences for 1/{sp} of the heads")
     rows = len(run.train_loader.dataset)
-    per_step = recipe.per_device_train_batch_size * accumulation * (world // tp_share)
+    per_step = recipe.per_device_train_batch_size * accumulation * data_parallel
     if rows > steps_per_epoch * per_step:  # drop_last (train_loader): whole global batches only
         say(f"data: each epoch trains {steps_per_epoch * per_step:,} of its {rows:,} rows ({steps_per_epoch} steps of "
             f"{per_step}); the other {rows - steps_per_epoch * per_step:,}, a new draw each epoch, are left out")
@@ -369,7 +378,7 @@ def train(run):
     while step < run.total_steps:
         if hasattr(run.train_loader, "set_epoch"):
             run.train_loader.set_epoch(epoch)  # a new, seeded shuffle each epoch, the same on every process
-        batches = accelerator.skip_first_batches(run.train_loader, consumed) if consumed else run.train_loader
+        batches = skip_batches(accelerator, run.train_loader, consumed)  # (a resumed epoch: from where it stopped)
         for window in windows(batches, accumulation):
             tick = time.perf_counter()
             result = run.objective.window(model, window, accelerator)

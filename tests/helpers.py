@@ -28,7 +28,8 @@ def loop_model(recipe, model_path, precision="no", device=None, device_mesh=None
     from sft import setup_model
 
     accelerator = SimpleNamespace(mixed_precision=precision, device=device or torch.device("cpu"),
-                                  torch_device_mesh=device_mesh, is_main_process=True)
+                                  torch_device_mesh=device_mesh, is_main_process=True,
+                                  distributed_type=SimpleNamespace(value="NO"))
     folder = Path(run_folder or tempfile.mkdtemp(prefix="memrecipe-loop-model-"))
     model, offload, _ = setup_model(recipe, model_path, accelerator, SimpleNamespace(
         initial_adapter=folder / "initial_adapter"), lambda *a, **k: None)

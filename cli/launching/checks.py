@@ -20,7 +20,7 @@ from ..planning.planner import breakdown, estimate, judge, judge_each, recommend
 from ..planning.recipe import METHODS, method
 from ..planning.registry import load_recipe, recipe_names
 from ..planning.states import rank0_loads
-from ..planning.topology import Topology, make_topology
+from ..planning.topology import Topology, check_heads, make_topology
 from ..units import GiB
 from .run_folder import RunFolder
 
@@ -114,6 +114,7 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
     pick of what would fit (planner.recommend): among the recipes of the same training method first,
     since another method trains another way."""
     shape = shape or structure(read_config(recipe.model_name_or_path))
+    check_heads(recipe.sequence_parallel or topo.num_processes, shape.heads, shape.kv_heads)
     verdict = judge(estimate(recipe, shape, topo), machine.gpu_memory, machine.host_memory or None)
     if verdict.fits or force:
         return verdict

@@ -15,7 +15,7 @@ from ..planning.paths import absolute_paths, check_paths
 from ..planning.planner import Verdict
 from ..planning.recipe import Recipe
 from ..planning.registry import load_recipe
-from ..planning.topology import Topology, decide_precision, plan_topology
+from ..planning.topology import Topology, decide, plan_topology
 from ..units import GiB
 from .checks import check_fits, deepspeed_builds, preflight, resumable
 from .launch import SCRIPTS, launch, stream
@@ -70,7 +70,7 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
     if resume:
         r, topo = resumable(output_dir, recipe_ref, words, topology_flags.get("num_processes"), machine,
                             topology_flags.get("machine_rank", 0))
-        r = decide_precision(r, topo)
+        r = decide(r, topo)
         if r.script != script:  # the folder's recipe says which loop trained it
             raise RecipeError(f"{output_dir} is a run of {r.script}: continue it with memrecipe run {r.script} "
                               f"--resume --output-dir {output_dir}")

@@ -265,7 +265,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
                             flash=False, flex=False).name
     # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
     # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
-    tp = recipe.parallelism.tp_size if recipe.parallelism else 1
+    tp = recipe.tensor_parallel
     layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq, attention, cuda) // tp, g) for g in s.groups()]
     layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
     # a layer's backward; selectively checkpointed, its matmuls' outputs are counted in `inputs` below

@@ -63,12 +63,16 @@ def flash_installed() -> bool:
 
 
 def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, flash: bool, flex: bool,
-                   flash_error: str | None = None) -> Attention:
+                   flash_error: str | None = None, sequence_parallel: bool = False) -> Attention:
     """`auto`: flash-attn's varlen kernel where it can run (CUDA, 16-bit compute, installed and importing), else
     flex_attention's block-sparse mask for packed rows on CUDA, else sdpa. Any other choice is taken as asked.
-    `flash_error`: why an installed flash-attn does not import."""
+    `flash_error`: why an installed flash-attn does not import. Under sequence parallelism `auto` is sdpa: the launch
+    config names the kernel Ulysses wraps (configs.sp_attention) before any machine is seen."""
     if requested != "auto":
         return Attention(requested, "as the recipe asks")
+    if sequence_parallel:
+        return Attention("sdpa", "auto under sequence parallelism: the kernel the launch config names for Ulysses "
+                                 "(flash_attention_2 only where the recipe names it)")
     if cuda and half and flash:
         return Attention("flash_attention_2", "auto: flash-attn is installed; packed documents run as varlen sequences")
     why = "flash-attn needs CUDA and 16-bit compute" if not (cuda and half) else (

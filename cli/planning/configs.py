@@ -46,13 +46,23 @@ WHY = {
     "fsdp_sync_module_states": "broadcast rank 0's weights (needed by cpu_ram_efficient_loading)",
     "fsdp_activation_checkpointing": "recompute each layer in backward instead of storing activations",
     "parallelism_config_dp_replicate_size": "no replicas: one data-parallel group (HSDP would replicate)",
-    "parallelism_config_dp_shard_size": "FSDP2 shards over the processes TP leaves: num_processes / tp_size",
+    "parallelism_config_dp_shard_size": "data-parallel processes: num_processes / tp_size (or / sp_size)",
     "parallelism_config_tp_size": "tensor parallel degree: each layer split this many ways",
     "parallelism_config_cp_size": "no context parallelism",
+    "parallelism_config_sp_size": "Ulysses sequence parallel degree: each sequence split this many ways",
+    "parallelism_config_sp_backend": "DeepSpeed's Ulysses (UlyssesSPAttentionHF), registered by accelerate's prepare",
+    "parallelism_config_sp_seq_length_is_variable": "rows are padded per batch, so their length varies",
+    "parallelism_config_sp_attn_implementation": "the kernel each process runs on whole sequences (the model's own)",
     "deepspeed_config_file": "ZeRO settings, batch, accumulation, precision, clipping live there",
     "zero3_init_flag": "build the model already partitioned (ZeRO-3): no full copy per process",
     "deepspeed_multinode_launcher": "standard: each machine runs its own launcher (no pdsh/ssh)",
 }
+
+
+def sp_attention(recipe: Recipe) -> str:
+    """The attention kernel under Ulysses: flash_attention_2 where the recipe names it, else sdpa (accelerate refuses
+    eager and flex_attention there, and `auto` cannot know at config time whether flash-attn is installed)."""
+    return "flash_attention_2" if recipe.attn_implementation == "flash_attention_2" else "sdpa"
 
 
 def config_name(recipe: Recipe, topo: Topology) -> str:
@@ -122,10 +132,17 @@ def accelerate_config(recipe: Recipe, topo: Topology, deepspeed_config_file: str
     cfg["use_cpu"] = topo.cpu and recipe.deepspeed is None
     if recipe.fsdp is not None:
         cfg["fsdp_config"] = _fsdp_section(recipe, topo)
-    if recipe.parallelism is not None:
-        tp, prefix = recipe.parallelism.tp_size, "parallelism_config_"
+    if recipe.tensor_parallel > 1:
+        tp, prefix = recipe.tensor_parallel, "parallelism_config_"
         cfg["parallelism_config"] = {f"{prefix}dp_replicate_size": 1, f"{prefix}dp_shard_size": n // tp,
                                      f"{prefix}tp_size": tp, f"{prefix}cp_size": 1}
+    sp = recipe.sequence_parallel or n  # (null: all the processes)
+    if sp > 1:  # (accelerate's launcher exports it as PARALLELISM_CONFIG_*; the Accelerator reads it)
+        prefix = "parallelism_config_"
+        cfg["parallelism_config"] = {f"{prefix}dp_replicate_size": 1, f"{prefix}dp_shard_size": n // sp,
+                                     f"{prefix}sp_size": sp, f"{prefix}sp_backend": "deepspeed",
+                                     f"{prefix}sp_seq_length_is_variable": True,
+                                     f"{prefix}sp_attn_implementation": sp_attention(recipe)}
     if recipe.deepspeed is not None:
         section = {"deepspeed_config_file": deepspeed_config_file or f"{config_name(recipe, topo)}.json"}
         if recipe.deepspeed.zero_stage == 3:

@@ -95,7 +95,7 @@ def speed_cost(recipe: Recipe, precision: str) -> float:
     if recipe.deepspeed:
         cost *= (1.5 if recipe.deepspeed.offload_optimizer != "none" else 1.0)
         cost *= (2.0 if recipe.deepspeed.offload_param != "none" else 1.0)
-    if recipe.parallelism:
+    if recipe.tensor_parallel > 1:
         cost *= 1.15  # all-reduces of activations in every layer's forward and backward
     cost *= OPTIMIZERS[recipe.optim].step_cost  # 8-bit (de)quantisation of the state, or APOLLO's projections
     if recipe.quantization:

@@ -206,9 +206,13 @@ class DeepSpeed:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """Tensor parallelism through accelerate's ParallelismConfig; FSDP2 shards over the other processes."""
+    """How a layer's work is split beyond data parallelism, through accelerate's ParallelismConfig: tensor parallelism
+    (FSDP2 shards over the other processes) or Ulysses sequence parallelism (DeepSpeed, over the other processes)."""
 
-    tp_size: int = spec(2, low=2)  # each layer's weights and activations split this many ways (keep within a node)
+    tp_size: int = spec(1, low=1)  # each layer's weights and activations split this many ways (keep within a node)
+    # each sequence split this many ways (Ulysses: a process holds 1/sp of every activation but the attention's, which
+    # sees the whole sequence for 1/sp of the heads); null: all the processes, one sequence-parallel group
+    sp_size: int | None = spec(1, low=1)
 
 
 @dataclass(frozen=True)
@@ -282,7 +286,7 @@ class Recipe:
     quantization: Quantization | None = None  # null: the base in the compute dtype; needs lora
     fsdp: Fsdp | None = None
     deepspeed: DeepSpeed | None = None
-    parallelism: Parallelism | None = None  # null: no tensor parallelism
+    parallelism: Parallelism | None = None  # null: neither tensor nor sequence parallelism
     dpo: Dpo | None = None  # preference tuning's keys (memrecipe run dpo); null under run sft
     # logging and saving
     logging_steps: int = spec(1, low=1)
@@ -305,6 +309,16 @@ class Recipe:
         return bool(self.gradient_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing))
 
     @property
+    def tensor_parallel(self) -> int:
+        """parallelism.tp_size (1: none)."""
+        return self.parallelism.tp_size if self.parallelism else 1
+
+    @property
+    def sequence_parallel(self) -> int | None:
+        """parallelism.sp_size (1: none; None: all the processes, resolved with the topology: topology.sp_size)."""
+        return self.parallelism.sp_size if self.parallelism else 1
+
+    @property
     def uses_bnb(self) -> bool:
         return OPTIMIZERS[self.optim].bitsandbytes
 
@@ -315,7 +329,7 @@ class Recipe:
     @property
     def cpu_blocker(self) -> str | None:
         """Why this recipe cannot run on a machine without a GPU (each measured), or None if it can."""
-        if self.parallelism:
+        if self.tensor_parallel > 1:
             return "accelerate refuses tensor parallelism (ParallelismConfig) on CPU"
         if self.fsdp and self.fsdp.version == 1:
             return "FSDP1 wants a CUDA compute device (torch: inconsistent compute device cpu vs cpu:0)"
@@ -372,8 +386,10 @@ class Recipe:
 def techniques(r: Recipe) -> list[str]:
     """The memory techniques a recipe uses, in words for tables."""
     out = []
-    if r.parallelism:
-        out.append(f"tensor parallel x{r.parallelism.tp_size}")
+    if r.tensor_parallel > 1:
+        out.append(f"tensor parallel x{r.tensor_parallel}")
+    if r.sequence_parallel != 1:
+        out.append(f"Ulysses sequence parallel x{r.sequence_parallel or 'all processes'}")
     if r.fsdp:
         shard = "full shard" if r.fsdp.reshard_after_forward else "shard grad+optim"
         out.append(f"FSDP{r.fsdp.version} {shard}")

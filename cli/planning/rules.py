@@ -63,14 +63,14 @@ def check_activations(r: Recipe) -> None:
         raise RecipeError(f"activation_offload works with gradient_checkpointing=true{fsdp} (it moves the inputs that "
                           f"checkpointing keeps to host RAM{cannot}): set gradient_checkpointing=true"
                           f"{fsdp.replace(',', '')}")
-    if r.tiled_mlp is not False and r.distributed_type in ("fsdp", "deepspeed"):
-        raise RecipeError(f"tiled_mlp runs on one process (distributed_type no, or ddp on one): {r.distributed_type} "
-                          "syncs each weight's gradient once, and the tiles give it in parts: set tiled_mlp=false")
+    if r.tiled_mlp is not False and r.distributed_type == "fsdp":
+        raise RecipeError("tiled_mlp runs on one process or under DeepSpeed (told to wait for a weight's last tile): "
+                          "FSDP syncs each weight's gradient once, and the tiles give it in parts: set tiled_mlp=false")
     if r.tiled_mlp is not False and (r.optimizer_in_backward or r.torch_compile):
         raise RecipeError("tiled_mlp gives each weight its gradient in parts, tile by tile: optimizer_in_backward "
                           "steps at the first, and torch_compile traces a layer whole: set tiled_mlp=false or "
                           f"{'optimizer_in_backward' if r.optimizer_in_backward else 'torch_compile'}=false")
-    if r.lean_norms and (r.torch_compile or r.parallelism):
+    if r.lean_norms and (r.torch_compile or r.tensor_parallel > 1):
         raise RecipeError("lean_norms replaces each RMSNorm's forward: torch_compile fuses the norm its own way, and "
                           "under tensor parallelism it is not checked yet: set lean_norms=false or "
                           f"{'torch_compile=false' if r.torch_compile else 'parallelism=null'}")
@@ -99,8 +99,19 @@ def check_quantization(r: Recipe) -> None:
 
 
 def check_parallelism(r: Recipe) -> None:
-    if r.parallelism is None:
-        return
+    """Tensor parallelism (FSDP2) or Ulysses sequence parallelism (DeepSpeed), each through accelerate's
+    ParallelismConfig, and what each cannot run with."""
+    tp, sp = r.tensor_parallel, r.sequence_parallel
+    if tp > 1 and sp != 1:
+        raise RecipeError(f"parallelism.tp_size={tp} runs on FSDP2 and parallelism.sp_size={sp} on DeepSpeed: set "
+                          "one of them to 1")
+    if tp > 1:
+        check_tensor_parallel(r)
+    if sp != 1:
+        check_sequence_parallel(r)
+
+
+def check_tensor_parallel(r: Recipe) -> None:
     if r.fsdp is None or r.fsdp.version != 2:
         raise RecipeError("parallelism.tp_size composes with FSDP2 only (accelerate's ParallelismConfig): set "
                           "distributed_type fsdp and fsdp.version=2")
@@ -110,6 +121,26 @@ def check_parallelism(r: Recipe) -> None:
     if r.lora is not None or r.quantization is not None:
         raise RecipeError("the tp recipe trains the full model: LoRA and quantization under tensor parallelism "
                           "are not supported (set lora=null, quantization=null)")
+
+
+def check_sequence_parallel(r: Recipe) -> None:
+    """Ulysses (DeepSpeed's UlyssesSPAttentionHF, which accelerate registers in prepare): the attention runs on whole
+    sequences for 1/sp of the heads, with no attention mask (it drops it) and causal by position."""
+    if r.deepspeed is None:
+        raise RecipeError("parallelism.sp_size is Ulysses sequence parallelism, which accelerate runs on DeepSpeed "
+                          "only (sp_backend deepspeed): use the zero3-ulysses recipe, or set parallelism.sp_size=1")
+    if r.attn_implementation in ("eager", "flex_attention"):
+        raise RecipeError(f"attn_implementation={r.attn_implementation} cannot run under sequence parallelism "
+                          "(accelerate refuses eager and flex_attention there): set attn_implementation=sdpa, or "
+                          "flash_attention_2 on CUDA")
+    if r.packing and r.attn_implementation != "flash_attention_2":
+        raise RecipeError("packing under sequence parallelism needs attn_implementation=flash_attention_2: Ulysses "
+                          "drops the attention mask, so under sdpa a packed row's documents would attend to each "
+                          "other: set packing=false (one example per row), or attn_implementation=flash_attention_2 "
+                          "on CUDA")
+    if r.torch_compile:
+        raise RecipeError("torch_compile under sequence parallelism is not checked in memrecipe: set "
+                          "torch_compile=false")
 
 
 def check_fsdp(r: Recipe) -> None:
@@ -187,9 +218,12 @@ def for_script(r: Recipe, script: str) -> Recipe:
     r = r if r.dpo is not None else replace(r, dpo=Dpo())
     rate = r.dpo.learning_rate or (DPO_LEARNING_RATE["lora"] if r.lora else DPO_LEARNING_RATE["full"])
     r = replace(r, learning_rate=rate, dpo=replace(r.dpo, learning_rate=rate))  # the rate the loop reads, said once
-    if r.parallelism is not None:
+    if r.tensor_parallel > 1:
         raise RecipeError("run dpo does not run tensor parallelism in this release: use fsdp-lora or fsdp for a model "
                           "that one GPU cannot hold")
+    if r.sequence_parallel != 1:
+        raise RecipeError("run dpo does not run sequence parallelism in this release (a pair's log-probs would be "
+                          "split over the group's processes): set parallelism.sp_size=1, or use zero3-offload")
     if r.dpo.reference_free:  # simpo, orpo: no reference model, so nothing below applies
         return r
     if r.lora is not None and r.lora.init_lora_weights in ("pissa", "olora"):

@@ -283,7 +283,7 @@ def fsdp_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
     """FSDP's shards, the units it gathers (the running one and the prefetched one, or all of it without
     resharding), a full unit's gradients before the reduce-scatter; with parameter offload, the shards on the host."""
     f, n, cb = recipe.fsdp, z.processes, z.compute_bytes
-    tp = recipe.parallelism.tp_size if recipe.parallelism else 1
+    tp = recipe.tensor_parallel
     # one decoder layer, or the root (embeddings, head); under TP, FSDP gathers a unit's TP shard only
     unit = max(s.largest_layer_params, s.root_params) // tp
     # the shards: trained params in fp32, a frozen LoRA base in the compute dtype (or quantized)

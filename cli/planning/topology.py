@@ -79,7 +79,7 @@ def plan_topology(recipe: Recipe, machine, num_processes=None, num_machines=1, m
             num_processes = min(machine.gpus, s.max_processes or machine.gpus) * num_machines
     topo = make_topology(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, cpu,
                          None if cpu else machine.bf16)
-    recipe = decide_precision(recipe, topo)
+    recipe = decide(recipe, topo)
     check_supported(recipe, topo)
     local, why = topo.processes_per_machine, None
     if not cpu and local > machine.gpus:
@@ -117,9 +117,12 @@ def resolve_precision(recipe: Recipe, topo: Topology) -> str:
     return "fp16"
 
 
-def decide_precision(recipe: Recipe, topo: Topology) -> Recipe:
-    """The recipe with its precision decided for this topology (`auto` -> bf16 or fp16): decided once where a run's
-    plan starts, so the configs, the estimate and the run folder's recipe.yaml read the same answer."""
+def decide(recipe: Recipe, topo: Topology) -> Recipe:
+    """The recipe with what depends on the topology decided: its precision (`auto` -> bf16 or fp16) and its
+    sequence-parallel group (parallelism.sp_size null -> all the processes). Decided once where a run's plan starts,
+    so the configs, the estimate and the run folder's recipe.yaml read the same answer."""
+    if recipe.parallelism is not None and recipe.parallelism.sp_size is None:
+        recipe = replace(recipe, parallelism=replace(recipe.parallelism, sp_size=topo.num_processes))
     return replace(recipe, mixed_precision=resolve_precision(recipe, topo))
 
 
@@ -136,6 +139,16 @@ def recipes_for(recipe: Recipe, processes: int) -> str:
     return ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else (words[0] if words else "another recipe")
 
 
+def check_heads(sp: int, heads: int, kv_heads: int) -> None:
+    """Ulysses gives each process of the group heads / sp query heads and kv_heads / sp key/value heads (each
+    replicated sp / kv_heads times where there are fewer: DeepSpeed's UlyssesSPAttentionHF)."""
+    if sp > 1 and (heads % sp or (kv_heads % sp and sp % kv_heads)):
+        fits = [k for k in range(2, heads + 1) if not heads % k and (not kv_heads % k or not k % kv_heads)]
+        raise RecipeError(f"parallelism.sp_size={sp} must divide the model's {heads} attention heads, and its "
+                          f"{kv_heads} key/value heads divide by it or it by them: use sp_size "
+                          f"{' or '.join(map(str, fits)) or '1'}")
+
+
 def check_supported(recipe: Recipe, topo: Topology) -> None:
     """Refuse a topology the recipe does not support, saying which recipe would."""
     s = recipe.supports
@@ -148,15 +161,20 @@ def check_supported(recipe: Recipe, topo: Topology) -> None:
     if s.max_processes is not None and n > s.max_processes:
         raise RecipeError(f"recipe {recipe.name} runs on at most {s.max_processes} process(es) (supports.max_processes), "
                           f"got {n}: to train on {n} GPUs use {recipes_for(recipe, n)}")
-    if recipe.parallelism:
-        tp = recipe.parallelism.tp_size
+    if recipe.tensor_parallel > 1:
+        tp = recipe.tensor_parallel
         if n % tp or n // tp < 2:
             raise RecipeError(f"recipe {recipe.name} splits each layer over parallelism.tp_size={tp} processes and "
                               f"shards the rest with FSDP2: --num-processes must be a multiple of {tp}, at least "
                               f"{2 * tp}; got {n}")
-    if recipe.tiled_mlp is not False and n > 1:
-        raise RecipeError(f"tiled_mlp runs on one process: DDP syncs each weight's gradient once, and the tiles give "
-                          f"it in parts; got {n} processes: use --num-processes 1, or set tiled_mlp=false")
+    sp = recipe.sequence_parallel or n  # (null: all of them, until `decide`)
+    if n % sp:
+        raise RecipeError(f"recipe {recipe.name} splits each sequence over parallelism.sp_size={sp} processes: "
+                          f"--num-processes must be a multiple of {sp}, got {n}")
+    if recipe.tiled_mlp is not False and n > 1 and recipe.deepspeed is None:
+        raise RecipeError(f"tiled_mlp runs on one process or under DeepSpeed: DDP syncs each weight's gradient once, "
+                          f"and the tiles give it in parts; got {n} processes: use --num-processes 1, or set "
+                          "tiled_mlp=false")
     if resolve_precision(recipe, topo) == "fp16" and recipe.fp16_blocker:
         raise RecipeError(f"recipe {recipe.name}: mixed_precision auto is fp16 on GPUs without bf16 (before Ampere), "
                           f"and {recipe.fp16_blocker}: run it on a GPU with bf16, or use another recipe")

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import RecipeError
 from .loading import TORCH_DTYPES
+from .sequence import SequenceShards, check_sequence_parallel
 
 
 def make_accelerator(recipe, **kwargs):
@@ -73,12 +74,21 @@ def wrap_first(accelerator, recipe, model):
 
 def prepare(accelerator, recipe, model, optimizer, *loaders):
     """accelerate's prepare of the model (unless `wrap_first` wrapped it), the optimizer and the data
-    loaders (a None loader stays None): (model, optimizer, *loaders)."""
+    loaders (a None loader stays None): (model, optimizer, *loaders). Under Ulysses the loaders are prepared apart
+    from the model, so that accelerate slices none of them: the train loader is sliced by SequenceShards, and eval
+    runs whole sequences on each process (accelerate registers the attention with disable_in_eval)."""
     given = [loader for loader in loaders if loader is not None]
-    objects = ([] if _fsdp1(accelerator, recipe) else [model]) + [optimizer, *given]
+    apart = check_sequence_parallel(accelerator, recipe, getattr(model, "config", None)) > 1  # (before DeepSpeed's own checks)
+    objects = ([] if _fsdp1(accelerator, recipe) else [model]) + [optimizer] + ([] if apart else given)
     prepared = accelerator.prepare(*objects)
     prepared = list(prepared) if len(objects) > 1 else [prepared]
+    if apart and given:
+        done = accelerator.prepare(*given)
+        prepared += list(done) if len(given) > 1 else [done]
     if len(prepared) == len(given) + 1:  # FSDP1: the model was prepared already
         prepared.insert(0, model)
     rest = iter(prepared[2:])
-    return (prepared[0], prepared[1], *(next(rest) if loader is not None else None for loader in loaders))
+    out = [prepared[0], prepared[1], *(next(rest) if loader is not None else None for loader in loaders)]
+    if apart and out[2] is not None:
+        out[2] = SequenceShards(out[2], accelerator, out[0])
+    return tuple(out)

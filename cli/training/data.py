@@ -8,6 +8,7 @@ Three formats, detected from the columns or set with `dataset_format`:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..errors import RecipeError, did_you_mean
@@ -403,10 +404,13 @@ def prepare_datasets(recipe, tokenizer, say=None):
 class Collator:
     """Pad a list of examples to the longest in the batch (right padding), or up to a multiple of
     `multiple` tokens (a compiled model then sees few shapes). `attention_mask` marks the real tokens;
-    packed rows also carry `position_ids`, their padding numbered as a document of its own."""
+    packed rows also carry `position_ids`, their padding numbered as a document of its own. Under Ulysses
+    (`sequence_parallel` > 1) every row carries position_ids (the attention runs causal by position, without a
+    mask) and rows are padded to a multiple of the group's size, which cuts them into equal slices."""
 
-    def __init__(self, pad_token_id: int, multiple: int = 1):
-        self.pad, self.multiple = pad_token_id, multiple
+    def __init__(self, pad_token_id: int, multiple: int = 1, sequence_parallel: int = 1):
+        self.pad, self.multiple = pad_token_id, math.lcm(multiple, sequence_parallel)
+        self.positions = sequence_parallel > 1
 
     def __call__(self, examples: list[dict]) -> dict:
         import torch
@@ -414,7 +418,7 @@ class Collator:
         width = -(-max(len(ex["input_ids"]) for ex in examples) // self.multiple) * self.multiple
         out = {"input_ids": [], "labels": [], "attention_mask": []}
         packed = "position_ids" in examples[0]
-        if packed:
+        if packed or self.positions:
             out["position_ids"] = []
         for ex in examples:
             gap = width - len(ex["input_ids"])
@@ -423,4 +427,6 @@ class Collator:
             out["attention_mask"].append([1] * len(ex["input_ids"]) + [0] * gap)
             if packed:
                 out["position_ids"].append(ex["position_ids"] + list(range(gap)))
+            elif self.positions:  # one example: its positions run on through the padding, which no target reads
+                out["position_ids"].append(list(range(width)))
         return {key: torch.tensor(value) for key, value in out.items()}

@@ -40,9 +40,18 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, per_sequence: bool = 
     return losses.view(labels.shape[0], -1).sum(-1) if per_sequence else losses.sum()
 
 
-def count_targets(labels: torch.Tensor, per_sequence: bool = False):
-    """Target tokens (those the loss counts): one int, or a tensor with one count per sequence."""
-    mask = labels[:, 1:] != IGNORE
+def next_tokens(batch: dict) -> torch.Tensor:
+    """Each position's target ([B, S]; IGNORE where there is none): the labels shifted one to the left, or a slice's
+    `shift_labels` under Ulysses (shifted before the sequence was cut, so a slice's last token keeps its target, the
+    first token of the next slice)."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
+
+
+def count_targets(batch: dict, per_sequence: bool = False):
+    """A batch's target tokens (those the loss counts): one int, or a tensor with one count per sequence."""
+    mask = next_tokens(batch) != IGNORE
     return mask.sum(-1) if per_sequence else int(mask.sum())
 
 
@@ -78,7 +87,7 @@ def fuse_head(model, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> str | None:
         blocker = "the model has no output head"
     if blocker is not None:
         return blocker
-    fused = hasattr(head, "memrecipe_labels")
+    fused = hasattr(head, "memrecipe_targets")
     head.memrecipe_tokens = chunk_tokens
     if fused:  # fused already (the loop's setup): a second wrap would feed the chunks to the fused forward
         return None
@@ -86,12 +95,11 @@ def fuse_head(model, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> str | None:
     plain = type(head) is torch.nn.Linear  # its own weights: the chunks' loss is computed here, by HeadLoss
 
     def forward(hidden, *args, **kwargs):
-        labels = head.memrecipe_labels
-        if labels is None:  # plain logits: generation, or a caller that did not give labels
+        targets = head.memrecipe_targets  # each position's next token (next_tokens)
+        if targets is None:  # plain logits: generation, or a caller that did not give labels
             return original(hidden, *args, **kwargs)
-        targets = labels[:, 1:]
         keep = targets != IGNORE
-        inputs, targets = hidden[:, :-1][keep], targets[keep]  # only positions that predict a target
+        inputs, targets = hidden[keep], targets[keep]  # only positions that predict a target
         tokens = head.memrecipe_tokens
         if plain:
             return HeadLoss.apply(inputs, targets, tokens, head.weight, head.bias)
@@ -102,7 +110,7 @@ def fuse_head(model, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> str | None:
         return torch.cat([checkpoint(_chunk_loss, original, h, y, use_reentrant=False)
                           for h, y in zip(inputs.split(tokens), targets.split(tokens))])
 
-    head.forward, head.memrecipe_labels = forward, None
+    head.forward, head.memrecipe_targets = forward, None
     if any(True for _ in head.children()):  # e.g. a LoRA-wrapped head: ZeRO-3 gathers all of it at once
         head._z3_leaf = True
     return None
@@ -235,20 +243,19 @@ def varlen_kwargs(positions: torch.Tensor) -> dict:
 
 
 def target_losses(model, batch) -> torch.Tensor:
-    """Each target token's next-token cross-entropy (-log p), in fp32, in the row-major order of the labels' target
-    mask (labels[:, 1:] != IGNORE): through the fused head when the model has one, else from the full logits."""
-    head, labels = output_head(model), batch["labels"]
+    """Each target token's next-token cross-entropy (-log p), in fp32, in the row-major order of the target mask
+    (next_tokens != IGNORE): through the fused head when the model has one, else from the full logits."""
+    head, targets = output_head(model), next_tokens(batch)  # (shift the labels, not the logits: no copy of those)
     inputs = model_inputs(batch, flatten=varlen(model))
-    if not hasattr(head, "memrecipe_labels"):
-        logits = model(**inputs).logits.view(*labels.shape, -1)  # (a flattened row back to its rows)
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # shift the labels, not the logits: no copy of those
+    if not hasattr(head, "memrecipe_targets"):
+        logits = model(**inputs).logits.view(*targets.shape, -1)  # (a flattened row back to its rows)
         losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
         return losses[targets.flatten() != IGNORE]
-    head.memrecipe_labels = labels.reshape(inputs["input_ids"].shape)  # the targets of the row(s) it is called on
-    try:  # the head returns one loss per target token, in the order of the labels' target mask
+    head.memrecipe_targets = targets.reshape(inputs["input_ids"].shape)  # the targets of the row(s) it is called on
+    try:  # the head returns one loss per target token, in the order of the target mask
         return model(**inputs).logits
     finally:
-        head.memrecipe_labels = None
+        head.memrecipe_targets = None
 
 
 def per_group(losses: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor, count: int) -> torch.Tensor:
@@ -260,8 +267,9 @@ def per_group(losses: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor, 
 
 def lm_loss(model, batch, per_sequence: bool = False) -> torch.Tensor:
     """The batch's next-token cross-entropy, summed over its target tokens (or per sequence), in fp32."""
-    losses, labels = target_losses(model, batch), batch["labels"]
+    losses = target_losses(model, batch)
     if not per_sequence:
         return losses.sum()
-    rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels)
-    return per_group(losses, labels, rows, labels.shape[0])
+    targets = next_tokens(batch)
+    rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[targets != IGNORE]
+    return losses.new_zeros(targets.shape[0]).index_add_(0, rows, losses)

@@ -65,6 +65,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         # ... and what the allocator applied: read off its segments, not the variable (None off CUDA)
         "allocator_expandable_segments": _expandable_segments(accelerator.device),
     }
+    facts["sequence_parallel"] = getattr(model, "sequence_parallel_size", 1)  # the engine's Ulysses group (1: none)
+    facts["ulysses_attention"] = _ulysses(facts["attention"])
     if hasattr(model, "zero_optimization_stage"):  # a DeepSpeedEngine
         facts["zero_stage"] = model.zero_optimization_stage()
         offload_param = model.zero_offload_param()
@@ -74,6 +76,15 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         facts["client_optimizer_class"] = type(model.optimizer.optimizer).__name__ \
             if hasattr(model.optimizer, "optimizer") else None
     return facts
+
+
+def _ulysses(attention) -> bool:
+    """Whether transformers' attention function for this kernel is DeepSpeed's Ulysses wrapper (registered in its
+    place by accelerate's prepare under sequence parallelism: UlyssesSPAttentionHF.register_with_transformers)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    function = ALL_ATTENTION_FUNCTIONS.get(attention) if attention else None
+    return getattr(function, "__name__", "") == "uattn_wrapper"
 
 
 def _optimizer_class(optimizer) -> str:
@@ -421,7 +432,7 @@ class Meter:
         self.setup["optimizer_first_use"] = OPTIMIZERS[recipe.optim].first_use_on_cuda \
             if accelerator.device.type == "cuda" else ""
         self.tracking = start_trackers(accelerator, recipe, out)
-        self.tp_share = recipe.parallelism.tp_size if recipe.parallelism else 1  # a TP group's ranks see one batch
+        self.tp_share = recipe.tensor_parallel  # a TP group's ranks see one batch
         self.history, self.held, self.tokens, self.wall = [], None, 0, None
         self.beside = []  # models kept beside the trained one (hold)
         self.snapshot = self.loss_memory = None

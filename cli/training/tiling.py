@@ -2,7 +2,12 @@
 in backward, so its [tokens x intermediate] tensors exist for one tile at a time (DeepSpeed's ALST idea). Written here
 rather than taken from deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP, whose backward recomputes outside
 the forward's autocast (bf16 autocast over frozen bf16 weights and fp32 adapters then fails: "expected m1 and m2 to
-have the same dtype") and without the forward's random state (LoRA's dropout would draw other masks)."""
+have the same dtype") and without the forward's random state (LoRA's dropout would draw other masks).
+
+Under DeepSpeed with several processes two of its rules are kept, as its TiledMLP keeps them: every process runs the
+same number of tiles (ZeRO-3 gathers a weight at each module call, a collective: the count is agreed as the largest),
+and a weight's gradient is marked not ready (`ds_grad_is_ready`, read by ZeRO's gradient hooks, stage3.py and
+stage_1_and_2.py) until its last tile, so ZeRO reduces it once, whole."""
 
 from __future__ import annotations
 
@@ -19,9 +24,9 @@ class TiledMLP(torch.autograd.Function):
     tile under the forward's autocast and random state and sums the parameters' gradients over the tiles."""
 
     @staticmethod
-    def forward(ctx, forward, x, tiles):
+    def forward(ctx, forward, x, tiles, params):
         device = x.device.type
-        ctx.forward, ctx.tiles, ctx.device = forward, tiles, device
+        ctx.forward, ctx.tiles, ctx.device, ctx.params = forward, tiles, device, params
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.states = []
         outputs = []
@@ -38,7 +43,10 @@ class TiledMLP(torch.autograd.Function):
         pieces = []
         enabled, dtype = ctx.autocast
         with torch.random.fork_rng(devices=[x.device] if ctx.device == "cuda" else [], device_type=ctx.device):
-            for part, tile_grad, state in zip(flat.chunk(ctx.tiles), grads.chunk(ctx.tiles), ctx.states):
+            tiles = list(zip(flat.chunk(ctx.tiles), grads.chunk(ctx.tiles), ctx.states))
+            for i, (part, tile_grad, state) in enumerate(tiles):
+                for param in ctx.params:  # (DeepSpeed: reduce each gradient once, after the last tile)
+                    param.ds_grad_is_ready = i == len(tiles) - 1
                 set_random_state(x.device, state)
                 leaf = part.detach().requires_grad_(x.requires_grad)
                 with torch.enable_grad(), torch.autocast(ctx.device, dtype=dtype, enabled=enabled):
@@ -47,7 +55,7 @@ class TiledMLP(torch.autograd.Function):
                     output = ctx.forward(leaf.view_as(leaf))
                 torch.autograd.backward(output, tile_grad)
                 pieces.append(leaf.grad)
-        return None, torch.cat(pieces).view_as(x) if x.requires_grad else None, None
+        return None, torch.cat(pieces).view_as(x) if x.requires_grad else None, None, None
 
 
 def random_state(device):
@@ -61,18 +69,25 @@ def set_random_state(device, state) -> None:
         torch.set_rng_state(state)
 
 
-def tiled_forward(forward, tiles, x):
+def tiled_forward(forward, tiles, x, params=None):
+    """`params`: the MLP's trained weights under DeepSpeed with several processes (None: one process)."""
     n = tile_count(tiles, x.numel() // x.shape[-1], x.shape[-1])
-    return forward(x) if n == 1 else TiledMLP.apply(forward, x, n)
+    if params is not None:  # every process the same count: ZeRO-3 gathers the weights at each tile's calls
+        agreed = torch.tensor(n, device=x.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        n = int(agreed)
+    return forward(x) if n == 1 else TiledMLP.apply(forward, x, n, params or [])
 
 
-def tile_mlps(model, tiles: bool | int) -> int:
+def tile_mlps(model, tiles: bool | int, deepspeed: bool = False) -> int:
     """Each decoder layer's dense MLP (a module named `mlp` whose class is an MLP: LlamaMLP, Qwen2MLP, ...) runs
-    tiled; returns how many. A model whose layers route tokens to experts instead is refused in one line."""
+    tiled; returns how many. A model whose layers route tokens to experts instead is refused in one line. Several
+    processes only under DeepSpeed (`deepspeed`), told to wait for a weight's last tile."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed and torch.distributed.get_world_size() > 1:
-        raise RecipeError("tiled_mlp runs on one process: DDP syncs each weight's gradient once, and the tiles give it "
-                          "in parts: launch 1 process, or set tiled_mlp=false")
+    several = distributed and torch.distributed.get_world_size() > 1
+    if several and not deepspeed:
+        raise RecipeError("tiled_mlp runs on one process or under DeepSpeed: DDP syncs each weight's gradient once, "
+                          "and the tiles give it in parts: launch 1 process, or set tiled_mlp=false")
     mlps = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "mlp"]
     dense = [m for m in mlps if type(m).__name__.endswith("MLP")]
     if not dense or len(dense) < len(mlps):
@@ -80,5 +95,6 @@ def tile_mlps(model, tiles: bool | int) -> int:
         raise RecipeError(f"tiled_mlp tiles dense MLPs; this model's layers have {', '.join(kinds)}: "
                           "set tiled_mlp=false")
     for mlp in dense:
-        mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles)
+        params = [p for p in mlp.parameters() if p.requires_grad] if several else None
+        mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles, params=params)
     return len(dense)

@@ -135,7 +135,7 @@ def reload_eval_loss(folder, model):
         for batch in loader:
             logits = model(**model_inputs(batch)).logits
             total += token_loss(logits, batch["labels"]).item()
-            count += count_targets(batch["labels"])
+            count += count_targets(batch)
     return total / count
 
 

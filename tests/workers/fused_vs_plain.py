@@ -102,7 +102,7 @@ def compare(variant: str) -> dict:
             "max_eval_diff": (plain_eval - fused_eval).abs().max().item(), "eval_sequences": len(plain_eval),
             "max_eval": plain_eval.abs().max().item(),  # a packed row sums ~256 token losses
             # forward and backward: every target of this rank's batch, in chunks of at most CHUNK; none on the plain path
-            "chunk_max": max(fused_chunks), "chunk_tokens": sum(fused_chunks), "targets": count_targets(batch["labels"]),
+            "chunk_max": max(fused_chunks), "chunk_tokens": sum(fused_chunks), "targets": count_targets(batch),
             "plain_chunks": len(plain_chunks),
             "head_lora": hasattr(head, "lora_A"), "z3_leaf": getattr(head, "_z3_leaf", False),
             "tied": unwrapped.get_output_embeddings().weight is unwrapped.get_input_embeddings().weight,

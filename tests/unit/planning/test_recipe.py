@@ -11,7 +11,7 @@ from memrecipe.planning.registry import load_recipe, recipe_names, recipe_path
 from memrecipe.planning.rules import make_recipe
 
 SHIPPED = ["adamw-8bit", "fsdp", "single-gpu-lora", "zero3-offload"]
-ALL = SHIPPED + ["qlora", "fsdp-lora", "fsdp-qlora", "zero2", "ddp", "tp", "single-gpu-full"]
+ALL = SHIPPED + ["qlora", "fsdp-lora", "fsdp-qlora", "zero2", "ddp", "tp", "single-gpu-full", "zero3-ulysses"]
 
 
 def test_the_four_recipes_are_shipped_and_valid():
@@ -43,7 +43,7 @@ def test_every_memory_knob_carries_a_tradeoff_comment():
              "gradient_checkpointing", "optim", "r:", "target_modules", "offload_optimizer", "offload_param",
              "activation_checkpointing", "reshard_after_forward", "pin_memory", "zero_stage", "stage3_",
              "activation_offload", "quantization", "bits", "quant_type", "double_quant", "quant_storage",
-             "use_orig_params", "offload_params", "tp_size", "weight_dtype", "bf16_stochastic_round", "rank:")
+             "use_orig_params", "offload_params", "tp_size", "sp_size", "weight_dtype", "bf16_stochastic_round", "rank:")
     assert set(ALL) == set(recipe_names())
     for name in ALL:
         for line in recipe_path(name).read_text().splitlines():

@@ -227,12 +227,12 @@ def test_train_on_inputs_makes_every_token_after_a_documents_first_a_target(tok,
     batch = Collator(tok.pad_token_id)(list(rows))
     real = int(batch["attention_mask"].sum())
     documents = sum(p.count(0) for p in rows["position_ids"]) if packing else len(rows)
-    assert count_targets(batch["labels"]) == real - documents  # every real token but each document's first
+    assert count_targets(batch) == real - documents  # every real token but each document's first
     shifted = batch["labels"][:, 1:]
     assert torch.equal(shifted[shifted != IGNORE], batch["input_ids"][:, 1:][shifted != IGNORE])
     masked, _ = prepare_datasets(load_recipe("single-gpu-lora", [f"packing={str(packing).lower()}", "eval_size=0",
                                                                  "max_seq_length=64"]), tok)
-    assert count_targets(Collator(tok.pad_token_id)(list(masked.select(range(4))))["labels"]) < real - documents
+    assert count_targets(Collator(tok.pad_token_id)(list(masked.select(range(4))))) < real - documents
     # the loss covers them: the sum of every target's cross-entropy, computed here from the plain logits
     model = AutoModelForCausalLM.from_pretrained(embedded_model(), dtype=torch.float32)
     with torch.no_grad():

@@ -152,7 +152,7 @@ def losses(compiled: bool, steps: int = 4) -> tuple[list[float], object]:
                 for n in torch.randint(20, 60, (2,), generator=generator)]
         batch = collate([{"input_ids": r, "labels": r} for r in rows])
         assert batch["input_ids"].shape[1] == 64
-        loss = lm_loss(model, batch) / count_targets(batch["labels"])
+        loss = lm_loss(model, batch) / count_targets(batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -46,7 +46,7 @@ def loss_grads_eval(model, fused, chunk_tokens=5):
     with torch.no_grad():
         per_sequence = lm_loss(model, b, per_sequence=True)
     if fused:
-        assert shapes == [(count_targets(b["labels"]),)] * 2, shapes
+        assert shapes == [(count_targets(b),)] * 2, shapes
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     return loss.item(), grads, per_sequence
 
@@ -148,7 +148,7 @@ def test_the_loops_setup_fuses_the_head_with_the_recipes_chunk(monkeypatch):
     monkeypatch.setattr(fused_loss, "_chunk_logits", lambda *args: sizes.append(len(args[1])) or chunk_logits(*args))
     b = batch()
     lm_loss(model, b).backward()
-    assert max(sizes) == 7 and sum(sizes) % count_targets(b["labels"]) == 0
+    assert max(sizes) == 7 and sum(sizes) % count_targets(b) == 0
 
 
 def test_prompt_and_padding_positions_never_reach_the_head():
@@ -157,7 +157,7 @@ def test_prompt_and_padding_positions_never_reach_the_head():
     b, rows = batch(), []
     output_head(model).register_forward_hook(lambda m, args, out: rows.append(len(out)))
     lm_loss(model, b)
-    assert rows == [count_targets(b["labels"])] and rows[0] < b["labels"].numel() // 2
+    assert rows == [count_targets(b)] and rows[0] < b["labels"].numel() // 2
 
 
 def test_a_batch_without_targets_still_reaches_every_weight():
@@ -188,7 +188,7 @@ def test_models_that_transform_their_logits_keep_the_plain_loss():
     model = tiny_model()
     model.config.final_logit_softcapping = 30.0
     assert "final_logit_softcapping" in fuse_head(model)
-    assert not hasattr(output_head(model), "memrecipe_labels")
+    assert not hasattr(output_head(model), "memrecipe_targets")
 
 
 def test_tensor_parallelism_refuses_the_fused_loss_with_the_reason():

@@ -46,8 +46,8 @@ def test_pack_restarts_positions_and_keeps_every_target():
     for row in ds:
         starts = [i for i, p in enumerate(row["position_ids"]) if p == 0]
         assert all(row["labels"][s] == IGNORE for s in starts)  # nothing predicts a document's first token
-    alone = sum(count_targets(torch.tensor([d["labels"]])) for d in docs)
-    assert count_targets(batch["labels"]) == alone
+    alone = sum(count_targets({"labels": torch.tensor([d["labels"]])}) for d in docs)
+    assert count_targets(batch) == alone
     assert int(batch["attention_mask"].sum()) == sum(LENGTHS)  # padding is not counted as real tokens
     assert "attention_mask" not in model_inputs(batch) and model_inputs(batch)["use_cache"] is False
 
@@ -145,7 +145,7 @@ def test_a_flattened_packed_micro_batch_gives_the_same_loss_and_gradients(monkey
     recipe = load_recipe("single-gpu-lora", ["lora=null", "mixed_precision=no", "gradient_checkpointing=false",
                                              f"fused_loss={str(fused).lower()}"])
     model, _ = loop_model(recipe, embedded_model(), "no")
-    assert hasattr(output_head(model), "memrecipe_labels") == fused  # the loop's setup fused the head, or not
+    assert hasattr(output_head(model), "memrecipe_targets") == fused  # the loop's setup fused the head, or not
     batch, _ = packed_batch(documents(), width=24)
     assert batch["input_ids"].shape[0] >= 3
     results = []
