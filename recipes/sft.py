@@ -93,15 +93,14 @@ def accumulate_window(model, window, accelerator):
     """Forward and backward over one window of micro batches, leaving the step's gradient in .grad.
 
     The loss's denominator is the number of target tokens in the whole window, over all
-    processes. Gradients are averaged over the data-parallel processes (all of them; under Ulysses,
-    processes / sp: DeepSpeed sums a sequence's slices) and accelerate divides each micro batch's
-    loss by the accumulation steps; scaling by both makes the gradient sum(token losses) / targets,
-    exactly the gradient of one big batch. Returns (mean loss per target token, targets).
+    processes. Gradients are averaged over processes (under Ulysses too: ZeRO-3's reduce-scatter
+    averages over all of them, a sequence's slices included) and accelerate divides each micro
+    batch's loss by the accumulation steps; scaling by both makes the gradient sum(token losses) /
+    targets, exactly the gradient of one big batch. Returns (mean loss per target token, targets).
     """
     local = sum(count_targets(batch, per_sequence=True).sum() for batch in window)  # on the device
     targets = accelerator.reduce(local, "sum").item()  # (read once a step, not once a micro batch)
-    averaged = accelerator.num_processes // sp_size(accelerator)
-    scale = averaged * accelerator.gradient_accumulation_steps / targets
+    scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / targets
     loss_sum = torch.zeros((), device=accelerator.device)
     for batch in window:
         with accelerator.accumulate(model):  # no gradient sync until the window's last micro batch
@@ -387,7 +386,7 @@ def train(run):
             if not math.isfinite(loss):  # stop before the update; the last checkpoint stays the last good one
                 raise RecipeError(f"the loss is {loss} at step {step + 1}: stopped without saving (lower "
                                   f"learning_rate, or check the data); the newest checkpoint is still good")
-            grad_norm = None
+            grad_norm = model.get_global_grad_norm() if deepspeed else None  # (the engine's, taken in its step)
             if recipe.max_grad_norm and not deepspeed:  # DeepSpeed clips by its JSON's gradient_clipping
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
             lr = float(optimizer.param_groups[0]["lr"])  # the rate this step trains with (the scheduler sets the next one)

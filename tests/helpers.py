@@ -17,9 +17,10 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
 
 
-def loop_model(recipe, model_path, precision="no", device=None, device_mesh=None, run_folder=None):
+def loop_model(recipe, model_path, precision="no", device=None, device_mesh=None, run_folder=None, engine="NO"):
     """The model as the loop builds it (recipes/sft.py's own setup_model: memory techniques, LoRA, compile, the
-    fused head), outside a launch. Returns (model, activation offload hooks or None)."""
+    fused head), outside a launch (`engine`: the accelerator's distributed type it is built for). Returns (model,
+    activation offload hooks or None)."""
     import tempfile
     from types import SimpleNamespace
 
@@ -29,7 +30,7 @@ def loop_model(recipe, model_path, precision="no", device=None, device_mesh=None
 
     accelerator = SimpleNamespace(mixed_precision=precision, device=device or torch.device("cpu"),
                                   torch_device_mesh=device_mesh, is_main_process=True,
-                                  distributed_type=SimpleNamespace(value="NO"))
+                                  distributed_type=SimpleNamespace(value=engine))
     folder = Path(run_folder or tempfile.mkdtemp(prefix="memrecipe-loop-model-"))
     model, offload, _ = setup_model(recipe, model_path, accelerator, SimpleNamespace(
         initial_adapter=folder / "initial_adapter"), lambda *a, **k: None)

@@ -174,7 +174,27 @@ def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool) -
     return grads + tokens * cb * per_head + usable_cores() * block * (8 + (4 if cb == 2 else 0))
 
 
-def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: int, cuda: bool = False) -> int:
+def exchange_bytes(s: Structure, mode: str, tokens: int, sp: int) -> int:
+    """Ulysses' exchanges in a layer's backward, on a process holding `tokens` of a sequence split `sp` ways, net of
+    what is freed by then: the gradients of q, k and v pass the all-to-alls back once the attention kernel's backward
+    has returned, each exchange making its input contiguous and writing a new output beside it
+    (deepspeed/runtime/sequence_parallel/ulysses_sp.py, _combine_local_sequences), while the kernel's working buffers
+    and the tensors it kept (q, k, v, its output) are freed. After the exchange a process holds kv_heads / sp
+    key/value heads of the whole sequence, at least one (replicated where sp outnumbers them). Negative for every
+    model here: below the kernel's own place, as measured on 2 gloo processes (tests/runs/test_sequence_parallel.py:
+    no bytes per token above one process at the slice's length)."""
+    cb, d = compute_bytes(mode), s.head_dim
+    kv = max(s.kv_heads, sp) * d
+    return tokens * cb * (s.heads * d + 2 * kv) - tokens * cb * (2 * s.heads * d + 2 * kv)
+
+
+def replicated_kv_bytes(s: Structure, mode: str, tokens: int, sp: int) -> int:
+    """The K and V heads Ulysses replicates when sp outnumbers them, kept by the attention kernel for backward."""
+    return 2 * tokens * compute_bytes(mode) * max(0, sp - s.kv_heads) * s.head_dim
+
+
+def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: int, cuda: bool = False,
+                  sp: int = 1) -> int:
     """The most one layer holds while backward runs through it: `saved` (what it keeps, layer_activation_bytes) with
     what is allocated beside it, at the largest of three places (the CPU profiler's allocation peak inside a
     recomputed layer's backward, tests/unit/planning/test_activations.py), each beside the gradient arriving at the
@@ -186,7 +206,8 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
       nothing else) to fp32 (with dropout, and under QLoRA: training.adapters.share_inputs) and dropout writes its
       mask and its fp32 output;
     - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden]);
-      under lean_norms, five over a tile of hidden_size tokens, and its input's gradient."""
+      under lean_norms, five over a tile of hidden_size tokens, and its input's gradient.
+    Under Ulysses (`sp`), a fourth: the exchanges after the attention's backward (exchange_bytes)."""
     cb = compute_bytes(mode)
     residual = residual_bytes(mode)
     mlp_tokens = tokens
@@ -202,6 +223,9 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     # by the attention's backward, the norm after it and the MLP's input are freed too
     after_attention = tokens * s.hidden * (cb + (residual if recipe.lean_norms else 4))
     places = [mlp_freed + norm, mlp_freed - after_attention + attention_backward_bytes(s, mode, tokens, cuda)]
+    if sp > 1:  # the exchanges, after the kernel's backward: its gradients of q, k, v passing them
+        places.append(mlp_freed - after_attention + 3 * tokens * compute_bytes(mode) * s.heads * s.head_dim
+                      + exchange_bytes(s, mode, tokens, sp))
     if not s.experts:
         i = s.intermediate
         if down:  # what the down projection keeps of its input, freed once its backward ran
@@ -254,11 +278,15 @@ def loss_bytes(recipe: Recipe, s: Structure, mode: str, b: int, T: int, head_cop
 
 
 def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str | None = None,
-                     cuda: bool = False) -> dict:
+                     cuda: bool = False, sp: int = 1) -> dict:
     """One micro batch on one process: `activations` and `logits` (the categories), `saved_peak` (most
     bytes held for backward at once), `forward_saved` (held when the forward ends), `layer` (one layer's),
     `host` (checkpointed inputs moved to host memory by activation_offload). `attention`: the kernel that runs
-    (planning.attention.pick_attention; None: what runs on CPU); `cuda`: planned for a GPU."""
+    (planning.attention.pick_attention; None: what runs on CPU); `cuda`: planned for a GPU. `sp`: Ulysses' group,
+    whose processes each hold seq / sp tokens of every tensor; the attention's tensors, whole sequences for 1/sp of
+    the heads, are as large as the slice's for all of them, but for replicated K/V heads and the exchanges' buffers
+    (exchange_bytes, replicated_kv_bytes)."""
+    seq = -(-seq // sp)
     h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
     if attention is None:  # the kernel on CPU (what the tests measure)
         attention = pick_attention(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,
@@ -266,10 +294,11 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
     # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
     tp = recipe.tensor_parallel
-    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq, attention, cuda) // tp, g) for g in s.groups()]
+    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq, attention, cuda) // tp
+               + replicated_kv_bytes(g, mode, T, sp), g) for g in s.groups()]
     layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
     # a layer's backward; selectively checkpointed, its matmuls' outputs are counted in `inputs` below
-    in_backward = max((backward_peak(recipe, g, mode, T, one * tp, cuda) - (selective_bytes(recipe, g, mode, T)
+    in_backward = max((backward_peak(recipe, g, mode, T, one * tp, cuda, sp) - (selective_bytes(recipe, g, mode, T)
                       if recipe.gradient_checkpointing == "selective" else 0)) // tp for _, one, g in layers)
     every_layer = sum(n * one for n, one, _ in layers)
     host = 0

@@ -97,6 +97,8 @@ def speed_cost(recipe: Recipe, precision: str) -> float:
         cost *= (2.0 if recipe.deepspeed.offload_param != "none" else 1.0)
     if recipe.tensor_parallel > 1:
         cost *= 1.15  # all-reduces of activations in every layer's forward and backward
+    if recipe.sequence_parallel != 1:
+        cost *= 1.1  # four all-to-alls per layer (q/k/v in, the output out; and back), five with the recompute
     cost *= OPTIMIZERS[recipe.optim].step_cost  # 8-bit (de)quantisation of the state, or APOLLO's projections
     if recipe.quantization:
         cost *= 1.2  # each weight dequantised per matmul, forward and backward
@@ -118,6 +120,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         raise RecipeError(f"gradient_checkpointing: selective is planned for dense models; {s.model_type} routes "
                           "tokens to experts, whose kernels it would keep unplanned: use gradient_checkpointing=true")
     batch, seq = micro_batch or recipe.per_device_train_batch_size, seq_length or recipe.max_seq_length
+    sp = recipe.sequence_parallel or topo.num_processes  # (null: all of them)
     precision = resolve_precision(recipe, topo)
     compute_bytes = 2 if precision in ("bf16", "fp16") else 4
     train = trainable_tensors(recipe, s)
@@ -136,11 +139,12 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     # flex_attention over packed rows (planning.attention)
     if attention is None:
         picked = pick_attention(recipe.attn_implementation, cuda=not topo.cpu, half=compute_bytes == 2,
-                                packing=recipe.packing, flash=flash_installed(), flex=True)
+                                packing=recipe.packing, flash=flash_installed(), flex=True, sequence_parallel=sp > 1)
         attention = picked.name
         if attention != recipe.attn_implementation:
             notes.append(f"attention: {attention} ({picked.why})")
-    act = activation_bytes(recipe, s, activation_mode(recipe, compute_bytes), batch, seq, attention, cuda=not topo.cpu)
+    act = activation_bytes(recipe, s, activation_mode(recipe, compute_bytes), batch, seq, attention, cuda=not topo.cpu,
+                           sp=sp)  # (Ulysses: each process holds seq / sp of it)
     square = square_note(attention, square_bytes(attention, recipe.packing, batch, seq, s.heads, compute_bytes == 4), seq)
     if square:  # long context on a kernel that keeps [S x S] tensors: say which kernels keep none
         notes.append(square)

@@ -129,6 +129,11 @@ def check_sequence_parallel(r: Recipe) -> None:
     if r.deepspeed is None:
         raise RecipeError("parallelism.sp_size is Ulysses sequence parallelism, which accelerate runs on DeepSpeed "
                           "only (sp_backend deepspeed): use the zero3-ulysses recipe, or set parallelism.sp_size=1")
+    if r.deepspeed.zero_stage != 3:
+        # ZeRO-3's reduce-scatter averages a gradient over all the processes (stage3.py, __avg_scatter_grads), what the
+        # loop's scale assumes; stage 1 and 2 divide by processes / sp_size (stage_1_and_2.py): not checked here
+        raise RecipeError(f"parallelism.sp_size runs on ZeRO-3 in memrecipe (stage {r.deepspeed.zero_stage} averages "
+                          "gradients over another group, not checked here): set deepspeed.zero_stage=3")
     if r.attn_implementation in ("eager", "flex_attention"):
         raise RecipeError(f"attn_implementation={r.attn_implementation} cannot run under sequence parallelism "
                           "(accelerate refuses eager and flex_attention there): set attn_implementation=sdpa, or "

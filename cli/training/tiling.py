@@ -69,10 +69,11 @@ def set_random_state(device, state) -> None:
         torch.set_rng_state(state)
 
 
-def tiled_forward(forward, tiles, x, params=None):
-    """`params`: the MLP's trained weights under DeepSpeed with several processes (None: one process)."""
+def tiled_forward(forward, tiles, x, params=None, agree=False):
+    """`params`: the MLP's trained weights under DeepSpeed (None: no engine waits for them); `agree`: several
+    processes, which must run as many tiles as each other."""
     n = tile_count(tiles, x.numel() // x.shape[-1], x.shape[-1])
-    if params is not None:  # every process the same count: ZeRO-3 gathers the weights at each tile's calls
+    if agree:  # every process the same count: ZeRO-3 gathers the weights at each tile's calls
         agreed = torch.tensor(n, device=x.device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
         n = int(agreed)
@@ -94,7 +95,7 @@ def tile_mlps(model, tiles: bool | int, deepspeed: bool = False) -> int:
         kinds = sorted({type(m).__name__ for m in mlps if m not in dense}) or ["no module named mlp"]
         raise RecipeError(f"tiled_mlp tiles dense MLPs; this model's layers have {', '.join(kinds)}: "
                           "set tiled_mlp=false")
-    for mlp in dense:
-        params = [p for p in mlp.parameters() if p.requires_grad] if several else None
-        mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles, params=params)
+    for mlp in dense:  # (ZeRO's gradient hooks run on one process too)
+        params = [p for p in mlp.parameters() if p.requires_grad] if deepspeed else None
+        mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles, params=params, agree=several)
     return len(dense)

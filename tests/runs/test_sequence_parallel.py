@@ -1,0 +1,121 @@
+"""Ulysses sequence parallelism trains like one process holding the whole sequence (zero3-ulysses, fp32).
+
+Each sequence-parallel run is compared with the same recipe on 1 process (where sp is 1: nothing split) over the same
+rows per step: every step's loss and gradient norm (the engine's, before clipping: AdamW and clipping are blind to a
+constant scale of the gradient, the norm is not), and the saved weights. Stated tolerance: 1e-5 relative on losses
+and norms, 1e-4 absolute on weights after the steps (the processes sum in another order).
+
+- sp 2 on 2 processes through `memrecipe run`: a full fine-tune with accumulation 2, then the run resumed from its
+  last checkpoint, whose step falls inside a draw of the group (5 micro batches of 2-slice draws), for 2 more steps;
+- sp 2 x dp 2 on 4 processes through a plain `accelerate launch` of the generated config: LoRA, accumulation 2
+  (4 sequences a step), against 1 process with accumulation 4.
+Packed rows are refused under sdpa (Ulysses drops the mask): their exactness needs flash_attention_2, on CUDA.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import SideBySide, free_port, launch, pin
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# constant rate (a resumed run keeps the schedule), fp32, one example per row (the recipe's), no eval; every token a
+# target (so that the slices' boundary always is one), and 3 tiles per MLP (tiles of hidden_size tokens would be 1 here)
+SAME = ["mixed_precision=no", "lr_scheduler_type=constant", "warmup_ratio=0.0", "eval_size=0", "logging_steps=1",
+        "max_seq_length=96", "seed=3", "train_on_inputs=true", "tiled_mlp=3"]
+LORA = ["lora.r=8", "lora.alpha=16", "lora.dropout=0.0", "lora.target_modules=all-linear", "learning_rate=5e-3"]
+
+
+def run(folder, processes, *words, core=None, resume=False):
+    args = ["memrecipe", "run", "sft", "--recipe", "zero3-ulysses", "--cpu", "--num-processes", str(processes),
+            "--output-dir", str(folder), "--main-process-port", str(free_port()), *SAME, *words]
+    done = launch(args + (["--resume"] if resume else []), preexec_fn=pin(core if processes == 1 else None))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return folder
+
+
+def plain_launch(folder, *words):
+    """sp 2 x dp 2: `memrecipe config` writes the cpu4 files (4 CPU processes are more than `memrecipe run` starts on
+    2 cores), launched as their Run line says."""
+    config = launch(["memrecipe", "config", "zero3-ulysses", "--cpu", "--num-processes", "4", "--output-dir",
+                     str(folder / "configs"), "parallelism.sp_size=2", *SAME, *words])
+    assert config.returncode == 0, config.stderr
+    run_line = next(line for line in (folder / "configs" / "zero3_ulysses_cpu4.yaml").read_text().splitlines()
+                    if line.startswith("# Run:")).split()
+    recipe_file = run_line[run_line.index("--recipe") + 1]
+    done = launch(["--config_file", str(folder / "configs" / "zero3_ulysses_cpu4.yaml"), "--main_process_port",
+                   str(free_port()), str(Path(__file__).parents[2] / "recipes" / "sft.py"), "--recipe", recipe_file,
+                   "--output-dir", str(folder / "run")])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return folder / "run"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ulysses")
+
+    def split_then_resumed(core):
+        folder = run(base / "sp2", 2, "max_steps=5", "gradient_accumulation_steps=1", "save_steps=5")
+        before = report(folder)
+        return before, report(run(folder, 2, "max_steps=7", resume=True))
+
+    jobs = SideBySide({
+        "one": lambda core: report(run(base / "one", 1, "max_steps=7", "gradient_accumulation_steps=1", core=core)),
+        "sp2": split_then_resumed,
+        "one-lora": lambda core: report(run(base / "one-lora", 1, "max_steps=3", "gradient_accumulation_steps=4",
+                                            *LORA, core=core)),
+        "sp2dp2": lambda core: report(plain_launch(base / "sp2dp2", "max_steps=3", "gradient_accumulation_steps=2",
+                                                   *LORA)),
+    })
+    yield jobs
+    jobs.close()
+
+
+def report(folder):
+    r = json.loads((Path(folder) / "report.json").read_text())
+    r["folder"] = Path(folder)
+    return r
+
+
+def assert_same_steps(one, split, steps):
+    mine = {h["step"]: h for h in split["history"]}
+    theirs = {h["step"]: h for h in one["history"]}
+    for step in steps:
+        a, b = theirs[step], mine[step]
+        assert a["targets"] == b["targets"], (step, a, b)  # each target counted once over the group
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (step, a["loss"], b["loss"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (step, a["grad_norm"], b["grad_norm"])
+
+
+def assert_same_weights(one, split, name):
+    from safetensors.torch import load_file
+
+    a, b = (load_file(r["folder"] / "final" / name) for r in (one, split))
+    assert a.keys() == b.keys() and a
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4, msg=key)
+
+
+def test_sp2_on_two_processes_trains_and_resumes_like_one_process(runs):
+    one = runs("one")
+    split, resumed = runs("sp2")
+    s = split["setup"]
+    assert (s["sequence_parallel"], s["ulysses_attention"], s["num_processes"]) == (2, True, 2)
+    assert (one["setup"]["sequence_parallel"], one["setup"]["ulysses_attention"]) == (1, False)
+    assert s["tiled_mlps"] == 4 and s["lean_norms"] and s["gradient_checkpointing"]  # the ALST set, on 2 processes
+    assert all(h["targets"] == h["tokens"] - 1 for h in split["history"])  # one row a step, every token but its first
+    assert split["recipe"]["parallelism"]["sp_size"] == 2  # null resolved to the processes, in the run folder's recipe
+    assert_same_steps(one, split, range(1, 6))
+    assert [h["step"] for h in resumed["history"]] == list(range(1, 8))
+    assert_same_steps(one, resumed, (6, 7))  # the checkpoint fell inside a draw: its first slice was skipped
+    assert_same_weights(one, resumed, "model.safetensors")
+
+
+def test_sp2_by_dp2_on_four_processes_trains_lora_like_one_process(runs):
+    one, split = runs("one-lora"), runs("sp2dp2")
+    assert (split["setup"]["sequence_parallel"], split["setup"]["num_processes"]) == (2, 4)
+    assert split["setup"]["trainable_names_all_lora"]
+    assert_same_steps(one, split, range(1, 4))
+    assert_same_weights(one, split, "adapter_model.safetensors")

@@ -1,0 +1,123 @@
+"""Ulysses on the loop's side (training/sequence.py), without a launch: each target counted once over a sequence's
+slices, rows cut into equal slices, gloo's gathers evened out without changing the loss, a resumed epoch's slices,
+the heads a group can split. The launched runs: tests/runs/test_sequence_parallel.py."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from helpers import tiny_model
+from memrecipe.errors import RecipeError
+from memrecipe.planning.topology import check_heads
+from memrecipe.training import sequence
+from memrecipe.training.data import IGNORE, Collator
+from memrecipe.training.loss import count_targets, lm_loss, next_tokens
+from memrecipe.training.sequence import EvenLengths, SequenceShards
+
+
+def labels_row():
+    labels = torch.arange(100, 116)[None]
+    labels[:, :3] = IGNORE  # a prompt
+    return labels
+
+
+def test_a_slice_keeps_the_target_at_its_boundary():
+    """Shifted before the cut (DeepSpeed's adapter: shift_labels), the slices' targets are the whole row's, each once:
+    the first slice's last token predicts the second slice's first. Shifted after the cut, that target is lost."""
+    labels = labels_row()
+    shifted = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]  # ulysses_sp.py, UlyssesSPDataLoaderAdapter.refill
+    slices = [{"shift_labels": part} for part in shifted.chunk(2, dim=1)]
+    assert torch.equal(torch.cat([next_tokens(s) for s in slices], dim=1), next_tokens({"labels": labels}))
+    assert sum(count_targets(s) for s in slices) == count_targets({"labels": labels}) == 13
+    after = sum(count_targets({"labels": part}) for part in labels.chunk(2, dim=1))
+    assert after == count_targets({"labels": labels}) - 1  # the boundary's target, dropped
+
+
+def test_rows_are_cut_into_equal_slices_each_with_its_positions():
+    examples = [{"input_ids": list(range(5, 12)), "labels": list(range(5, 12))},
+                {"input_ids": list(range(5, 9)), "labels": list(range(5, 9))}]
+    batch = Collator(0, sequence_parallel=4)(examples)
+    assert batch["input_ids"].shape == (2, 8) and torch.equal(batch["position_ids"], torch.arange(8).expand(2, 8))
+    assert Collator(0, 64, sequence_parallel=6)(examples)["input_ids"].shape[1] == math.lcm(64, 6)
+    assert "position_ids" not in Collator(0)(examples)  # one process: as before
+
+
+def test_gloo_gathers_even_lengths_and_the_loss_is_unchanged(monkeypatch):
+    """Padded to the group's longest (after every real token, no target), a batch's loss and targets are the same."""
+    def longest_is(width):
+        def all_reduce(tensor, op=None, group=None):
+            tensor.fill_(max(int(tensor), width))
+        return all_reduce
+
+    model = tiny_model().eval()
+    torch.manual_seed(0)
+    examples = [{"input_ids": torch.randint(4, 64, (n,)).tolist()} for n in (9, 6)]
+    for ex in examples:
+        ex["labels"] = [IGNORE, IGNORE, *ex["input_ids"][2:]]
+    batch = Collator(0, sequence_parallel=2)(examples)
+    monkeypatch.setattr(torch.distributed, "all_reduce", longest_is(14))
+    (even,) = list(EvenLengths([batch], group=None))
+    assert even["input_ids"].shape == (2, 14) and torch.equal(even["position_ids"][0], torch.arange(14))
+    with torch.no_grad():
+        assert torch.allclose(lm_loss(model, even), lm_loss(model, batch), rtol=1e-6)
+    assert count_targets(even) == count_targets(batch)
+
+
+def test_a_resumed_epoch_skips_whole_draws_in_the_loader_and_the_rest_in_slices(monkeypatch):
+    """Micro batch i of a process is slice r of the group's i-th draw: resumed after `consumed` micro batches, the
+    loader skips consumed // sp draws and the adapter's first consumed % sp slices are dropped."""
+    sp, draws = 2, [f"batch{i}" for i in range(4)]
+
+    def adapter(loader, model):  # each draw: sp batches (one per process), this process's slice of each
+        loader = list(loader)
+        for i in range(0, len(loader) - 1, sp):
+            for drawn in loader[i:i + sp]:
+                yield {"slice_of": drawn}
+
+    accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=sp, sp_backend="deepspeed"),
+                                  device=torch.device("cpu"), deepspeed_ulysses_dl_adapter=adapter,
+                                  skip_first_batches=lambda loader, n: loader[n * sp:])
+    monkeypatch.setattr("deepspeed.utils.groups._get_sequence_parallel_group", lambda: None)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group: "nccl")
+    shards = SequenceShards(draws, accelerator, model=None)
+    assert len(shards) == 8
+    whole = [b["slice_of"] for b in shards]
+    for consumed in range(5):
+        assert [b["slice_of"] for b in sequence.skip_batches(accelerator, shards, consumed)] == whole[consumed:]
+
+
+@pytest.mark.parametrize("sp, heads, kv, fits", [
+    (2, 4, 2, True), (4, 4, 2, True),  # the embedded model: 4 query heads, 2 key/value heads (replicated at sp 4)
+    (8, 32, 8, True), (16, 32, 8, True), (3, 32, 8, False), (64, 32, 8, False),  # Llama-3.1-8B
+    (8, 64, 8, True), (6, 12, 4, False)])
+def test_a_group_splits_the_heads_or_is_refused_naming_the_sizes_that_would(sp, heads, kv, fits):
+    if fits:
+        check_heads(sp, heads, kv)
+        return
+    with pytest.raises(RecipeError, match=rf"parallelism.sp_size={sp} must divide the model's {heads} attention "
+                                          rf"heads.*use sp_size \d"):
+        check_heads(sp, heads, kv)
+
+
+def test_the_launch_config_and_the_recipe_must_agree_on_the_group():
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.training.sequence import check_sequence_parallel
+
+    def accelerator(sp, processes, engine="DEEPSPEED"):
+        config = SimpleNamespace(sp_size=sp, sp_backend="deepspeed") if sp > 1 else None
+        return SimpleNamespace(parallelism_config=config, num_processes=processes,
+                               distributed_type=SimpleNamespace(value=engine))
+
+    model_config = tiny_model().config
+    ulysses = load_recipe("zero3-ulysses")  # sp_size null: all the processes
+    assert check_sequence_parallel(accelerator(2, 2), ulysses, model_config) == 2
+    assert check_sequence_parallel(accelerator(1, 1), ulysses, model_config) == 1
+    with pytest.raises(RecipeError, match=r"over 2 process\(es\) \(parallelism.sp_size=null: all of them\), the "
+                                          "launch config over 1"):
+        check_sequence_parallel(accelerator(1, 2), ulysses, model_config)
+    with pytest.raises(RecipeError, match="parallelism.sp_size=3 must divide the model's 4 attention heads"):
+        check_sequence_parallel(accelerator(3, 3), load_recipe("zero3-ulysses", ["parallelism.sp_size=3"]),
+                                model_config)
