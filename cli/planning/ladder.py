@@ -31,6 +31,8 @@ def with_words(recipe: Recipe, words) -> Recipe:
 
 
 def rung_of(recipe: Recipe) -> str:
+    if recipe.sequence_parallel != 1:
+        return "sequence parallelism"
     if recipe.tiled_mlp is not False:
         return "tiled MLP"
     if recipe.lean_norms:
@@ -51,7 +53,8 @@ def climbs(recipe: Recipe, topo: Topology | None = None):
     """(rung, the recipe on it) for the recipe's own rung and each above it that its rules (and `topo`, when given)
     accept, cheapest first: selective checkpointing (the matmuls' and attention's outputs kept), full checkpointing
     (each layer's input), activation offload (that input in host RAM), lean norms (each RMSNorm's input kept as it
-    comes, its backward a tile of tokens at a time), tiled MLP (its tensors one tile of tokens at a time)."""
+    comes, its backward a tile of tokens at a time), tiled MLP (its tensors one tile of tokens at a time); on several
+    processes, sequence parallelism over all of them (Ulysses: each holds 1/N of every sequence; ZeRO-3 only)."""
     out = [Rung(rung_of(recipe), ())]
     if not recipe.checkpoints:
         out.append(Rung("selective checkpointing", ("gradient_checkpointing=selective",)))
@@ -65,6 +68,9 @@ def climbs(recipe: Recipe, topo: Topology | None = None):
         out.append(Rung("lean norms", (*out[-1].words, "lean_norms=true")))
     if recipe.tiled_mlp is False:  # each MLP a tile of tokens at a time (one process only: the rules say where)
         out.append(Rung("tiled MLP", (*out[-1].words, "tiled_mlp=true")))
+    if topo is not None and topo.num_processes > 1 and recipe.sequence_parallel == 1:  # each sequence split over them
+        unpacked = ("packing=false",) if recipe.packing and recipe.attn_implementation != "flash_attention_2" else ()
+        out.append(Rung("sequence parallelism", (*out[-1].words, *unpacked, f"parallelism.sp_size={topo.num_processes}")))
     for rung in out:
         try:
             climbed = with_words(recipe, rung.words)

@@ -224,6 +224,7 @@ def test_every_other_recipe_runs_dpo(runs, name):
 @pytest.mark.parametrize("words, says", [
     (["--recipe", "single-gpu-lora", "lora.init_lora_weights=pissa"], "rewrites the base"),
     (["--recipe", "tp"], "run dpo does not run tensor parallelism"),
+    (["--recipe", "zero3-ulysses"], "run dpo does not run sequence parallelism in this release (a pair's log-probs"),
     (["--recipe", "single-gpu-lora", "dpo.max_length=200"], "dpo.max_length=200 lets a pair's two sequences fill 400")])
 def test_what_run_dpo_does_not_run_yet_is_refused_in_one_line(cli, tmp_path, words, says):
     out = cli("run", "dpo", "--output-dir", str(tmp_path / "run"), *words)

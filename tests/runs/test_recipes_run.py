@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
         return folder
 
     order = ["single-gpu-lora", "fsdp", "zero3-offload", "ddp", "zero2", "adamw-8bit", "single-gpu-full", "fsdp-lora",
-             "qlora"]
+             "qlora", "zero3-ulysses"]
     jobs = SideBySide({**{name: (lambda core, name=name: start(name, core)) for name in order},
                        "mid-model": lambda core: mid_model(base / "mid"),
                        **{f"loading-{e}": (lambda core, e=e: loading(e)) for e in ("true", "false")}})
@@ -229,6 +229,25 @@ def test_zero3_offload_partitions_offloads_and_gathers_16bit_weights(runs):
     assert json.loads((folder / "deepspeed_config.json").read_text())["zero_optimization"]["stage"] == 3
     model = assert_full_model_saved(folder, tolerance=1e-5)
     assert next(model.parameters()).dtype == torch.bfloat16  # the 16-bit weights gathered at save
+
+
+def test_zero3_ulysses_splits_each_sequence_over_the_two_processes(runs):
+    """As shipped (bf16, the ALST set): sp resolves to the 2 processes, DeepSpeed's Ulysses attention is what
+    transformers calls, the loss falls, the full model is gathered at save and reloads (eval runs whole sequences on
+    each process). Its exactness against one process: tests/runs/test_sequence_parallel.py."""
+    folder = runs("zero3-ulysses")
+    r = assert_learned(folder, 2)
+    s = r["setup"]
+    assert (s["sequence_parallel"], s["ulysses_attention"], s["zero_stage"], s["mixed_precision"]) == (2, True, 3, "bf16")
+    assert s["tiled_mlps"] == 4 and s["lean_norms"] and s["gradient_checkpointing"]
+    assert r["recipe"]["parallelism"]["sp_size"] == 2 and not r["recipe"]["packing"]
+    assert all(h["grad_norm"] > 0 for h in r["history"])  # the engine's norm, before its clipping
+    log = (folder.parent / "zero3-ulysses.launch.log").read_text()
+    assert "sequence parallel: Ulysses over groups of 2 processes (DeepSpeed)" in log
+    assert "batch: 4 sequences x 1 accumulation x 1 data-parallel process(es) per step" not in log  # micro batch 1
+    assert "batch: 1 sequences x 1 accumulation x 1 data-parallel process(es) per step" in log
+    assert "parallelism_config_sp_size: 2" in (folder / "accelerate_config.yaml").read_text()
+    assert_full_model_saved(folder, tolerance=1e-5)
 
 
 def test_ddp_is_the_plain_data_parallel_baseline(runs):

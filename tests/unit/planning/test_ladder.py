@@ -4,7 +4,7 @@ rules), the longest sequence a recipe fits, and the cheapest rung that fits at a
 import pytest
 
 from memrecipe.planning.architecture import structure
-from memrecipe.planning.ladder import STEP, climb, longest, longest_per_recipe, rungs, tokens, with_words
+from memrecipe.planning.ladder import STEP, climb, climbs, longest, longest_per_recipe, rungs, tokens, with_words
 from memrecipe.planning.planner import estimate, judge
 from memrecipe.planning.registry import load_recipe, recipe_names
 from memrecipe.planning.topology import Topology
@@ -19,6 +19,9 @@ def test_each_rung_is_words_the_recipes_rules_accept_and_climbing_keeps_fewer_ac
     for name in recipe_names():
         recipe = load_recipe(name, ["max_seq_length=32768", "per_device_train_batch_size=1"])
         ladder = rungs(recipe)
+        if recipe.sequence_parallel != 1:  # zero3-ulysses: at the top already
+            assert [(rung.name, rung.words) for rung in ladder] == [("sequence parallelism", ())], name
+            continue
         assert ladder[0].words == () and ladder[-1].name in ("activation offload", "lean norms", "tiled MLP"), name
         tiles = recipe.distributed_type != "fsdp" and not recipe.optimizer_in_backward and not recipe.torch_compile
         assert (ladder[-1].name == "tiled MLP") == tiles, name
@@ -75,3 +78,18 @@ def test_a_recipe_without_checkpointing_climbs_through_selective_then_full_check
         ("activation offload", ("gradient_checkpointing=true", "activation_offload=true")),
         ("lean norms", ("gradient_checkpointing=true", "activation_offload=true", "lean_norms=true")),
         ("tiled MLP", ("gradient_checkpointing=true", "activation_offload=true", "lean_norms=true", "tiled_mlp=true"))]
+
+
+def test_on_several_gpus_the_ladder_climbs_on_to_sequence_parallelism():
+    """After the tiled MLP, a ZeRO-3 recipe on N GPUs splits each sequence over them (one example per row, as Ulysses
+    needs under sdpa): the 8B's longest LoRA sequence on 8 x 80 GB grows past 4M tokens (ALST: 3.7M); a recipe on
+    one GPU, or off ZeRO-3, has no such rung."""
+    s = structure(LLAMA_8B)
+    lora = ["lora.r=16", "lora.target_modules=all-linear"]
+    eight = longest_per_recipe(load_recipe("zero3-offload", lora), s, Topology(8), GPU80, 2 * 10**12)
+    assert eight.rung.name == "sequence parallelism" and eight.seq_length >= 4 * 2**20
+    assert eight.rung.words[-2:] == ("packing=false", "parallelism.sp_size=8")
+    unsplit = longest_per_recipe(load_recipe("zero3-offload", [*lora, "parallelism.sp_size=1"]), s, Topology(1), GPU80,
+                                 2 * 10**12)
+    assert unsplit.rung.name == "tiled MLP" and 8 * unsplit.seq_length < eight.seq_length * 1.2
+    assert "sequence parallelism" not in [r.name for r, _ in climbs(load_recipe("fsdp-lora"), Topology(8))]

@@ -121,3 +121,37 @@ def test_the_launch_config_and_the_recipe_must_agree_on_the_group():
     with pytest.raises(RecipeError, match="parallelism.sp_size=3 must divide the model's 4 attention heads"):
         check_sequence_parallel(accelerator(3, 3), load_recipe("zero3-ulysses", ["parallelism.sp_size=3"]),
                                 model_config)
+
+
+def test_the_generated_config_reaches_accelerates_parallelism_config(tmp_path):
+    """The zero3-ulysses YAML for 8 GPUs, through accelerate launch's own validation and the environment its DeepSpeed
+    launcher gives every process (utils/launch.py, prepare_deepspeed_cmd_env), is the ParallelismConfig the Accelerator
+    builds: sp 8 on DeepSpeed with sdpa, one data-parallel group (DeepSpeed's train_batch_size: micro x accumulation
+    x processes / sp). Its JSON is DeepSpeed's own config class's."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import patch_environment
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    from memrecipe.planning.configs import generate
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.planning.topology import Topology, decide
+
+    recipe = decide(load_recipe("zero3-ulysses"), Topology(8))
+    files = generate(recipe, Topology(8), folder=str(tmp_path))
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (yaml_name,) = [name for name in files if name.endswith(".yaml")]
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(
+        ["--config_file", str(tmp_path / yaml_name), "sft.py"]))
+    assert args.use_deepspeed and args.use_parallelism_config
+    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)  # (as launch_command sets it)
+    _, env = prepare_deepspeed_cmd_env(args)
+    with patch_environment(**{k: v for k, v in env.items() if k.startswith("PARALLELISM_CONFIG_")}):
+        config = ParallelismConfig()
+    assert (config.sp_size, config.sp_backend, config.sp_handler.sp_attn_implementation) == (8, "deepspeed", "sdpa")
+    assert config.sp_handler.sp_seq_length_is_variable and config.data_parallel_size == 1
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    (json_name,) = [name for name in files if name.endswith(".json")]
+    assert DeepSpeedConfig(str(tmp_path / json_name)).zero_optimization_stage == 3
