@@ -34,7 +34,7 @@ ONE_GPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation
            ("single-gpu-full", ["optim=apollo_adamw", "optim_args.rank=128"], 1), ("adamw-8bit", [], 1),
            ("zero3-offload", [], 1), ("ddp", [], 1)]
 SEVERAL_GPUS = [("ddp", [], 0), ("fsdp", [], 0), ("fsdp-lora", [], 0), ("fsdp-qlora", [], 0), ("zero2", [], 0),
-                ("tp", [], 4)]  # 0: every GPU
+                ("tp", [], 4), ("zero3-ulysses", [], 2)]  # 0: every GPU; zero3-ulysses: each sequence split 2 ways
 CPU = [("single-gpu-lora", [], 1), ("ddp", [], 2), ("single-gpu-lora", ["attn_implementation=sdpa"], 1)]
 # long context: one document of max_seq_length tokens a micro batch, on the ladder's top rung (docs/long-context.md)
 LONG = ("single-gpu-lora", ["activation_offload=true", "lean_norms=true", "tiled_mlp=true",
@@ -43,7 +43,7 @@ LONG_TOKENS = {"gpu": 16384, "cpu": 1024}
 PREFERENCES = [("single-gpu-lora", [], 1), ("qlora", [], 1)]  # `memrecipe run dpo` on the embedded pairs (--cpu: the first)
 LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit": "bitsandbytes",
              "single-gpu-full": "torchao", "apollo_adamw": "apollo_torch", "zero3-offload": "deepspeed",
-             "zero2": "deepspeed"}
+             "zero2": "deepspeed", "zero3-ulysses": "deepspeed"}
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "logits")
 GiB = 2**30
 # The memory verdict. Over: a measured category more than 5% above its plan fails (the model states are counted

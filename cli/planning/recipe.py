@@ -389,7 +389,8 @@ def techniques(r: Recipe) -> list[str]:
     if r.tensor_parallel > 1:
         out.append(f"tensor parallel x{r.tensor_parallel}")
     if r.sequence_parallel != 1:
-        out.append(f"Ulysses sequence parallel x{r.sequence_parallel or 'all processes'}")
+        out.append("Ulysses sequence parallelism " + (f"x{r.sequence_parallel}" if r.sequence_parallel else
+                                                      "over all the processes"))
     if r.fsdp:
         shard = "full shard" if r.fsdp.reshard_after_forward else "shard grad+optim"
         out.append(f"FSDP{r.fsdp.version} {shard}")
