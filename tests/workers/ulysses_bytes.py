@@ -1,8 +1,9 @@
 """What one process of a Ulysses group holds between forward and backward, launched on 2 gloo processes (torchrun):
 the model as the loop builds it (tests/helpers.loop_model) with DeepSpeed's Ulysses attention registered as
 accelerate's prepare registers it, and one sequence of each length cut into the group's slices as DeepSpeed's adapter
-cuts it (labels shifted first). Rank 0 writes, for each length, the bytes the forward allocated and still holds
-(tests/measuring.py; no ZeRO: parameters whole, so the bytes are the activations').
+cuts it (labels shifted first). Rank 0 writes, for each length, the bytes of the tensors autograd keeps for backward
+when the forward ends (tests/measuring.py, saved_at_forward_end: each storage once, parameters left out; counted
+off autograd's own hooks, so the same in every run, where the profiler's allocations under gloo are not).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/workers/ulysses_bytes.py OUT.json MODEL L1,L2 [key=value ...]
 """
@@ -16,7 +17,7 @@ from torch.nn import functional as F
 
 import memrecipe  # noqa: F401  (quiets library notices, as the loop does)
 from helpers import loop_model
-from measuring import held_after_forward
+from measuring import saved_at_forward_end
 from memrecipe.planning.registry import load_recipe
 
 out, model_path, lengths, words = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3].split(",")], sys.argv[4:]
@@ -36,14 +37,8 @@ for length in lengths:
     part = slice(rank * length // sp, (rank + 1) * length // sp)
     batch = {"input_ids": ids[:, part], "shift_labels": shifted[:, part], "attention_mask": torch.ones_like(ids[:, part]),
              "position_ids": torch.arange(length)[None, part]}
-    # the least of three: a run holds whole tensors more at random (256 KiB here, once in a few runs, in the same
-    # length's every step: gloo's buffers, as far as seen), so the lengths are far apart: 1K and 8K tokens
-    held = []
-    for _ in range(3):
-        torch.distributed.barrier()
-        held.append(held_after_forward(model, batch, autocast=True)[1])
-        model.zero_grad(set_to_none=True)
-    measured[length] = {"forward_saved": min(held)}
+    measured[length] = {"forward_saved": saved_at_forward_end(model, batch, autocast=True)}
+    model.zero_grad(set_to_none=True)
 if rank == 0:
     with open(out, "w") as f:
         json.dump(measured, f)
