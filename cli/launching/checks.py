@@ -114,7 +114,7 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
     pick of what would fit (planner.recommend): among the recipes of the same training method first,
     since another method trains another way."""
     shape = shape or structure(read_config(recipe.model_name_or_path))
-    check_heads(recipe.sequence_parallel or topo.num_processes, shape.heads, shape.kv_heads)
+    check_heads(recipe.sequence_group(topo.num_processes), shape.heads, shape.kv_heads)
     verdict = judge(estimate(recipe, shape, topo), machine.gpu_memory, machine.host_memory or None)
     if verdict.fits or force:
         return verdict

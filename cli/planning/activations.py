@@ -224,7 +224,7 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     after_attention = tokens * s.hidden * (cb + (residual if recipe.lean_norms else 4))
     places = [mlp_freed + norm, mlp_freed - after_attention + attention_backward_bytes(s, mode, tokens, cuda)]
     if sp > 1:  # the exchanges, after the kernel's backward: its gradients of q, k, v passing them
-        places.append(mlp_freed - after_attention + 3 * tokens * compute_bytes(mode) * s.heads * s.head_dim
+        places.append(mlp_freed - after_attention + 3 * tokens * cb * s.heads * s.head_dim
                       + exchange_bytes(s, mode, tokens, sp))
     if not s.experts:
         i = s.intermediate

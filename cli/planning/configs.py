@@ -136,7 +136,7 @@ def accelerate_config(recipe: Recipe, topo: Topology, deepspeed_config_file: str
         tp, prefix = recipe.tensor_parallel, "parallelism_config_"
         cfg["parallelism_config"] = {f"{prefix}dp_replicate_size": 1, f"{prefix}dp_shard_size": n // tp,
                                      f"{prefix}tp_size": tp, f"{prefix}cp_size": 1}
-    sp = recipe.sequence_parallel or n  # (null: all the processes)
+    sp = recipe.sequence_group(n)
     if sp > 1:  # (accelerate's launcher exports it as PARALLELISM_CONFIG_*; the Accelerator reads it)
         prefix = "parallelism_config_"
         cfg["parallelism_config"] = {f"{prefix}dp_replicate_size": 1, f"{prefix}dp_shard_size": n // sp,

@@ -120,7 +120,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         raise RecipeError(f"gradient_checkpointing: selective is planned for dense models; {s.model_type} routes "
                           "tokens to experts, whose kernels it would keep unplanned: use gradient_checkpointing=true")
     batch, seq = micro_batch or recipe.per_device_train_batch_size, seq_length or recipe.max_seq_length
-    sp = recipe.sequence_parallel or topo.num_processes  # (null: all of them)
+    sp = recipe.sequence_group(topo.num_processes)
     precision = resolve_precision(recipe, topo)
     compute_bytes = 2 if precision in ("bf16", "fp16") else 4
     train = trainable_tensors(recipe, s)

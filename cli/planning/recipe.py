@@ -315,8 +315,12 @@ class Recipe:
 
     @property
     def sequence_parallel(self) -> int | None:
-        """parallelism.sp_size (1: none; None: all the processes, resolved with the topology: topology.sp_size)."""
+        """parallelism.sp_size (1: none; None: all the processes, decided with the topology: topology.decide)."""
         return self.parallelism.sp_size if self.parallelism else 1
+
+    def sequence_group(self, processes: int) -> int:
+        """The Ulysses group's size on this many processes: parallelism.sp_size, all of them where it is null."""
+        return self.sequence_parallel or processes
 
     @property
     def uses_bnb(self) -> bool:

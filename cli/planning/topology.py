@@ -122,7 +122,8 @@ def decide(recipe: Recipe, topo: Topology) -> Recipe:
     sequence-parallel group (parallelism.sp_size null -> all the processes). Decided once where a run's plan starts,
     so the configs, the estimate and the run folder's recipe.yaml read the same answer."""
     if recipe.parallelism is not None and recipe.parallelism.sp_size is None:
-        recipe = replace(recipe, parallelism=replace(recipe.parallelism, sp_size=topo.num_processes))
+        group = recipe.sequence_group(topo.num_processes)
+        recipe = replace(recipe, parallelism=replace(recipe.parallelism, sp_size=group))
     return replace(recipe, mixed_precision=resolve_precision(recipe, topo))
 
 
@@ -167,7 +168,7 @@ def check_supported(recipe: Recipe, topo: Topology) -> None:
             raise RecipeError(f"recipe {recipe.name} splits each layer over parallelism.tp_size={tp} processes and "
                               f"shards the rest with FSDP2: --num-processes must be a multiple of {tp}, at least "
                               f"{2 * tp}; got {n}")
-    sp = recipe.sequence_parallel or n  # (null: all of them, until `decide`)
+    sp = recipe.sequence_group(n)  # (null until `decide`)
     if n % sp:
         raise RecipeError(f"recipe {recipe.name} splits each sequence over parallelism.sp_size={sp} processes: "
                           f"--num-processes must be a multiple of {sp}, got {n}")

@@ -11,14 +11,12 @@ them in host memory)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.nn import functional as F
 
 from ..errors import RecipeError
-from .data import IGNORE
 from ..planning.topology import check_heads
+from .data import IGNORE
 
 
 def sp_size(accelerator) -> int:
@@ -30,7 +28,7 @@ def sp_size(accelerator) -> int:
 def check_sequence_parallel(accelerator, recipe, config) -> int:
     """The launch config's sp size, checked against the recipe's and the model's heads (`config`: the model's);
     returns it."""
-    sp, asked = sp_size(accelerator), recipe.sequence_parallel or accelerator.num_processes
+    sp, asked = sp_size(accelerator), recipe.sequence_group(accelerator.num_processes)
     if sp != asked:
         raise RecipeError(f"the recipe splits each sequence over {asked} process(es) (parallelism.sp_size="
                           f"{recipe.sequence_parallel or 'null: all of them'}), the launch config over {sp}: regenerate "
@@ -42,12 +40,6 @@ def check_sequence_parallel(accelerator, recipe, config) -> int:
         text = config.get_text_config()
         check_heads(sp, text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     return sp
-
-
-def pad_multiple(multiple: int, sp: int) -> int:
-    """Rows are padded to a multiple of this: the collator's own multiple and the group's size (the adapter cuts a
-    row into sp equal slices)."""
-    return math.lcm(multiple, sp)
 
 
 class SequenceShards:
