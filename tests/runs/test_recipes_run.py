@@ -53,8 +53,6 @@ def runs(tmp_path_factory):
             memrecipe_run(folder, name, "--num-processes", "1", "--memory-snapshot", core=core)
         elif name == "fsdp-lora":  # with a checkpoint of the trained weights at the last step
             memrecipe_run(folder, name, "save_steps=20")
-        elif name == "zero3-ulysses":  # its tiled MLP in 2 tiles (rows of 64 tokens are one tile of hidden_size)
-            memrecipe_run(folder, name, "tiled_mlp=2")
         elif name == "qlora":  # and the activation offload knob, end to end
             memrecipe_run(folder, name, "activation_offload=true", core=core)
         else:
