@@ -52,15 +52,18 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor):
+        if self.streams is None and tensor.device.type == "cuda":
+            self.streams = CopyStreams(tensor.device)
+        streams = self.streams
+        if streams is not None and tensor.device != streams.device:
+            return tensor.device, tensor  # a host tensor saved beside the device's (seen on CUDA): stays, uncounted
         self.tensors += 1
         self.bytes += tensor.numel() * tensor.element_size()
-        streams = self.streams or (CopyStreams(tensor.device) if tensor.device.type == "cuda" else None)
         if streams is None:
             if not self.copy_on_cpu:
                 return tensor.device, tensor
             self.copied += 1
             return tensor.device, tensor.detach().clone()  # a separate host tensor, as on CUDA
-        self.streams = streams
         self._release_copied()
         streams.side_waits_compute()
         with streams.on_side():

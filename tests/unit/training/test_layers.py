@@ -74,6 +74,7 @@ class RecordedStreams:
 
     def __init__(self):
         self.log, self.finished = [], set()
+        self.device = torch.device("cpu")  # the device whose tensors go to the host (CopyStreams': a CUDA device)
 
     def side_waits_compute(self):
         self.log.append("side waits compute")
@@ -134,6 +135,22 @@ def test_the_side_stream_copies_keep_their_order_and_the_gradients():
     for name, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, plain[name], rtol=0, atol=0)
+
+
+def test_a_tensor_off_the_streams_device_stays_where_it_is():
+    """A CUDA layer can save a host tensor beside its device tensors (the first GPU run's offloaded rows did, and
+    died in record_stream): only the streams' device's tensors take the side-stream path; another passes through
+    unmoved, uncounted, with no stream call."""
+    from memrecipe.training.layers import HostOffload
+
+    hooks = HostOffload()
+    hooks.streams = streams = RecordedStreams()
+    elsewhere, here = torch.ones(3, device="meta"), torch.ones(4)
+    packed = hooks.pack_hook(elsewhere)
+    assert hooks.unpack_hook(packed) is elsewhere and streams.log == [] and hooks.tensors == hooks.bytes == 0
+    streams.finished.add("event 2")
+    back = hooks.unpack_hook(hooks.pack_hook(here))
+    assert torch.equal(back, here) and back is not here and hooks.copied == 1 and hooks.bytes == 16
 
 
 def losses(compiled: bool, steps: int = 4) -> tuple[list[float], object]:
