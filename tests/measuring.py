@@ -1,5 +1,6 @@
 """What tests measure a model by: the bytes it holds and the tensors autograd saves, on the batches the recipes
-build (shared by the planner's tests, which hold the estimate to these measurements)."""
+build (shared by the planner's tests, which hold the estimate to these measurements). The forward runs under the
+loop's autocast: bf16, without autocast's weight cache (training.accelerator)."""
 
 import gc
 import weakref
@@ -70,7 +71,7 @@ def saved_peak(model, b, autocast, at_forward_end=None):
         return held
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
             loss = lm_loss(model, b)
         if at_forward_end is not None:
             at_forward_end.append(now[0])
@@ -111,7 +112,7 @@ def held_after_forward(model, b, autocast) -> tuple[float, int, dict]:
     gc.disable()
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
                 loss = lm_loss(model, b)
     finally:
         gc.enable()
@@ -127,7 +128,7 @@ def step_peak(model, b, autocast) -> int:
 
 
 def _step(model, b, autocast):
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
         loss = lm_loss(model, b)
     loss.backward()
 

@@ -321,6 +321,8 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
         forward_saved = inputs + small + norm + head_copy + saved_logits
         saved_peak = max(forward_saved, inputs + small + layer)  # the loss's tensors are gone by the recompute
         acts = inputs + small + max(layer, norm + head_copy)
+        # (autocast over fp32 weights would hold every layer's 16-bit weight copy here, in its cache: the loop
+        # turns the cache off, training.accelerator)
         working = max(inputs + small + norm + head_copy + logits, inputs + small + in_backward)  # loss, or a layer's backward
     else:
         acts = every_layer + small + norm + head_copy

@@ -22,14 +22,18 @@ def make_accelerator(recipe, **kwargs):
       set up for CPU (gloo) and marked MULTI_GPU so the FSDP plugin takes over, with device `cpu`.
     """
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
-                                  InitProcessGroupKwargs)
+    from accelerate.utils import (AutocastKwargs, DataLoaderConfiguration, DistributedType,
+                                  GradientAccumulationPlugin, InitProcessGroupKwargs)
 
     if os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no":
         raise RecipeError("the launch config asks accelerate to compile the whole model (dynamo_config), which wraps "
                           "it and renames its weights: remove dynamo_config and set torch_compile: true in the recipe")
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    handlers = list(kwargs.pop("kwargs_handlers", []))
+    # Autocast over fp32 weights caches each weight's 16-bit copy until the forward ends; under checkpointing that
+    # holds every layer's copy at the loss for nothing (a transformer uses each weight once per forward, and a
+    # layer's recompute runs under an autocast of its own): 2 bytes x the layers' weights (the first GPU run's
+    # adamw-8bit row measured 1.7 GiB at 1B: docs/gpu.md). Without the cache each copy is freed after its matmul.
+    handlers = [AutocastKwargs(cache_enabled=False), *kwargs.pop("kwargs_handlers", [])]
     if not torch.cuda.is_available() and launched:
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
             handlers.append(InitProcessGroupKwargs(backend="gloo"))

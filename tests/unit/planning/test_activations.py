@@ -175,18 +175,22 @@ LADDER = {"none": ["gradient_checkpointing=false"], "selective": ["gradient_chec
           "lean, none": ["gradient_checkpointing=false", "lean_norms=true"]}
 
 
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory):
+def widened(tmp_path_factory, **config_overrides) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from memrecipe.training.loading import embedded_model
 
     config = AutoConfig.from_pretrained(embedded_model())
-    config.update(WIDE)
+    config.update(WIDE | config_overrides)
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("wide")
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    return widened(tmp_path_factory)
 
 
 @pytest.mark.parametrize("recipe, rung, overrides", [
@@ -194,7 +198,8 @@ def wide(tmp_path_factory):
     ("single-gpu-lora", "full", ["lora.dropout=0"]), ("single-gpu-lora", "tiled", ["lora.dropout=0"]),  # shared
     ("single-gpu-lora", "lean", ["lora.dropout=0"]),
     ("qlora", "full", []), ("qlora", "lean", []),  # adapters over 4-bit linears (bitsandbytes' CPU kernels)
-    *[("single-gpu-full", rung, []) for rung in ("none", "full", "tiled", "lean", "lean, none")]])
+    *[("single-gpu-full", rung, []) for rung in ("none", "full", "tiled", "lean", "lean, none")],
+    ("adamw-8bit", "full", [])])  # autocast over fp32 weights
 def test_the_plans_working_peak_is_a_steps_allocation_peak_at_every_length(wide, recipe, rung, overrides):
     """Long sequences, each rung of the ladder, LoRA, QLoRA and a full fine-tune: at 256, 512 and 1024 tokens the
     bytes the forward leaves for backward grow at the plan's per-token slope, and the most a whole step holds at once
@@ -225,3 +230,45 @@ def test_the_plans_working_peak_is_a_steps_allocation_peak_at_every_length(wide,
         assert plan["working"] == pytest.approx(peak, rel=0.1), (length, plan["working"], peak)
     slope = (held[1024] - held[256]) / 768
     assert (planned[1024] - planned[256]) / 768 == pytest.approx(slope, rel=0.1), (planned, held)
+
+
+def test_the_loops_autocast_frees_each_16_bit_weight_copy_after_its_matmul(tmp_path_factory):
+    """A checkpointed full fine-tune over fp32 weights: torch's autocast caches each weight's bf16 copy until the
+    forward and the loss are done, so at the loss every layer's copy would be held beside the activations (the
+    first GPU run's adamw-8bit row measured the 1B's 1.7 GiB of them: docs/gpu.md). The loop's autocast
+    (make_accelerator's) has no cache: on 8 layers at 256 tokens, where the copies are half the step's peak, the peak
+    is the plan's working bytes within 10%, and torch's default autocast holds the layers' copies on top."""
+    from accelerate.state import AcceleratorState
+
+    from helpers import loop_model
+    from measuring import profiled_peak
+    from memrecipe.planning.activations import activation_bytes, activation_mode
+    from memrecipe.training.accelerator import make_accelerator
+    from memrecipe.training.loss import lm_loss
+
+    deep = widened(tmp_path_factory, num_hidden_layers=8)
+    s, length = structure(read_config(deep)), 256
+    r = load_recipe("adamw-8bit", [f"max_seq_length={length}", "per_device_train_batch_size=1", "packing=false"])
+    assert r.gradient_checkpointing and activation_mode(r, 2) == "mixed"
+    model, _ = loop_model(r, deep, "bf16")
+    model.train()
+    ids = torch.randint(0, s.vocab, (1, length), generator=torch.Generator().manual_seed(0))
+    b = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(length)[None]}
+
+    def step(autocast):
+        with autocast:
+            loss = lm_loss(model, b)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    AcceleratorState._reset_state(True)
+    try:
+        loops = profiled_peak(lambda: step(make_accelerator(r, mixed_precision="bf16").autocast()))
+    finally:
+        AcceleratorState._reset_state(True)
+    cached = profiled_peak(lambda: step(torch.autocast("cpu", dtype=torch.bfloat16)))
+    planned = activation_bytes(r, s, "mixed", 1, length)["working"]
+    copies = 2 * s.layers * sum(lin.params for lin in s.linears)
+    assert loops == pytest.approx(planned, rel=0.1), (loops, planned)
+    # the cache's peak is at the loss (the activations and every copy), the loop's in a layer's backward
+    assert cached - loops > copies / 2, (cached, loops, copies)
