@@ -7,18 +7,23 @@ against what the runs measured.
     python benchmarks/gpu_acceptance.py                        # the 1B shape, every recipe this box can hold
     python benchmarks/gpu_acceptance.py --shapes 1b,moe,8b     # the larger shapes too (opt-in)
     python benchmarks/gpu_acceptance.py --cpu                  # tiny smoke mode (the test suite runs it)
+    python benchmarks/gpu_acceptance.py --recipes single-gpu-lora,adamw-8bit --steps 6   # a short lease: these first
+
+The table is rewritten after every row, so a lease that ends mid-run keeps what ran.
 
 Writes OUT/acceptance.md and OUT/acceptance.json (default OUT: acceptance-<time>/): per run the planned and
 measured bytes per category and in total, the measured minus planned total, tokens/s, MFU, whether the loss
 fell; and whether the stopped-and-resumed run's steps equal the uninterrupted run's. A recipe the box cannot hold
 (GPUs, GPU memory or host RAM by the plan) or whose optional library is missing is skipped, with the reason.
-The data is the embedded chat set; the tokenizer is the embedded one (its ids fit any vocabulary).
+The data is the embedded chat set and preference pairs (on a GPU repeated until every step has full micro batches: once
+through, the chat set packs into 5 rows of 2048 tokens, the pairs into 9); the tokenizer is the embedded one (its ids fit any vocabulary).
 """
 
 import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,6 +88,14 @@ def long_documents(path: Path, documents: int, tokens: int) -> Path:
     return path
 
 
+def repeated(source: Path, path: Path, steps: int, tokens_once: int) -> Path:
+    """An embedded set (`tokens_once`: its training tokens, the runs' `data:` line), repeated until `steps` steps of
+    the largest micro batch x accumulation any row uses (16 rows of 2048 tokens; packing fills ~80%) have data."""
+    copies = -(-steps * 16 * 2048 * 5 // (4 * tokens_once)) + 1
+    path.write_text(source.read_text() * copies)
+    return path
+
+
 def skip_reason(recipe: str, overrides: list, processes: int, model: str | None, cpu: bool) -> str | None:
     """Why this box cannot run the case (None: it can), from the optional libraries and the plan."""
     from memrecipe.errors import RecipeError
@@ -127,8 +140,17 @@ def run(folder: Path, recipe: str, words: list, processes: int, cpu: bool, timeo
         return None, f"over {timeout:.0f} s"
     (folder.parent / f"{folder.name}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
-        return None, (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1][:300]
+        return None, why_failed(done)
     return json.loads((folder / "report.json").read_text()), ""
+
+
+def why_failed(done: subprocess.CompletedProcess) -> str:
+    """The line that says why a run failed: memrecipe's one-line error, else the worker's exception (the last
+    lines are the launcher's own traceback and the run's banner)."""
+    lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+    said = [line for line in lines if line.startswith("memrecipe: error") or re.match(r"\w+(Error|Exception)\b", line)
+            and not line.startswith("subprocess.CalledProcessError")]
+    return (said or lines)[-1][:300]
 
 
 def row(name: str, shape: str, processes: int, report: dict) -> dict:
@@ -186,10 +208,13 @@ def resume_check(whole_folder: Path, processes: int, cpu: bool, timeout: float, 
             shutil.rmtree(later) if later.is_dir() else later.unlink()
     cmd = [sys.executable, "-m", "memrecipe", "run", "sft", "--resume", "--output-dir", str(folder),
            "--num-processes", str(processes), *(["--cpu"] if cpu else []), f"max_steps={steps}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"resume_exact": False, "resume_note": f"the resumed run took over {timeout:.0f} s"}
     (folder.parent / f"{folder.name}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
-        return {"resume_exact": False, "resume_note": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+        return {"resume_exact": False, "resume_note": why_failed(done)}
     resumed = json.loads((folder / "report.json").read_text())["history"]
     ours = {h["step"]: h["loss"] for h in whole["history"]}
     diffs = [abs(h["loss"] - ours[h["step"]]) for h in resumed if h["step"] > half]
@@ -238,6 +263,21 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pick(cases: list[tuple], recipes: list[str]) -> list[tuple]:
+    """The cases (script, recipe, overrides, processes) of the named recipes, in the order named, each recipe's in
+    the script's order; ValueError names a recipe no case runs."""
+    if unknown := sorted(set(recipes) - {c[1] for c in cases}):
+        raise ValueError(f"--recipes: no row runs {', '.join(unknown)}; the rows here run "
+                         + ", ".join(sorted({c[1] for c in cases})))
+    return sorted((c for c in cases if c[1] in recipes), key=lambda c: recipes.index(c[1]))
+
+
+def write(out: Path, rows: list[dict]):
+    """acceptance.json and acceptance.md, rewritten after each row: a lease that ends mid-run keeps what ran."""
+    (out / "acceptance.json").write_text(json.dumps(rows, indent=1))
+    (out / "acceptance.md").write_text(markdown(rows))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="smoke mode: the embedded tiny model, gloo, 2 recipes")
@@ -245,6 +285,8 @@ def main():
     parser.add_argument("--steps", type=int, default=None, help="steps per run, even (default 10; --cpu 4)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default 900; --cpu 400: a bound "
                         "for a hang, not for a busy machine, where a ~15 s run once took over 120 s)")
+    parser.add_argument("--recipes", default=None, help="comma-separated recipe names: only their rows (SFT, "
+                        "DPO and the long-context row of each), in this order (default: every recipe)")
     parser.add_argument("--out", type=Path, default=Path(time.strftime("acceptance-%Y%m%d-%H%M%S")))
     args = parser.parse_args()
     steps, timeout = args.steps or (4 if args.cpu else 10), args.timeout or (400 if args.cpu else 900)
@@ -262,7 +304,17 @@ def main():
         cases += [("dpo", *c) for c in PREFERENCES]
     length = LONG_TOKENS["cpu" if args.cpu else "gpu"]
     long_data = long_documents(args.out / "long.jsonl", steps + 2, length)
+    if not args.cpu:
+        from memrecipe.planning.registry import EMBEDDED_DATASET, EMBEDDED_PREFERENCES
+
+        data = {"sft": repeated(EMBEDDED_DATASET, args.out / "chat.jsonl", steps, 8211),
+                "dpo": repeated(EMBEDDED_PREFERENCES, args.out / "pairs.jsonl", steps, 16393)}
     cases.append(("sft", LONG[0], [*LONG[1], f"max_seq_length={length}"], LONG[2]))
+    if args.recipes:  # a short lease: the named recipes' rows, in the order named (index 0 is still the resumed one)
+        try:
+            cases = pick(cases, args.recipes.split(","))
+        except ValueError as e:
+            parser.error(str(e))
     rows = []
     for shape in shapes:
         model = None if args.cpu else str(build_model(HERE / "gpu_configs" / SHAPES[shape], args.out / "models" / shape))
@@ -271,7 +323,8 @@ def main():
             name = " ".join(["dpo"] * (script == "dpo") + [recipe, *overrides])
             words = [*overrides, *extra, f"max_steps={steps}", "save_steps=null", "eval_steps=null",
                      *([] if model is None else ["--model", model]),
-                     *(["--dataset", str(long_data)] if "tiled_mlp=true" in overrides else [])]
+                     *(["--dataset", str(long_data)] if "tiled_mlp=true" in overrides else
+                       [] if args.cpu else ["--dataset", str(data[script])])]
             reason = skip_reason(recipe, [*overrides, *extra], processes, model, args.cpu)
             if reason:
                 rows.append({"recipe": name, "shape": shape, "processes": processes, "status": "skipped",
@@ -286,6 +339,7 @@ def main():
                 rows.append({"recipe": name, "shape": shape, "processes": processes, "status": "failed",
                              "reason": why})
                 print(f"{name} ({shape}): FAILED: {why}", flush=True)
+                write(args.out, rows)
                 continue
             result = row(name, shape, processes, report)
             if index == 0:  # stopped and resumed; and its memory history, in a short run of its own
@@ -301,8 +355,8 @@ def main():
                 result.update(kernel_check(result, auto[0] if auto else None))
             rows.append(result)
             print(f"{name} ({shape}): ran, loss {result['loss_first']:.3f} -> {result['loss_last']:.3f}", flush=True)
-    (args.out / "acceptance.json").write_text(json.dumps(rows, indent=1))
-    (args.out / "acceptance.md").write_text(markdown(rows))
+            write(args.out, rows)
+    write(args.out, rows)
     print(markdown(rows))
     print(f"wrote {args.out / 'acceptance.md'} and acceptance.json")
 

@@ -38,16 +38,20 @@ def test_the_acceptance_script_runs_sft_dpo_and_a_long_context_row_resumes_one_a
     assert ", reward accuracy " in table
 
 
-def test_a_plan_20_percent_low_or_30_percent_high_fails_the_memory_verdict():
-    """The table judges the plan: a measured category above it (beyond 5%) or far below it (beyond 20%) fails, and the
-    GPU's allocator peak is held to the plan less its allowance."""
+def acceptance():
     import importlib.util
 
     # loaded from its file: benchmarks/ on sys.path would shadow the tests' own `runs` package with benchmarks/runs.py
     spec = importlib.util.spec_from_file_location("gpu_acceptance", REPO / "benchmarks" / "gpu_acceptance.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    memory_verdict = module.memory_verdict
+    return module
+
+
+def test_a_plan_20_percent_low_or_30_percent_high_fails_the_memory_verdict():
+    """The table judges the plan: a measured category above it (beyond 5%) or far below it (beyond 20%) fails, and the
+    GPU's allocator peak is held to the plan less its allowance."""
+    memory_verdict = acceptance().memory_verdict
 
     GiB = 2**30
     measured = {"parameters": 16 * GiB, "gradients": 0.1 * GiB, "optimizer_state": 0.2 * GiB, "total": 30 * GiB}
@@ -60,3 +64,38 @@ def test_a_plan_20_percent_low_or_30_percent_high_fails_the_memory_verdict():
     assert memory_verdict(plan | {"total": 1.3 * 31 * GiB}, measured, GiB, "peak_rss_bytes")[0] == "PASS"  # (CPU: RSS)
     over = memory_verdict(plan, measured | {"device_used": 34 * GiB}, GiB, "cuda_max_allocated_bytes")  # the driver's
     assert over[0] == "FAIL" and "device used (mem_get_info, sampled) vs the whole plan: 34 GiB" in over[1]
+
+
+def test_a_short_lease_runs_the_named_recipes_rows_in_the_order_named():
+    cases = [("sft", "single-gpu-lora", [], 1), ("sft", "qlora", [], 1), ("sft", "adamw-8bit", [], 1),
+             ("dpo", "single-gpu-lora", [], 1), ("sft", "single-gpu-lora", ["tiled_mlp=true"], 1)]
+    picked = acceptance().pick(cases, ["adamw-8bit", "single-gpu-lora"])
+    assert picked == [cases[2], cases[0], cases[3], cases[4]]
+    with pytest.raises(ValueError, match="no row runs zero9; the rows here run adamw-8bit, qlora, single-gpu-lora"):
+        acceptance().pick(cases, ["zero9", "qlora"])
+
+
+def test_a_failed_row_says_the_workers_error_not_the_launchers_last_line():
+    """The first lease's failed rows read 'memrecipe: single-gpu-lora on 1 GPU ...' (the banner, printed last)."""
+    import subprocess as sp
+
+    worker = ["Traceback (most recent call last):", '  File "layers.py", line 32, in used_by_compute',
+              "NotImplementedError: Could not run 'aten::record_stream' with arguments from the 'CPU' backend.",
+              "Traceback (most recent call last):", '  File "launch.py", line 999, in simple_launcher',
+              "subprocess.CalledProcessError: Command '['python', 'sft.py']' returned non-zero exit status 1.",
+              "memrecipe: single-gpu-lora on 1 GPU (1 GPU), planned 4.3 GiB per GPU -> /tmp/acc/run"]
+    why = acceptance().why_failed(sp.CompletedProcess([], 1, "", "\n".join(worker)))
+    assert why.startswith("NotImplementedError: Could not run 'aten::record_stream'")
+    refused = ["data: train: 304 pairs kept", "memrecipe: error: the dataset gives 2 micro batch(es) per process",
+               "memrecipe: single-gpu-lora on 1 GPU (1 GPU), planned 5.5 GiB per GPU -> /tmp/acc/run"]
+    assert acceptance().why_failed(sp.CompletedProcess([], 2, "", "\n".join(refused))) == refused[1]
+
+
+def test_the_repeated_data_fills_every_step_of_the_largest_micro_batch(tmp_path):
+    """16 rows of 2048 tokens a step at most, packing ~80% full: the embedded chat set packs into 5 rows once."""
+    from memrecipe.planning.registry import EMBEDDED_DATASET
+
+    path = acceptance().repeated(EMBEDDED_DATASET, tmp_path / "chat.jsonl", 6, 8211)
+    copies = len(path.read_text().splitlines()) // len(EMBEDDED_DATASET.read_text().splitlines())
+    rows = copies * 8211 / (0.8 * 2048)
+    assert rows >= 6 * 16
