@@ -1,38 +1,43 @@
-"""Wheels for a GPU box without network: run on a networked machine, it downloads what the lent box lacks (it comes
-with torch 2.11, transformers 5.17 and accelerate 1.15; no datasets, bitsandbytes, deepspeed, torchao, apollo-torch
-or trl) into one folder, in priority order, until a size budget (the device tool carries 64 MiB at most):
+"""Wheels for a GPU box without network: run on a networked machine (with memrecipe's install: building deepspeed's
+wheel imports torch), it puts what the lent box lacks into one folder the device tool carries (64 MiB at most):
 
-    python scripts/offline_wheels.py --out wheels             # on a networked machine
-    python scripts/offline_wheels.py --out wheels --dry-run   # what it would fetch, in order, without network
-    pip install --no-index --find-links wheels --no-deps -e . # on the box (docs/gpu.md)
+    python scripts/offline_wheels.py --out .whl             # on a networked machine, in the repository
+    python scripts/offline_wheels.py --out .whl --dry-run   # what it would fetch, in order, without network
+    pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site   # on the box
 
-Priority: what every `memrecipe run` needs first (transformers at memrecipe's floor, peft, datasets and pyarrow and
-their small dependencies), then what whole acceptance rows need (deepspeed: zero2, zero3-offload; torchao:
-single-gpu-full; apollo-torch: its APOLLO row), last bitsandbytes (~70 MB with its CUDA kernels: past the budget
-beside pyarrow; without it the qlora, adamw-8bit and fsdp-qlora rows are skipped with the reason). What does not fit
-is said, with its size. Wheels for the box's Python and platform (--python, --platform).
+The box (seen on the first lease, 2026-11-26: docs/gpu.md) has Python 3.12, torch 2.11 (CUDA 13.0), transformers 5.17,
+accelerate 1.15, peft, pyarrow, pandas, fsspec, click, pyyaml, ninja, msgpack and py-cpuinfo; it lacks datasets (and
+dill, multiprocess, xxhash), deepspeed (and hjson, pydantic), bitsandbytes, torchao and apollo-torch. transformers
+travels at memrecipe's floor (the box's 5.17 is below it). PyPI has no deepspeed wheel: its sdist is built into one
+here without its compiled ops (the box builds CPU Adam on first use: g++, ninja, nvcc and the Python headers are
+there). bitsandbytes' wheel carries a library for every CUDA and ROCm (43 MB): only the box's CUDA's and the CPU one
+are kept (7 MB). memrecipe's own wheel comes first. ~30 MB in all; a wheel past the budget is left out and said.
 """
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
-# (requirement, why): in the order they are kept; each with its own dependencies the box lacks
+# (requirement, why, with its dependencies): in the order they are kept
 PRIORITY = [
-    ("transformers>=5.23", "memrecipe's floor; the box has 5.17"),
-    ("peft>=0.21.2", "LoRA"),
-    ("datasets>=5.2", "every run's data"),
-    ("pyarrow", "datasets' storage"),
-    ("dill", "datasets"), ("xxhash", "datasets"), ("multiprocess", "datasets"), ("fsspec", "datasets"),
-    ("click>=8.1", "the CLI"), ("pyyaml>=6.0", "recipes"),
-    ("deepspeed>=0.19.8", "zero2, zero3-offload rows"), ("hjson", "deepspeed"), ("ninja", "deepspeed's CPU Adam build"),
-    ("py-cpuinfo", "deepspeed"), ("msgpack", "deepspeed"),
-    ("torchao>=0.18", "single-gpu-full rows (8-bit AdamW)"),
-    ("apollo-torch>=1.0.3", "the APOLLO row"),
-    ("bitsandbytes>=0.50.2", "qlora, adamw-8bit, fsdp-qlora rows"),
+    ("transformers==5.24.0", "memrecipe's floor (5.23); the box has 5.17", False),
+    ("peft==0.21.2", "LoRA (the box's may be older)", False),
+    ("datasets==5.2.0", "every run's data", False),
+    ("dill==0.4.1", "datasets", False), ("multiprocess==0.70.19", "datasets", False), ("xxhash", "datasets", False),
+    ("deepspeed==0.19.8", "zero2, zero3-offload, zero3-ulysses rows (built from its sdist)", False),
+    ("hjson", "deepspeed", False), ("pydantic", "deepspeed (with pydantic-core and its small dependencies)", True),
+    ("torchao==0.18.0", "single-gpu-full rows (8-bit AdamW)", False),
+    ("apollo-torch==1.0.3", "the APOLLO row", False),
+    ("bitsandbytes==0.50.2", "qlora, adamw-8bit, fsdp-qlora rows (slimmed to the box's CUDA)", False),
 ]
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64"]  # pip matches a wheel's tag exactly: each one it may carry
+REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
 
 
@@ -49,34 +54,65 @@ def pack(wheels: list[tuple[str, int]], budget: int) -> tuple[list[tuple[str, in
     return kept, left
 
 
-def download(requirement: str, dest: Path, python: str, platform: str) -> list[Path]:
-    """One requirement's wheel (no dependencies: the list above names them), for the box's interpreter."""
+def download(requirement: str, dest: Path, python: str, deps: bool) -> list[Path]:
+    """One requirement's wheel for the box's interpreter (deepspeed: its sdist, built here into a wheel)."""
     before = set(dest.iterdir())
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(dest),
-                    "--python-version", python, "--platform", platform, requirement], check=True)
+    pip = [sys.executable, "-m", "pip"]
+    if requirement.startswith("deepspeed"):
+        with tempfile.TemporaryDirectory() as sdist:
+            subprocess.run([*pip, "download", "--no-deps", "--no-binary", ":all:", "-d", sdist, requirement], check=True)
+            subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dest),
+                            *map(str, Path(sdist).iterdir())], check=True, env=os.environ | {"DS_BUILD_OPS": "0"})
+    else:
+        subprocess.run([*pip, "download", *([] if deps else ["--no-deps"]), "--only-binary=:all:", "--dest", str(dest),
+                        "--python-version", python, "--implementation", "cp",
+                        *[flag for p in PLATFORMS for flag in ("--platform", p)], requirement], check=True)
     return sorted(set(dest.iterdir()) - before)
+
+
+def slim(wheel: Path, cuda: str) -> None:
+    """bitsandbytes' wheel with only the CUDA `cuda` (e.g. 130) library and the CPU one, its RECORD to match."""
+    keep = lambda name: not name.endswith(".so") or f"cuda{cuda}" in name or name.endswith("_cpu.so")  # noqa: E731
+    slimmed = wheel.with_suffix(".slim")
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(slimmed, "w", zipfile.ZIP_DEFLATED) as out:
+        for info in source.infolist():
+            if keep(info.filename):
+                data = source.read(info)
+                if info.filename.endswith("RECORD"):
+                    data = b"\n".join(line for line in data.split(b"\n") if keep(line.split(b",")[0].decode()))
+                out.writestr(info, data)
+    slimmed.replace(wheel)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the folder the wheels go to (made if missing)")
-    parser.add_argument("--budget-mib", type=int, default=64, help="the most the folder may hold (default 64)")
-    parser.add_argument("--python", default="3.11", help="the box's Python version (default 3.11)")
-    parser.add_argument("--platform", default="manylinux2014_x86_64", help="the box's wheel platform")
+    parser.add_argument("--budget-mib", type=int, default=60, help="the most the folder may hold (default 60: the "
+                        "device tool carries 64 MiB with the repository)")
+    parser.add_argument("--python", default="3.12", help="the box's Python version (default 3.12)")
+    parser.add_argument("--cuda", default="130", help="the box's torch.version.cuda without the dot (default 130)")
     parser.add_argument("--dry-run", action="store_true", help="list what it would fetch, in order, and stop")
     args = parser.parse_args()
     if args.dry_run:
-        for requirement, why in PRIORITY:
+        print(f"{'memrecipe':24} built from {REPO}")
+        for requirement, why, _ in PRIORITY:
             print(f"{requirement:24} {why}")
         return
     if args.out.exists() and any(args.out.iterdir()):
         sys.exit(f"offline_wheels: {args.out} is not empty: name a new folder (nothing was downloaded)")
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        fetched = []
-        for requirement, _ in PRIORITY:
-            fetched += [(path, path.stat().st_size) for path in download(requirement, Path(tmp), args.python,
-                                                                          args.platform)]
+        leftover = not (REPO / "build").exists()  # setuptools' build folder, which the wheel leaves in the repository
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp,
+                        str(REPO)], check=True)  # memrecipe itself, first
+        if leftover:
+            shutil.rmtree(REPO / "build", ignore_errors=True)
+        fetched = [(path, path.stat().st_size) for path in Path(tmp).iterdir()]
+        for requirement, _, deps in PRIORITY:
+            for path in download(requirement, Path(tmp), args.python, deps):
+                if path.name.startswith("bitsandbytes-"):
+                    slim(path, args.cuda)
+                fetched.append((path, path.stat().st_size))
         kept, left = pack([(str(path), size) for path, size in fetched], args.budget_mib * MiB)
         for name, _ in kept:
             Path(name).rename(args.out / Path(name).name)

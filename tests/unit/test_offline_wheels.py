@@ -23,9 +23,31 @@ def test_wheels_are_kept_in_priority_order_within_the_budget_and_what_does_not_f
 
 
 def test_the_priority_puts_what_every_run_needs_first_and_bitsandbytes_last(tmp_path):
-    names = [r.split(">")[0].split("=")[0] for r, _ in script().PRIORITY]
+    names = [r.split(">")[0].split("=")[0] for r, _, _ in script().PRIORITY]
     assert names.index("datasets") < names.index("deepspeed") < names.index("bitsandbytes") == len(names) - 1
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "offline_wheels.py"), "--out", str(tmp_path / "w"),
                            "--dry-run"], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.splitlines()[0].startswith("transformers>=5.23")
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and lines[0].startswith("memrecipe") and lines[1].startswith("transformers==5.2")
     assert not (tmp_path / "w").exists()  # a dry run writes nothing
+
+
+def test_bitsandbytes_keeps_only_the_boxs_cuda_library_and_its_record_says_so(tmp_path):
+    """Its wheel carries a library per CUDA and ROCm (43 MB); the box needs its CUDA's and the CPU one."""
+    import zipfile
+
+    libraries = ["libbitsandbytes_cpu.so", "libbitsandbytes_cuda126.so", "libbitsandbytes_cuda130.so",
+                 "libbitsandbytes_rocm64.so"]
+    names = ["bitsandbytes/__init__.py", *[f"bitsandbytes/{n}" for n in libraries]]
+    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in names:
+            z.writestr(name, b"x" * 1000)
+        z.writestr("bitsandbytes-0.50.2.dist-info/RECORD", "\n".join(f"{n},sha256=x,1000" for n in names))
+    script().slim(wheel, "130")
+    with zipfile.ZipFile(wheel) as z:
+        kept = sorted(z.namelist())
+        record = z.read("bitsandbytes-0.50.2.dist-info/RECORD").decode().splitlines()
+    assert kept == ["bitsandbytes-0.50.2.dist-info/RECORD", "bitsandbytes/__init__.py",
+                    "bitsandbytes/libbitsandbytes_cpu.so", "bitsandbytes/libbitsandbytes_cuda130.so"]
+    assert [line.split(",")[0] for line in record] == kept[1:]
