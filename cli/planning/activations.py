@@ -193,6 +193,18 @@ def replicated_kv_bytes(s: Structure, mode: str, tokens: int, sp: int) -> int:
     return 2 * tokens * compute_bytes(mode) * max(0, sp - s.kv_heads) * s.head_dim
 
 
+def ring_bytes(s: Structure, mode: str, tokens: int, cp: int) -> int:
+    """Ring attention's buffers in a layer's backward, on a process holding `tokens` of a sequence split `cp` ways
+    (torch's _context_parallel/_attention.py, _templated_ring_attention_backward, with accelerate's default
+    cp_comm_strategy allgather): every process's keys and values gathered once (_AllGatherRotater), the fp32
+    accumulators of the query's and the local keys' and values' gradients (convert_to_f32), and the keys' and values'
+    gradients passed on around the ring. Key/value heads as the model has them (transformers' sdpa passes
+    enable_gqa when there is no mask, and accelerate drops it). Read off the sources, not measured: CPU has no ring
+    kernel."""
+    cb, kv, q = compute_bytes(mode), 2 * s.kv_heads * s.head_dim, s.heads * s.head_dim
+    return cp * tokens * kv * cb + tokens * (q + kv) * 4 + tokens * kv * 4
+
+
 def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: int, cuda: bool = False,
                   sp: int = 1) -> int:
     """The most one layer holds while backward runs through it: `saved` (what it keeps, layer_activation_bytes) with
@@ -207,7 +219,8 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
       mask and its fp32 output;
     - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden]);
       under lean_norms, five over a tile of hidden_size tokens, and its input's gradient.
-    Under Ulysses (`sp`), a fourth: the exchanges after the attention's backward (exchange_bytes)."""
+    Under Ulysses (`sp`), a fourth: the exchanges after the attention's backward (exchange_bytes); under ring
+    attention (parallelism.cp_size), the ring's buffers beside the kernel's backward (ring_bytes)."""
     cb = compute_bytes(mode)
     residual = residual_bytes(mode)
     mlp_tokens = tokens
@@ -226,6 +239,9 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     if sp > 1:  # the exchanges, after the kernel's backward: its gradients of q, k, v passing them
         places.append(mlp_freed - after_attention + 3 * tokens * cb * s.heads * s.head_dim
                       + exchange_bytes(s, mode, tokens, sp))
+    if recipe.context_parallel > 1:
+        places.append(mlp_freed - after_attention + attention_backward_bytes(s, mode, tokens, cuda)
+                      + ring_bytes(s, mode, tokens, recipe.context_parallel))
     if not s.experts:
         i = s.intermediate
         if down:  # what the down projection keeps of its input, freed once its backward ran
@@ -285,8 +301,9 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     (planning.attention.pick_attention; None: what runs on CPU); `cuda`: planned for a GPU. `sp`: Ulysses' group,
     whose processes each hold seq / sp tokens of every tensor; the attention's tensors, whole sequences for 1/sp of
     the heads, are as large as the slice's for all of them, but for replicated K/V heads and the exchanges' buffers
-    (exchange_bytes, replicated_kv_bytes)."""
-    seq = -(-seq // sp)
+    (exchange_bytes, replicated_kv_bytes). Ring attention (parallelism.cp_size) splits every tensor cp ways, the
+    attention's too, and passes keys and values around (ring_bytes)."""
+    seq = -(-seq // (sp * recipe.context_parallel))
     h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
     if attention is None:  # the kernel on CPU (what the tests measure)
         attention = pick_attention(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,

@@ -63,13 +63,16 @@ def flash_installed() -> bool:
 
 
 def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, flash: bool, flex: bool,
-                   flash_error: str | None = None, sequence_parallel: bool = False) -> Attention:
+                   flash_error: str | None = None, sequence_parallel: bool = False, ring: bool = False) -> Attention:
     """`auto`: flash-attn's varlen kernel where it can run (CUDA, 16-bit compute, installed and importing), else
     flex_attention's block-sparse mask for packed rows on CUDA, else sdpa. Any other choice is taken as asked.
     `flash_error`: why an installed flash-attn does not import. Under sequence parallelism `auto` is sdpa: the launch
-    config names the kernel Ulysses wraps (configs.sp_attention) before any machine is seen."""
+    config names the kernel Ulysses wraps (configs.sp_attention) before any machine is seen; under ring attention
+    too: torch's context_parallel replaces SDPA's kernels only."""
     if requested != "auto":
         return Attention(requested, "as the recipe asks")
+    if ring:
+        return Attention("sdpa", "auto under ring attention: torch's context_parallel replaces SDPA's CUDA kernels")
     if sequence_parallel:
         return Attention("sdpa", "auto under sequence parallelism: the kernel the launch config names for Ulysses "
                                  "(flash_attention_2 only where the recipe names it)")

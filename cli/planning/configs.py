@@ -46,9 +46,12 @@ WHY = {
     "fsdp_sync_module_states": "broadcast rank 0's weights (needed by cpu_ram_efficient_loading)",
     "fsdp_activation_checkpointing": "recompute each layer in backward instead of storing activations",
     "parallelism_config_dp_replicate_size": "no replicas: one data-parallel group (HSDP would replicate)",
-    "parallelism_config_dp_shard_size": "data-parallel processes: num_processes / tp_size (or / sp_size)",
+    "parallelism_config_dp_shard_size": "data-parallel processes: num_processes / tp_size (or sp_size, cp_size)",
     "parallelism_config_tp_size": "tensor parallel degree: each layer split this many ways",
-    "parallelism_config_cp_size": "no context parallelism",
+    "parallelism_config_cp_size": "ring attention's degree: each sequence split this many ways (1: none)",
+    "parallelism_config_cp_backend": "torch's context_parallel (ring attention over SDPA's CUDA kernels)",
+    "parallelism_config_cp_comm_strategy": "allgather: each layer gathers every process's keys and values once "
+                                           "(alltoall passes them on step by step: less memory, more latency)",
     "parallelism_config_sp_size": "Ulysses sequence parallel degree: each sequence split this many ways",
     "parallelism_config_sp_backend": "DeepSpeed's Ulysses (UlyssesSPAttentionHF), registered by accelerate's prepare",
     "parallelism_config_sp_seq_length_is_variable": "rows are padded per batch, so their length varies",
@@ -143,6 +146,12 @@ def accelerate_config(recipe: Recipe, topo: Topology, deepspeed_config_file: str
                                      f"{prefix}sp_size": sp, f"{prefix}sp_backend": "deepspeed",
                                      f"{prefix}sp_seq_length_is_variable": True,
                                      f"{prefix}sp_attn_implementation": sp_attention(recipe)}
+    cp = recipe.context_parallel
+    if cp > 1:  # ring attention: FSDP2 shards over every process (accelerate's "dp_shard_cp" dimension)
+        prefix = "parallelism_config_"
+        cfg["parallelism_config"] = {f"{prefix}dp_replicate_size": 1, f"{prefix}dp_shard_size": n // cp,
+                                     f"{prefix}tp_size": 1, f"{prefix}cp_size": cp, f"{prefix}cp_backend": "torch",
+                                     f"{prefix}cp_comm_strategy": "allgather"}
     if recipe.deepspeed is not None:
         section = {"deepspeed_config_file": deepspeed_config_file or f"{config_name(recipe, topo)}.json"}
         if recipe.deepspeed.zero_stage == 3:

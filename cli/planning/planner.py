@@ -99,6 +99,8 @@ def speed_cost(recipe: Recipe, precision: str) -> float:
         cost *= 1.15  # all-reduces of activations in every layer's forward and backward
     if recipe.sequence_parallel != 1:
         cost *= 1.1  # four all-to-alls per layer (q/k/v in, the output out; and back), five with the recompute
+    if recipe.context_parallel > 1:
+        cost *= 1.1  # keys and values around the ring per layer, overlapped with the blocks' attention
     cost *= OPTIMIZERS[recipe.optim].step_cost  # 8-bit (de)quantisation of the state, or APOLLO's projections
     if recipe.quantization:
         cost *= 1.2  # each weight dequantised per matmul, forward and backward
@@ -139,7 +141,8 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     # flex_attention over packed rows (planning.attention)
     if attention is None:
         picked = pick_attention(recipe.attn_implementation, cuda=not topo.cpu, half=compute_bytes == 2,
-                                packing=recipe.packing, flash=flash_installed(), flex=True, sequence_parallel=sp > 1)
+                                packing=recipe.packing, flash=flash_installed(), flex=True, sequence_parallel=sp > 1,
+                                ring=recipe.context_parallel > 1)
         attention = picked.name
         if attention != recipe.attn_implementation:
             notes.append(f"attention: {attention} ({picked.why})")

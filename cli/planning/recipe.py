@@ -207,12 +207,16 @@ class DeepSpeed:
 @dataclass(frozen=True)
 class Parallelism:
     """How a layer's work is split beyond data parallelism, through accelerate's ParallelismConfig: tensor parallelism
-    (FSDP2 shards over the other processes) or Ulysses sequence parallelism (DeepSpeed, over the other processes)."""
+    (FSDP2 shards over the other processes), Ulysses sequence parallelism (DeepSpeed, over the other processes) or
+    ring attention (FSDP2, CUDA: torch's context_parallel)."""
 
     tp_size: int = spec(1, low=1)  # each layer's weights and activations split this many ways (keep within a node)
     # each sequence split this many ways (Ulysses: a process holds 1/sp of every activation but the attention's, which
     # sees the whole sequence for 1/sp of the heads); null: all the processes, one sequence-parallel group
     sp_size: int | None = spec(1, low=1)
+    # each sequence split this many ways by ring attention (a process holds 1/cp of every activation; the keys and
+    # values pass around the ring, all heads); FSDP2 on CUDA, sdpa, one example per row
+    cp_size: int = spec(1, low=1)
 
 
 @dataclass(frozen=True)
@@ -318,6 +322,11 @@ class Recipe:
         """parallelism.sp_size (1: none; None: all the processes, decided with the topology: topology.decide)."""
         return self.parallelism.sp_size if self.parallelism else 1
 
+    @property
+    def context_parallel(self) -> int:
+        """parallelism.cp_size (1: none): ring attention's group."""
+        return self.parallelism.cp_size if self.parallelism else 1
+
     def sequence_group(self, processes: int) -> int:
         """The Ulysses group's size on this many processes: parallelism.sp_size, all of them where it is null."""
         return self.sequence_parallel or processes
@@ -335,6 +344,10 @@ class Recipe:
         """Why this recipe cannot run on a machine without a GPU (each measured), or None if it can."""
         if self.tensor_parallel > 1:
             return "accelerate refuses tensor parallelism (ParallelismConfig) on CPU"
+        if self.context_parallel > 1:
+            return ("ring attention (parallelism.cp_size) runs on CUDA only: torch's context_parallel replaces SDPA's "
+                    "CUDA kernels (flash, efficient, cudnn) and no CPU one, so each process would attend within its "
+                    "own slice; zero3-ulysses splits sequences on CPU")
         if self.fsdp and self.fsdp.version == 1:
             return "FSDP1 wants a CUDA compute device (torch: inconsistent compute device cpu vs cpu:0)"
         if self.fsdp and self.fsdp.offload_params:
@@ -395,6 +408,8 @@ def techniques(r: Recipe) -> list[str]:
     if r.sequence_parallel != 1:
         out.append("Ulysses sequence parallelism " + (f"x{r.sequence_parallel}" if r.sequence_parallel else
                                                       "over all the processes"))
+    if r.context_parallel > 1:
+        out.append(f"ring attention x{r.context_parallel}")
     if r.fsdp:
         shard = "full shard" if r.fsdp.reshard_after_forward else "shard grad+optim"
         out.append(f"FSDP{r.fsdp.version} {shard}")

@@ -99,16 +99,20 @@ def check_quantization(r: Recipe) -> None:
 
 
 def check_parallelism(r: Recipe) -> None:
-    """Tensor parallelism (FSDP2) or Ulysses sequence parallelism (DeepSpeed), each through accelerate's
-    ParallelismConfig, and what each cannot run with."""
-    tp, sp = r.tensor_parallel, r.sequence_parallel
-    if tp > 1 and sp != 1:
-        raise RecipeError(f"parallelism.tp_size={tp} runs on FSDP2 and parallelism.sp_size={sp} on DeepSpeed: set "
-                          "one of them to 1")
+    """Tensor parallelism (FSDP2), Ulysses sequence parallelism (DeepSpeed) or ring attention (FSDP2), each through
+    accelerate's ParallelismConfig, one at a time, and what each cannot run with."""
+    tp, sp, cp = r.tensor_parallel, r.sequence_parallel, r.context_parallel
+    asked = [f"parallelism.{key}={value}" for key, value, on in (("tp_size", tp, tp > 1), ("sp_size", sp, sp != 1),
+                                                                 ("cp_size", cp, cp > 1)) if on]
+    if len(asked) > 1:
+        raise RecipeError(f"{' and '.join(asked)}: one way of splitting at a time (tensor parallelism and ring "
+                          "attention run on FSDP2, Ulysses on DeepSpeed): set the others to 1")
     if tp > 1:
         check_tensor_parallel(r)
     if sp != 1:
         check_sequence_parallel(r)
+    if cp > 1:
+        check_context_parallel(r)
 
 
 def check_tensor_parallel(r: Recipe) -> None:
@@ -146,6 +150,24 @@ def check_sequence_parallel(r: Recipe) -> None:
     if r.torch_compile:
         raise RecipeError("torch_compile under sequence parallelism is not checked in memrecipe: set "
                           "torch_compile=false")
+
+
+def check_context_parallel(r: Recipe) -> None:
+    """Ring attention: torch's context_parallel, which accelerate prepares on FSDP2 (Accelerator._prepare_cp) with
+    hooks that drop each attention's mask and make it causal (big_modeling._attach_context_parallel_hooks); torch
+    replaces SDPA's CUDA kernels with ring ones (_context_parallel/_attention.py) and no other kernel."""
+    if r.fsdp is None or r.fsdp.version != 2:
+        raise RecipeError("parallelism.cp_size is ring attention, which accelerate runs on FSDP2 only: use fsdp or "
+                          "fsdp-lora (fsdp.version=2), or zero3-ulysses for sequence parallelism on DeepSpeed")
+    if r.attn_implementation not in ("auto", "sdpa"):
+        raise RecipeError(f"attn_implementation={r.attn_implementation} cannot run under ring attention (torch "
+                          "replaces SDPA's kernels only): set attn_implementation=sdpa")
+    if r.packing:
+        raise RecipeError("packing under ring attention: accelerate drops the attention mask and runs each row "
+                          "causal, so a packed row's documents would attend to each other: set packing=false (one "
+                          "example per row)")
+    if r.torch_compile:
+        raise RecipeError("torch_compile under ring attention is not checked in memrecipe: set torch_compile=false")
 
 
 def check_fsdp(r: Recipe) -> None:
@@ -229,6 +251,9 @@ def for_script(r: Recipe, script: str) -> Recipe:
     if r.sequence_parallel != 1:
         raise RecipeError("run dpo does not run sequence parallelism in this release (a pair's log-probs would be "
                           "split over the group's processes): set parallelism.sp_size=1, or use zero3-offload")
+    if r.context_parallel > 1:
+        raise RecipeError("run dpo does not run ring attention in this release (a pair's log-probs would be split "
+                          "over the ring's processes): set parallelism.cp_size=1")
     if r.dpo.reference_free:  # simpo, orpo: no reference model, so nothing below applies
         return r
     if r.lora is not None and r.lora.init_lora_weights in ("pissa", "olora"):

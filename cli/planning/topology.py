@@ -172,6 +172,10 @@ def check_supported(recipe: Recipe, topo: Topology) -> None:
     if n % sp:
         raise RecipeError(f"recipe {recipe.name} splits each sequence over parallelism.sp_size={sp} processes: "
                           f"--num-processes must be a multiple of {sp}, got {n}")
+    cp = recipe.context_parallel
+    if n % cp:
+        raise RecipeError(f"recipe {recipe.name} splits each sequence over parallelism.cp_size={cp} processes (ring "
+                          f"attention): --num-processes must be a multiple of {cp}, got {n}")
     if recipe.tiled_mlp is not False and n > 1 and recipe.deepspeed is None:
         raise RecipeError(f"tiled_mlp runs on one process or under DeepSpeed: DDP syncs each weight's gradient once, "
                           f"and the tiles give it in parts; got {n} processes: use --num-processes 1, or set "

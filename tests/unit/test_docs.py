@@ -51,13 +51,13 @@ LONG_CONTEXT = [("docs/long-context.md", f"| {gpu} GB | {{}} | {{}} | {{}} | {{}
     for gpu in (24, 48, 80)]
 
 
-def longest_split(model, machines, *overrides) -> str:
+def longest_split(model, machines, *overrides, recipe="zero3-ulysses") -> str:
     """'5,891K, 1473.4 GiB': zero3-ulysses's longest sequence on `machines` x 8 x 80 GB, 2 TB of host RAM each (sp over
-    all the GPUs), with the host RAM per machine there."""
+    all the GPUs), with the host RAM per machine there (or `recipe`'s, with its overrides)."""
     from memrecipe.planning.ladder import longest_per_recipe, tokens
 
     topo = Topology(8 * machines, num_machines=machines)
-    row = longest_per_recipe(load_recipe("zero3-ulysses", ["model_name_or_path=org/model", *overrides]), structure(model),
+    row = longest_per_recipe(load_recipe(recipe, ["model_name_or_path=org/model", *overrides]), structure(model),
                              topo, 80 * 10**9, 2 * 10**12)
     return f"{tokens(row.seq_length)}, {row.verdict.estimate.host_total() / GiB:.1f} GiB" if row.seq_length else "none"
 
@@ -70,11 +70,17 @@ MANY_GPUS = [("docs/long-context.md", f"| {name}, {label} | {{}} | {{}} |",
              for label, machines in (("8 x 80 GB", 1), ("2 x 8 x 80 GB", 2))]
 
 
+RING = ["parallelism.cp_size=8", "packing=false"]
+RING_8B = lambda: [longest_split(LLAMA_8B, 1, *RING, "lora.r=16", "lora.target_modules=all-linear",  # noqa: E731
+                                 recipe="fsdp-lora"), longest_split(LLAMA_8B, 1, *RING, recipe="fsdp")]
+
 SPLIT_8B = lambda: [longest_split(LLAMA_8B, 1, "lora.r=16", "lora.target_modules=all-linear").split(", ")[0]]  # noqa: E731
 
 
 @pytest.mark.parametrize("path, sentence, figures", [*LONG_CONTEXT, *MANY_GPUS,
     ("README.md", "the 8B plans at {} tokens on 8 x 80 GB", SPLIT_8B),
+    ("docs/long-context.md", "ring attention over the 8 GPUs plans the 8B at {} with LoRA r16 on every linear layer "
+                             "(`fsdp-lora`) and {} fully fine-tuned (`fsdp`)", RING_8B),
     ("docs/recipes.md", "8B plans at {} tokens with LoRA on 8 x 80 GB", SPLIT_8B),
     ("README.md", "puts LoRA on q_proj, v_proj at {} GiB and QLoRA at {} GiB",
      lambda: [planned("single-gpu-lora", *LORA_JOB, "lora.target_modules=[q_proj,v_proj]"), planned("qlora", *LORA_JOB)]),

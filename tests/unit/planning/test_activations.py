@@ -272,3 +272,22 @@ def test_the_loops_autocast_frees_each_16_bit_weight_copy_after_its_matmul(tmp_p
     assert loops == pytest.approx(planned, rel=0.1), (loops, planned)
     # the cache's peak is at the loss (the activations and every copy), the loop's in a layer's backward
     assert cached - loops > copies / 2, (cached, loops, copies)
+
+
+def test_ring_attention_plans_each_process_a_slice_and_the_rings_buffers_in_backward():
+    """parallelism.cp_size: a process of a ring of 8 holds at 8 x L tokens what one process holds at L, but in a
+    layer's backward, where the gathered keys and values and the gradients' fp32 accumulators come beside it (read
+    off torch's source: no ring kernel runs on CPU). The 8B's MLP backward outweighs them; a narrow MLP does not."""
+    from memrecipe.planning.activations import activation_bytes, ring_bytes
+
+    length, plain, split = 32768, load_recipe("fsdp-lora", ["packing=false"]), load_recipe(
+        "fsdp-lora", ["packing=false", "parallelism.cp_size=8"])
+    for model, beside in ((LLAMA_8B, False), (LLAMA_8B | {"intermediate_size": 1024}, True)):
+        s = structure(model)
+        one = activation_bytes(plain, s, "lora", 1, length, "sdpa", cuda=True)
+        ring = activation_bytes(split, s, "lora", 1, 8 * length, "sdpa", cuda=True)
+        assert (ring["activations"], ring["saved_peak"]) == (one["activations"], one["saved_peak"])
+        if beside:  # the ring's place is backward's largest
+            assert one["working"] < ring["working"] <= one["working"] + ring_bytes(s, "lora", length, 8)
+        else:
+            assert ring["working"] == one["working"]

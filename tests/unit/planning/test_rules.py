@@ -29,7 +29,7 @@ from memrecipe.planning.registry import load_recipe
     ("zero3-ulysses", ["attn_implementation=eager"], "accelerate refuses eager and flex_attention there"),
     ("zero3-ulysses", ["attn_implementation=flex_attention"], "set attn_implementation=sdpa"),
     ("zero3-ulysses", ["torch_compile=true"], "torch_compile"),
-    ("tp", ["parallelism.sp_size=2"], "parallelism.tp_size=2 runs on FSDP2 and parallelism.sp_size=2 on DeepSpeed"),
+    ("tp", ["parallelism.sp_size=2"], "parallelism.tp_size=2 and parallelism.sp_size=2: one way of splitting at a time"),
 ])
 def test_incompatible_combinations_are_refused_with_the_reason(recipe, override, reason):
     with pytest.raises(RecipeError, match=reason):
