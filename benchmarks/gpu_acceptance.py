@@ -39,7 +39,8 @@ ONE_GPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation
            ("single-gpu-full", ["optim=apollo_adamw", "optim_args.rank=128"], 1), ("adamw-8bit", [], 1),
            ("zero3-offload", [], 1), ("ddp", [], 1)]
 SEVERAL_GPUS = [("ddp", [], 0), ("fsdp", [], 0), ("fsdp-lora", [], 0), ("fsdp-qlora", [], 0), ("zero2", [], 0),
-                ("tp", [], 4), ("zero3-ulysses", [], 2)]  # 0: every GPU; zero3-ulysses: each sequence split 2 ways
+                ("tp", [], 4), ("zero3-ulysses", [], 2),  # 0: every GPU; zero3-ulysses: each sequence split 2 ways
+                ("fsdp-lora", ["parallelism.cp_size=2", "packing=false"], 2)]  # ... and by ring attention
 CPU = [("single-gpu-lora", [], 1), ("ddp", [], 2), ("single-gpu-lora", ["attn_implementation=sdpa"], 1)]
 # long context: one document of max_seq_length tokens a micro batch, on the ladder's top rung (docs/long-context.md)
 LONG = ("single-gpu-lora", ["activation_offload=true", "lean_norms=true", "tiled_mlp=true",

@@ -9,7 +9,7 @@ notices that say nothing about the run (memrecipe/__init__.py).
                     fuse_head, frozen_copy
     the data        prepare_datasets, Collator
     the optimizer   make_optimizer, wrap_first, prepare
-    a step          lm_loss, count_targets, Checkpoints, sp_size, skip_batches
+    a step          lm_loss, count_targets, Checkpoints, row_multiple, Ring, skip_batches
     preferences     prepare_pairs, PairCollator, sequence_logps, target_counts, pair_values, preference_sums,
                     window_loss, METRICS, reference_store, reference_weights, rows_key, REFERENCE_STORE
                     (recipes/dpo.py)
@@ -35,7 +35,8 @@ from .training.preference import (METRICS, REFERENCE_STORE, PairCollator, pair_v
                                   reference_store, reference_weights, rows_key, sequence_logps, target_counts,
                                   window_loss)
 from .training.reference import frozen_copy
-from .training.sequence import skip_batches, sp_size
+from .training.ring import Ring, row_multiple
+from .training.sequence import skip_batches
 from .training.tiling import tile_mlps
 from .training.tokenizer import load_tokenizer
 
@@ -48,7 +49,7 @@ __all__ = ["load_recipe", "flag_overrides", "RecipeError",
            "fuse_head", "frozen_copy",
            "prepare_datasets", "Collator",
            "make_optimizer", "wrap_first", "prepare",
-           "lm_loss", "count_targets", "Checkpoints", "sp_size", "skip_batches",
+           "lm_loss", "count_targets", "Checkpoints", "row_multiple", "Ring", "skip_batches",
            "prepare_pairs", "PairCollator", "sequence_logps", "target_counts", "pair_values", "preference_sums",
            "window_loss", "METRICS",
            "reference_store", "reference_weights", "rows_key", "REFERENCE_STORE",

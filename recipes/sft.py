@@ -32,7 +32,7 @@ from memrecipe.loop import (Checkpoints, Collator, Meter, RecipeError, add_lora,
                             count_targets, embedded_model, enable_checkpointing, flag_overrides, fuse_head,
                             keep_initial_adapter, lean_norms, lm_loss, load_pretrained, load_recipe, load_tokenizer,
                             make_accelerator, make_optimizer, open_run, prepare, prepare_datasets, save_final,
-                            skip_batches, sp_size, tensor_parallel, tile_mlps, wrap_first, write_report)
+                            Ring, row_multiple, skip_batches, tensor_parallel, tile_mlps, wrap_first, write_report)
 import torch
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
@@ -96,18 +96,23 @@ def accumulate_window(model, window, accelerator):
     processes. Gradients are averaged over processes (under Ulysses too: ZeRO-3's reduce-scatter
     averages over all of them, a sequence's slices included) and accelerate divides each micro
     batch's loss by the accumulation steps; scaling by both makes the gradient sum(token losses) /
-    targets, exactly the gradient of one big batch. Returns (mean loss per target token, targets).
+    targets, exactly the gradient of one big batch. Under ring attention a ring's processes share each batch, each
+    computing its slice's loss: the ring's targets count once. Returns (mean loss per target token, the targets
+    summed over processes: a tensor-parallel group's or a ring's batch counted by each of its processes).
     """
+    ring = Ring(accelerator)  # (size 1: no ring attention)
     local = sum(count_targets(batch, per_sequence=True).sum() for batch in window)  # on the device
-    targets = accelerator.reduce(local, "sum").item()  # (read once a step, not once a micro batch)
+    counted = accelerator.reduce(local, "sum").item()  # (read once a step, not once a micro batch)
+    targets = counted // ring.size
     scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / targets
     loss_sum = torch.zeros((), device=accelerator.device)
     for batch in window:
-        with accelerator.accumulate(model):  # no gradient sync until the window's last micro batch
+        # no gradient sync until the window's last micro batch; under ring attention, this process's slice
+        with accelerator.accumulate(model), ring.shards(batch) as batch:
             loss = lm_loss(model, batch)  # summed over the micro batch's target tokens
             accelerator.backward(loss * scale)  # under DeepSpeed the engine also steps here, on the last batch
             loss_sum += loss.detach()
-    return accelerator.reduce(loss_sum, "sum").item() / targets, targets
+    return accelerator.reduce(loss_sum, "sum").item() / targets, counted
 
 
 class Objective:
@@ -227,7 +232,7 @@ def setup_data(recipe, tokenizer, accelerator, say):
     with accelerator.main_process_first():
         train_set, eval_set = prepare_datasets(recipe, tokenizer, say)  # logs what the loss will learn from
     # compiled: few shapes; under Ulysses: rows of a multiple of sp tokens, each with its position_ids
-    collate = Collator(tokenizer.pad_token_id, 64 if recipe.torch_compile else 1, sequence_parallel=sp_size(accelerator))
+    collate = Collator(tokenizer.pad_token_id, 64 if recipe.torch_compile else 1, sequence_parallel=row_multiple(accelerator))
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_train_batch_size, collate_fn=collate) \
         if eval_set is not None else None
     return train_loader(recipe, train_set, collate), eval_loader
@@ -306,8 +311,8 @@ def say_setup(run, steps_per_epoch):
     """The start-up lines: what runs where, the batch arithmetic, what the data leaves out."""
     recipe, accelerator, setup, say = run.recipe, run.accelerator, run.meter.setup, run.say
     world, accumulation = accelerator.num_processes, accelerator.gradient_accumulation_steps
-    sp = setup["sequence_parallel"]
-    data_parallel = world // (recipe.tensor_parallel * sp)  # a TP group's ranks share a batch, an SP group's a sequence
+    sp, ring = setup["sequence_parallel"], setup["context_parallel"]
+    data_parallel = world // (recipe.tensor_parallel * sp * ring)  # a TP group or ring shares a batch, an SP group a sequence
     say(f"memrecipe {'dpo' if recipe.dpo else 'sft'}: recipe {recipe.name} | {world} process(es), {setup['engine']} on "
         f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
         f"{setup['params']:,} parameters train")
@@ -320,6 +325,9 @@ def say_setup(run, steps_per_epoch):
     if sp > 1:
         say(f"sequence parallel: Ulysses over groups of {sp} processes (DeepSpeed): each holds 1/{sp} of every "
             f"sequence, and its attention whole sequences for 1/{sp} of the heads")
+    if ring > 1:
+        say(f"ring attention over groups of {ring} processes (torch's context_parallel, FSDP2): each holds 1/{ring} of "
+            "every sequence, keys and values passing around the ring")
     rows = len(run.train_loader.dataset)
     per_step = recipe.per_device_train_batch_size * accumulation * data_parallel
     if rows > steps_per_epoch * per_step:  # drop_last (train_loader): whole global batches only

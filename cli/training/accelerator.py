@@ -9,6 +9,7 @@ import torch
 
 from ..errors import RecipeError
 from .loading import TORCH_DTYPES
+from .ring import check_ring
 from .sequence import SequenceShards, check_sequence_parallel
 
 
@@ -82,6 +83,7 @@ def prepare(accelerator, recipe, model, optimizer, *loaders):
     from the model, so that accelerate slices none of them: the train loader is sliced by SequenceShards, and eval
     runs whole sequences on each process (accelerate registers the attention with disable_in_eval)."""
     given = [loader for loader in loaders if loader is not None]
+    check_ring(accelerator, recipe)  # (ring attention: accelerate hooks the model in prepare, the loop cuts batches)
     apart = check_sequence_parallel(accelerator, recipe, getattr(model, "config", None)) > 1  # (before DeepSpeed's own checks)
     objects = ([] if _fsdp1(accelerator, recipe) else [model]) + [optimizer] + ([] if apart else given)
     prepared = accelerator.prepare(*objects)

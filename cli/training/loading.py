@@ -116,7 +116,8 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
     flex = (cuda and importlib.util.find_spec("triton") is not None and getattr(model_class, "_supports_flex_attn", True)
             and not getattr(config, "attention_dropout", 0))
     return pick_attention(recipe.attn_implementation, cuda=cuda, half=precision in ("bf16", "fp16"), packing=recipe.packing,
-                          flash=flash, flex=flex, flash_error=error, sequence_parallel=recipe.sequence_parallel != 1)
+                          flash=flash, flex=flex, flash_error=error, sequence_parallel=recipe.sequence_parallel != 1,
+                          ring=recipe.context_parallel > 1)
 
 
 def flash_import_error() -> str | None:

@@ -67,6 +67,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
     }
     facts["sequence_parallel"] = getattr(model, "sequence_parallel_size", 1)  # the engine's Ulysses group (1: none)
     facts["ulysses_attention"] = _ulysses(facts["attention"])
+    config = getattr(accelerator, "parallelism_config", None)  # ring attention's group, as accelerate prepared it (1: none)
+    facts["context_parallel"] = config.cp_size if config is not None and config.cp_enabled else 1
     if hasattr(model, "zero_optimization_stage"):  # a DeepSpeedEngine
         facts["zero_stage"] = model.zero_optimization_stage()
         offload_param = model.zero_offload_param()
@@ -432,7 +434,7 @@ class Meter:
         self.setup["optimizer_first_use"] = OPTIMIZERS[recipe.optim].first_use_on_cuda \
             if accelerator.device.type == "cuda" else ""
         self.tracking = start_trackers(accelerator, recipe, out)
-        self.tp_share = recipe.tensor_parallel  # a TP group's ranks see one batch
+        self.tp_share = recipe.tensor_parallel * recipe.context_parallel  # a TP group's or ring's ranks see one batch
         self.history, self.held, self.tokens, self.wall = [], None, 0, None
         self.beside = []  # models kept beside the trained one (hold)
         self.snapshot = self.loss_memory = None
