@@ -226,8 +226,18 @@ def model_inputs(batch: dict, flatten: bool = False) -> dict:
         if flatten:
             ids, positions = ids.reshape(1, -1), positions.reshape(1, -1)
             return {"input_ids": ids, "position_ids": positions, "use_cache": False, **varlen_kwargs(positions)}
-        return {"input_ids": ids, "position_ids": positions, "use_cache": False}
+        inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
+        if batch.get(RING_SLICE):  # whole rows, cut by ring attention: see RING_SLICE
+            inputs["attention_mask"] = torch.ones_like(ids)
+        return inputs
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+# A ring attention slice's mark (training.ring): its positions jump where its two chunks meet, which transformers
+# would read as packed documents (masking_utils.find_packed_sequence_indices, when no attention_mask is given) and
+# mask with a materialized [S x S] tensor per row; an all-ones mask says the rows are whole, so sdpa runs causal with
+# no mask tensor (accelerate's hooks drop masks anyway; the ring kernels run causal).
+RING_SLICE = "memrecipe_ring_slice"
 
 
 def varlen_kwargs(positions: torch.Tensor) -> dict:

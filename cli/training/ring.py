@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 
 from ..errors import RecipeError
-from .loss import next_tokens
+from .loss import RING_SLICE, next_tokens
 from .sequence import sp_size
 
 
@@ -41,7 +41,7 @@ class Ring:
         cut = list(sliced.values())
         with self.accelerator.maybe_context_parallel(buffers=cut, buffer_seq_dims=[1] * len(cut),
                                                      no_restore_buffers=set(cut)):
-            yield sliced
+            yield sliced | {RING_SLICE: True}  # (no [S x S] mask for the positions' jump: loss.RING_SLICE)
 
 
 def check_ring(accelerator, recipe) -> int:

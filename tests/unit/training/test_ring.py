@@ -13,6 +13,7 @@ from memrecipe.planning.configs import generate
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology, check_supported
 from memrecipe.training.data import IGNORE
+from memrecipe.training.loss import RING_SLICE, model_inputs
 from memrecipe.training.ring import Ring, check_ring, row_multiple
 
 RING = ["parallelism.cp_size=2", "packing=false"]
@@ -92,10 +93,11 @@ def test_each_process_computes_on_the_ids_positions_and_targets_shifted_before_t
              "attention_mask": torch.ones_like(ids), "position_ids": ids.clone()}
     accelerator = stand_in(2)
     with Ring(accelerator).shards(batch) as sliced:
-        assert set(sliced) == {"input_ids", "position_ids", "shift_labels"}
+        assert set(sliced) == {"input_ids", "position_ids", "shift_labels", RING_SLICE}
         assert sliced["shift_labels"].tolist() == [[IGNORE, 5, 6, 7, 8, 9, IGNORE, IGNORE]]
     (call,) = accelerator.calls
     assert [b is sliced[k] for b, k in zip(call["buffers"], ("input_ids", "position_ids", "shift_labels"))] == [True] * 3
+    assert sliced[RING_SLICE] is True
     assert call["buffer_seq_dims"] == [1, 1, 1] and call["no_restore_buffers"] == set(call["buffers"])
     assert all(b is not batch[k] for b, k in zip(call["buffers"], ("input_ids", "position_ids")))
     with Ring(stand_in(1)).shards(batch) as whole:
@@ -113,3 +115,28 @@ def test_the_worker_refuses_a_ring_on_cpu_and_a_launch_config_that_disagrees(cli
         check_ring(stand_in(1), ring)
     done = cli("run", "sft", "--recipe", "fsdp-lora", "--num-processes", "2", *RING, "--dry-run")
     assert done.returncode == 2 and "ring attention (parallelism.cp_size) runs on CUDA only" in done.stderr
+
+
+def test_a_slices_jumping_positions_get_no_square_mask():
+    """A process's slice under torch's load balancer is two chunks, one from each end of the row: its positions jump
+    where they meet (here 0-3 then 12-15). Given positions and no mask, transformers reads the jump as two packed
+    documents and builds an [S x S] mask (a 200K-token slice: 40 GB); the loop's inputs for a ring's slice carry an
+    all-ones mask, under which sdpa runs causal with no mask tensor."""
+    from transformers import AutoConfig
+    from transformers.masking_utils import create_causal_mask
+
+    from memrecipe.training.loading import embedded_model
+
+    config = AutoConfig.from_pretrained(embedded_model())
+    config._attn_implementation = "sdpa"
+    positions = torch.cat([torch.arange(4), torch.arange(12, 16)])[None]
+    sliced = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": positions}
+    embeds = torch.zeros(1, 8, config.hidden_size)
+
+    def mask(batch):
+        inputs = model_inputs(batch)
+        return create_causal_mask(config, embeds, inputs.get("attention_mask"), None, position_ids=inputs["position_ids"])
+
+    assert mask({**sliced, RING_SLICE: True}) is None
+    square = mask(sliced)  # (what the same slice would cost without the mark)
+    assert square is not None and square.shape[-2:] == (8, 8)
