@@ -239,9 +239,8 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     if sp > 1:  # the exchanges, after the kernel's backward: its gradients of q, k, v passing them
         places.append(mlp_freed - after_attention + 3 * tokens * cb * s.heads * s.head_dim
                       + exchange_bytes(s, mode, tokens, sp))
-    if recipe.context_parallel > 1:
-        places.append(mlp_freed - after_attention + attention_backward_bytes(s, mode, tokens, cuda)
-                      + ring_bytes(s, mode, tokens, recipe.context_parallel))
+    if recipe.context_parallel > 1:  # the kernel's place, the ring's buffers beside it
+        places.append(places[1] + ring_bytes(s, mode, tokens, recipe.context_parallel))
     if not s.experts:
         i = s.intermediate
         if down:  # what the down projection keeps of its input, freed once its backward ran

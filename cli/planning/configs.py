@@ -113,6 +113,13 @@ def deepspeed_config(recipe: Recipe, topo: Topology) -> dict | None:
     return cfg
 
 
+def parallelism_section(data_parallel: int, **sizes) -> dict:
+    """accelerate's parallelism_config: one data-parallel group of `data_parallel` shards, no replicas, and the
+    split's own keys."""
+    keys = {"dp_replicate_size": 1, "dp_shard_size": data_parallel, **sizes}
+    return {f"parallelism_config_{key}": value for key, value in keys.items()}
+
+
 def accelerate_config(recipe: Recipe, topo: Topology, deepspeed_config_file: str | None = None) -> dict:
     """The accelerate YAML as a dict (key order as written)."""
     n = topo.num_processes
@@ -135,23 +142,17 @@ def accelerate_config(recipe: Recipe, topo: Topology, deepspeed_config_file: str
     cfg["use_cpu"] = topo.cpu and recipe.deepspeed is None
     if recipe.fsdp is not None:
         cfg["fsdp_config"] = _fsdp_section(recipe, topo)
-    if recipe.tensor_parallel > 1:
-        tp, prefix = recipe.tensor_parallel, "parallelism_config_"
-        cfg["parallelism_config"] = {f"{prefix}dp_replicate_size": 1, f"{prefix}dp_shard_size": n // tp,
-                                     f"{prefix}tp_size": tp, f"{prefix}cp_size": 1}
-    sp = recipe.sequence_group(n)
-    if sp > 1:  # (accelerate's launcher exports it as PARALLELISM_CONFIG_*; the Accelerator reads it)
-        prefix = "parallelism_config_"
-        cfg["parallelism_config"] = {f"{prefix}dp_replicate_size": 1, f"{prefix}dp_shard_size": n // sp,
-                                     f"{prefix}sp_size": sp, f"{prefix}sp_backend": "deepspeed",
-                                     f"{prefix}sp_seq_length_is_variable": True,
-                                     f"{prefix}sp_attn_implementation": sp_attention(recipe)}
-    cp = recipe.context_parallel
+    # (accelerate's launcher exports the section as PARALLELISM_CONFIG_*; the Accelerator reads it)
+    tp, sp, cp = recipe.tensor_parallel, recipe.sequence_group(n), recipe.context_parallel
+    if tp > 1:
+        cfg["parallelism_config"] = parallelism_section(n // tp, tp_size=tp, cp_size=1)
+    if sp > 1:
+        cfg["parallelism_config"] = parallelism_section(
+            n // sp, sp_size=sp, sp_backend="deepspeed", sp_seq_length_is_variable=True,
+            sp_attn_implementation=sp_attention(recipe))
     if cp > 1:  # ring attention: FSDP2 shards over every process (accelerate's "dp_shard_cp" dimension)
-        prefix = "parallelism_config_"
-        cfg["parallelism_config"] = {f"{prefix}dp_replicate_size": 1, f"{prefix}dp_shard_size": n // cp,
-                                     f"{prefix}tp_size": 1, f"{prefix}cp_size": cp, f"{prefix}cp_backend": "torch",
-                                     f"{prefix}cp_comm_strategy": "allgather"}
+        cfg["parallelism_config"] = parallelism_section(n // cp, tp_size=1, cp_size=cp, cp_backend="torch",
+                                                        cp_comm_strategy="allgather")
     if recipe.deepspeed is not None:
         section = {"deepspeed_config_file": deepspeed_config_file or f"{config_name(recipe, topo)}.json"}
         if recipe.deepspeed.zero_stage == 3:

@@ -212,6 +212,13 @@ def varlen(model) -> bool:
     return implementation in VARLEN_ATTENTION or "flash" in implementation  # (hub kernels: .../flash-attn...)
 
 
+# A ring attention slice's mark (training.ring): its positions jump where its two chunks meet, which transformers
+# would read as packed documents (masking_utils.find_packed_sequence_indices, when no attention_mask is given) and
+# mask with a materialized [S x S] tensor per row; an all-ones mask says the rows are whole, so sdpa runs causal with
+# no mask tensor (accelerate's hooks drop masks anyway; the ring kernels run causal).
+RING_SLICE = "memrecipe_ring_slice"
+
+
 def model_inputs(batch: dict, flatten: bool = False) -> dict:
     """What the model is called with. A packed batch (with position_ids) goes without attention_mask and
     without a KV cache: transformers then reads the document boundaries from the positions restarting at 0,
@@ -232,12 +239,6 @@ def model_inputs(batch: dict, flatten: bool = False) -> dict:
         return inputs
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
-
-# A ring attention slice's mark (training.ring): its positions jump where its two chunks meet, which transformers
-# would read as packed documents (masking_utils.find_packed_sequence_indices, when no attention_mask is given) and
-# mask with a materialized [S x S] tensor per row; an all-ones mask says the rows are whole, so sdpa runs causal with
-# no mask tensor (accelerate's hooks drop masks anyway; the ring kernels run causal).
-RING_SLICE = "memrecipe_ring_slice"
 
 
 def varlen_kwargs(positions: torch.Tensor) -> dict:

@@ -15,6 +15,7 @@ from .. import ALLOCATOR_CONF
 from ..planning.optimizers import OPTIMIZERS, bf16_rounding
 from ..planning.registry import is_embedded
 from .norms import lean_forward
+from .ring import Ring
 from .tiling import tiled_forward
 
 # accelerate's distributed types, in words for the start-up line
@@ -67,8 +68,7 @@ def describe_setup(accelerator, model, optimizer) -> dict:
     }
     facts["sequence_parallel"] = getattr(model, "sequence_parallel_size", 1)  # the engine's Ulysses group (1: none)
     facts["ulysses_attention"] = _ulysses(facts["attention"])
-    config = getattr(accelerator, "parallelism_config", None)  # ring attention's group, as accelerate prepared it (1: none)
-    facts["context_parallel"] = config.cp_size if config is not None and config.cp_enabled else 1
+    facts["context_parallel"] = Ring(accelerator).size  # ring attention's group, as accelerate prepared it (1: none)
     if hasattr(model, "zero_optimization_stage"):  # a DeepSpeedEngine
         facts["zero_stage"] = model.zero_optimization_stage()
         offload_param = model.zero_offload_param()

@@ -23,7 +23,7 @@ class Ring:
     """The launch config's ring (size 1: none) and each micro batch's slices."""
 
     def __init__(self, accelerator):
-        config = accelerator.parallelism_config
+        config = getattr(accelerator, "parallelism_config", None)
         self.accelerator = accelerator
         self.size = config.cp_size if config is not None and config.cp_enabled else 1
 
