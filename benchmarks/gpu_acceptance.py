@@ -50,6 +50,9 @@ PREFERENCES = [("single-gpu-lora", [], 1), ("qlora", [], 1)]  # `memrecipe run d
 LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit": "bitsandbytes",
              "single-gpu-full": "torchao", "apollo_adamw": "apollo_torch", "zero3-offload": "deepspeed",
              "zero2": "deepspeed", "zero3-ulysses": "deepspeed"}
+# seconds a row is given beyond --timeout to compile before step 1: torchao's 8-bit AdamW, a graph per kind of
+# parameter (torchao measured ~12 minutes on a 7B; a 1B's kinds are fewer and smaller)
+COMPILES = {"adamw_torch_8bit": 900}
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "logits")
 GiB = 2**30
 # The memory verdict. Over: a measured category more than 5% above its plan fails (the model states are counted
@@ -128,6 +131,15 @@ def skip_reason(recipe: str, overrides: list, processes: int, model: str | None,
     return None
 
 
+def row_timeout(recipe: str, overrides: list, timeout: float, cpu: bool) -> float:
+    """--timeout, and on a GPU the time the row's optimizer compiles before step 1 (COMPILES)."""
+    if cpu:
+        return timeout  # (torchao's step runs eagerly off CUDA)
+    from memrecipe.planning.registry import load_recipe
+
+    return timeout + COMPILES.get(load_recipe(recipe, overrides).optim, 0)
+
+
 def run(folder: Path, recipe: str, words: list, processes: int, cpu: bool, timeout: float, script: str = "sft",
         snapshot: bool = False) -> tuple[dict | None, str]:
     """One `memrecipe run SCRIPT`; (its report.json, '') or (None, why it failed). `snapshot`: record the CUDA
@@ -173,6 +185,7 @@ def row(name: str, shape: str, processes: int, report: dict) -> dict:
             "measured": {**measured, "total": peak, "device_used": used}, "peak_kind": peak_key,
             "measured_minus_planned_total": None if peak is None else peak - plan["total"],
             "tokens_per_second": tput["tokens_per_second"], "mfu": tput.get("mfu"),
+            "compile_seconds": report["setup"].get("optimizer_compile_seconds") or None,  # before step 1
             "loss_first": history[0]["loss"], "loss_last": report["final_train_loss"],
             "loss_fell": report["final_train_loss"] < history[0]["loss"],
             # preference tuning: the last step's reward accuracy on its training pairs
@@ -259,7 +272,9 @@ def markdown(rows: list[dict]) -> str:
             resume = ("agree: " if r["kernels_agree"] else "FAIL: ") + r["kernel_note"]
         lines.append(f"| {r['recipe']} | {r['shape']} | {r['processes']} | ran | {r['attention']} | " + " | ".join(cells)
                      + f" | {gib(r['measured_minus_planned_total'])} | {r['memory_verdict']}: {r['memory_why']}"
-                     f" | {r['tokens_per_second']:,.0f} | {mfu} | {loss}"
+                     f" | {r['tokens_per_second']:,.0f}" + (f" ({r['compile_seconds']:.0f} s compile before step 1)"
+                                                            if r.get("compile_seconds") else "")
+                     + f" | {mfu} | {loss}"
                      f" | {resume} |")
     return "\n".join(lines) + "\n"
 
@@ -335,7 +350,8 @@ def main():
             tag = f"{shape}-{index}-{script}-{recipe}"
             if index == 0:  # a checkpoint half-way, to stop at and resume from
                 words.append(f"save_steps={steps // 2}")
-            report, why = run(args.out / tag, recipe, words, processes, args.cpu, timeout, script)
+            report, why = run(args.out / tag, recipe, words, processes, args.cpu,
+                              row_timeout(recipe, overrides, timeout, args.cpu), script)
             if report is None:
                 rows.append({"recipe": name, "shape": shape, "processes": processes, "status": "failed",
                              "reason": why})

@@ -109,6 +109,9 @@ def card(report: dict) -> str:
     if setup.get("bf16_update_rounding"):
         lines.append(f"bf16 weights: {setup.get('optimizer_class', 'the optimizer')} rounded each update "
                      f"{setup['bf16_update_rounding']}")
+    if setup.get("optimizer_compile_seconds"):
+        lines.append(f"optimizer: its step compiled before step 1, in {setup['optimizer_compile_seconds']:.1f} s (not in "
+                     "the steps' times)")
     if setup.get("zero_offload_optimizer") and setup.get("cpu_threads"):
         lines.append(f"DeepSpeed's CPU Adam: {setup['cpu_threads']} CPU thread(s) per process (OMP_NUM_THREADS)")
     tput = report["throughput"]

@@ -350,7 +350,8 @@ def say_setup(run, steps_per_epoch):
     if setup["bf16_update_rounding"]:  # the optimizer's choice, said: never a silent fallback
         say(f"weights: bf16, no fp32 master; optim {recipe.optim} rounds each update {setup['bf16_update_rounding']}")
     if setup["optimizer_first_use"]:
-        say(f"optim {recipe.optim}: {setup['optimizer_first_use']}")
+        say(f"optim {recipe.optim}: {setup['optimizer_first_use']}" + (
+            f" (in {setup['optimizer_compile_seconds']:.0f} s)" if setup["optimizer_compile_seconds"] else ""))
     if recipe.torch_compile:
         say("torch_compile: the decoder layers compile during the first step (tens of seconds; again if a batch "
             "brings a new shape), batches are padded to a multiple of 64 tokens")

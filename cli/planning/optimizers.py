@@ -33,8 +33,8 @@ class Optimizer:
 
 
 SHARDED = "is not tested under an engine that shards the optimizer state in memrecipe"
-TORCHAO_COMPILE = ("torchao compiles its step with torch.compile on first use, one graph per parameter shape and dtype "
-                   "(7 for a Llama; torchao measured ~12 minutes on a 7B): step 1 waits for it. optim=adamw_bnb_8bit "
+TORCHAO_COMPILE = ("torchao compiles its step with torch.compile, one graph per kind of parameter (shape, dtype; ~7 "
+                   "for a Llama; torchao measured ~12 minutes on a 7B): compiled before step 1. optim=adamw_bnb_8bit "
                    "needs no compile, but rounds bf16 updates to nearest (benchmarks/bf16_rounding.py)")
 
 OPTIMIZERS = {

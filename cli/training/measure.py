@@ -50,6 +50,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "trainable_names_all_lora": all("lora_" in n for n, p in model.named_parameters() if p.requires_grad),
         "optimizer_class": _optimizer_class(optimizer),
         "optimizer_in_backward": hasattr(getattr(optimizer, "optimizer", optimizer), "optimizers"),
+        # seconds make_optimizer spent compiling the step before step 1 (torchao on CUDA), else 0
+        "optimizer_compile_seconds": getattr(getattr(optimizer, "optimizer", optimizer), "compile_seconds", 0.0),
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
         "tiled_mlps": _runs_as(model, tiled_forward),
         "lean_norms": _runs_as(model, lean_forward),

@@ -99,3 +99,13 @@ def test_the_repeated_data_fills_every_step_of_the_largest_micro_batch(tmp_path)
     copies = len(path.read_text().splitlines()) // len(EMBEDDED_DATASET.read_text().splitlines())
     rows = copies * 8211 / (0.8 * 2048)
     assert rows >= 6 * 16
+
+
+def test_a_row_whose_optimizer_compiles_is_given_the_compiles_time():
+    """single-gpu-full's torchao step compiles before step 1 on a GPU (COMPILES): its row runs longer than --timeout,
+    the same recipe under APOLLO does not, and on CPU nothing compiles."""
+    module = acceptance()
+    assert module.row_timeout("single-gpu-full", [], 900, cpu=False) == 900 + module.COMPILES["adamw_torch_8bit"]
+    assert module.row_timeout("single-gpu-full", ["optim=apollo_adamw"], 900, cpu=False) == 900
+    assert module.row_timeout("single-gpu-full", [], 400, cpu=True) == 400
+    assert module.row_timeout("qlora", [], 900, cpu=False) == 900

@@ -298,3 +298,48 @@ def test_torchao_and_peft_say_nothing_on_import():
     done = subprocess.run([sys.executable, "-c", "import memrecipe, peft, torchao.optim, apollo_torch"],
                           capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_torchaos_step_is_compiled_before_step_one_and_leaves_the_run_as_it_was(monkeypatch):
+    """On CUDA torchao compiles its step per kind of parameter; make_optimizer compiles every kind before step 1
+    (compile_ahead), so that the first backward (the step in backward) compiles nothing, and the weights after the
+    step equal an optimizer's that compiled inside it: the twins' steps touched no state and drew no random number
+    (stochastic rounding draws). Run here with the CUDA path chosen on CPU tensors and dynamo's counting backend."""
+    from torch._dynamo.testing import CompileCounter
+
+    compiled = CompileCounter()
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": compiled}))
+    recipe = full("weight_dtype=bf16", "optim=adamw_torch_8bit", "weight_decay=0.1", *IN_BACKWARD)
+    as_on_cuda = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+
+    def step(ahead: bool):
+        torch._dynamo.reset()
+        compiled.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(512, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 512),
+                                    torch.nn.Linear(512, 512)).to(torch.bfloat16)
+        with monkeypatch.context() as m:
+            if not ahead:
+                m.setattr("memrecipe.training.optimizers.compile_ahead", lambda optimizer: 0.0)
+            optimizer = make_optimizer(recipe, model, as_on_cuda)
+        before = compiled.frame_count
+        ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(1))
+        model(ids).float().square().mean().backward()  # each parameter steps in its hook
+        return model, optimizer, before, compiled.frame_count - before
+
+    model, optimizer, ahead, during = step(ahead=True)
+    kinds = {(tuple(p.shape), id(p) in o.full_precision, o.param_groups[0]["weight_decay"])
+             for p, o in optimizer.optimizers.items()}
+    # the embedding (fp32 state), two 8-bit matrices, the norm's vectors and the biases: 7 parameters, 5 kinds
+    assert ahead == len(kinds) == 5 and during == 0  # every graph compiled before step 1, none in it
+    assert optimizer.compile_seconds > 0
+    plain, late, none_ahead, in_step = step(ahead=False)
+    assert none_ahead == 0 and in_step == len(kinds)  # (without it: compiled in the first backward)
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    for p, q in zip(optimizer.optimizers, late.optimizers):
+        for key, value in optimizer.state[p].items():
+            other = late.state[q][key]
+            assert torch.equal(value.dequantize() if hasattr(value, "dequantize") else value,
+                               other.dequantize() if hasattr(other, "dequantize") else other), key
