@@ -41,7 +41,8 @@ ONE_GPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation
 SEVERAL_GPUS = [("ddp", [], 0), ("fsdp", [], 0), ("fsdp-lora", [], 0), ("fsdp-qlora", [], 0), ("zero2", [], 0),
                 ("tp", [], 4), ("zero3-ulysses", [], 2),  # 0: every GPU; zero3-ulysses: each sequence split 2 ways
                 ("fsdp-lora", ["parallelism.cp_size=2", "packing=false"], 2)]  # ... and by ring attention
-CPU = [("single-gpu-lora", [], 1), ("ddp", [], 2), ("single-gpu-lora", ["attn_implementation=sdpa"], 1)]
+# --cpu (the suite's smoke of this script): one process a row (the suite runs every engine elsewhere)
+CPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation=sdpa"], 1)]
 # long context: one document of max_seq_length tokens a micro batch, on the ladder's top rung (docs/long-context.md)
 LONG = ("single-gpu-lora", ["activation_offload=true", "lean_norms=true", "tiled_mlp=true",
                             "per_device_train_batch_size=1", "gradient_accumulation_steps=1", "packing=false"], 1)
@@ -296,7 +297,7 @@ def write(out: Path, rows: list[dict]):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cpu", action="store_true", help="smoke mode: the embedded tiny model, gloo, 2 recipes")
+    parser.add_argument("--cpu", action="store_true", help="smoke mode: the embedded tiny model, one process a row")
     parser.add_argument("--shapes", default="1b", help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--steps", type=int, default=None, help="steps per run, even (default 10; --cpu 4)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default 900; --cpu 400: a bound "
