@@ -240,7 +240,6 @@ def model_inputs(batch: dict, flatten: bool = False) -> dict:
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
-
 def varlen_kwargs(positions: torch.Tensor) -> dict:
     """flash-attn's variable-length arguments for a flattened packed row, worked out once a micro batch
     (transformers' prepare_fa_kwargs_from_position_ids, as DataCollatorWithFlattening(return_flash_attn_kwargs=True)

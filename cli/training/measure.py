@@ -28,6 +28,7 @@ def describe_setup(accelerator, model, optimizer) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     params = list(model.parameters())
+    inner = getattr(optimizer, "optimizer", optimizer)  # (accelerate's AcceleratedOptimizer wraps it)
 
     def numel(p) -> int:  # ZeRO-3 partitions hold ds_numel; a packed 4-bit weight knows its real shape
         q = getattr(p, "quant_state", None)
@@ -49,9 +50,9 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         "quantized_weights": sum(type(p).__name__ in ("Params4bit", "Int8Params") for p in params),
         "trainable_names_all_lora": all("lora_" in n for n, p in model.named_parameters() if p.requires_grad),
         "optimizer_class": _optimizer_class(optimizer),
-        "optimizer_in_backward": hasattr(getattr(optimizer, "optimizer", optimizer), "optimizers"),
+        "optimizer_in_backward": hasattr(inner, "optimizers"),
         # seconds make_optimizer spent compiling the step before step 1 (torchao on CUDA), else 0
-        "optimizer_compile_seconds": getattr(getattr(optimizer, "optimizer", optimizer), "compile_seconds", 0.0),
+        "optimizer_compile_seconds": getattr(inner, "compile_seconds", 0.0),
         "gradient_checkpointing": _checkpointing(accelerator.unwrap_model(model)),
         "tiled_mlps": _runs_as(model, tiled_forward),
         "lean_norms": _runs_as(model, lean_forward),

@@ -226,8 +226,7 @@ def compile_ahead(optimizer) -> float:
     torch.compile caches the graphs on torchao's function, which every later step finds. The RNG is left as it was
     (stochastic rounding draws from it). Returns the seconds it took: 0.0 when nothing compiles (another optimizer,
     or torchao's step run eagerly off CUDA)."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # (accelerate's AcceleratedOptimizer wraps the optimizer)
-    parts = list(inner.optimizers.values()) if isinstance(inner, StepInBackward) else [inner]
+    parts = list(optimizer.optimizers.values()) if isinstance(optimizer, StepInBackward) else [optimizer]
     kinds = {}
     for part in parts:
         if getattr(part, "compiled", False):
@@ -239,9 +238,9 @@ def compile_ahead(optimizer) -> float:
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
+    main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # (one bar, not one a process)
     devices = sorted({p.device.index or 0 for _, _, p in kinds.values() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # (one bar, not one a process)
         for part, group, p in tqdm(list(kinds.values()), desc="compiling torchao's 8-bit AdamW step", unit="kind",
                                    disable=not main):
             part.compile_for(p, group)
