@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..errors import RecipeError
+from .device import ask_cpu_once
 from .loading import TORCH_DTYPES
 from .ring import check_ring
 from .sequence import SequenceShards, check_sequence_parallel
@@ -35,8 +36,11 @@ def make_accelerator(recipe, **kwargs):
     # layer's recompute runs under an autocast of its own): 2 bytes x the layers' weights (the first GPU run's
     # adamw-8bit row measured 1.7 GiB at 1B: docs/gpu.md). Without the cache each copy is freed after its matmul.
     handlers = [AutocastKwargs(cache_enabled=False), *kwargs.pop("kwargs_handlers", [])]
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true"
+    if deepspeed:
+        ask_cpu_once()  # before DeepSpeed builds its CPU Adam
     if not torch.cuda.is_available() and launched:
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
+        if deepspeed:
             handlers.append(InitProcessGroupKwargs(backend="gloo"))
         elif os.environ.get("ACCELERATE_USE_FSDP", "false") == "true":
             state = PartialState(cpu=True)
