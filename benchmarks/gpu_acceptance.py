@@ -280,13 +280,25 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pick(cases: list[tuple], recipes: list[str]) -> list[tuple]:
-    """The cases (script, recipe, overrides, processes) of the named recipes, in the order named, each recipe's in
-    the script's order; ValueError names a recipe no case runs."""
-    if unknown := sorted(set(recipes) - {c[1] for c in cases}):
-        raise ValueError(f"--recipes: no row runs {', '.join(unknown)}; the rows here run "
-                         + ", ".join(sorted({c[1] for c in cases})))
-    return sorted((c for c in cases if c[1] in recipes), key=lambda c: recipes.index(c[1]))
+def case_name(script: str, recipe: str, overrides: list) -> str:
+    """A row's name in the table: `dpo` for preference tuning, the recipe, its overrides."""
+    return " ".join(["dpo"] * (script == "dpo") + [recipe, *overrides])
+
+
+def pick(cases: list[tuple], names: list[str]) -> list[tuple]:
+    """The cases (script, recipe, overrides, processes) named, in the order named: a recipe names all its rows (in the
+    script's order), a row's name (`dpo qlora`, `qlora activation_offload=true`) that row, `long` the long-context
+    row; ValueError says what no row answers to."""
+    def matches(case, name):
+        return name in (case[1], case_name(*case[:3])) or (name == "long" and "tiled_mlp=true" in case[2])
+
+    if unknown := [n for n in names if not any(matches(c, n) for c in cases)]:
+        raise ValueError(f"--recipes: no row answers to {', '.join(unknown)}; the rows here run "
+                         + ", ".join(sorted({c[1] for c in cases})) + " (or name a row, or `long`)")
+    picked = []
+    for name in names:
+        picked += [c for c in cases if matches(c, name) and c not in picked]
+    return picked
 
 
 def write(out: Path, rows: list[dict]):
@@ -302,8 +314,9 @@ def main():
     parser.add_argument("--steps", type=int, default=None, help="steps per run, even (default 10; --cpu 4)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default 900; --cpu 400: a bound "
                         "for a hang, not for a busy machine, where a ~15 s run once took over 120 s)")
-    parser.add_argument("--recipes", default=None, help="comma-separated recipe names: only their rows (SFT, "
-                        "DPO and the long-context row of each), in this order (default: every recipe)")
+    parser.add_argument("--recipes", default=None, help="comma-separated: recipe names (all their rows: SFT, "
+                        "DPO, the long-context row), row names as the table prints them (`dpo qlora`, "
+                        "`qlora activation_offload=true`) or `long`; run in this order (default: every row)")
     parser.add_argument("--out", type=Path, default=Path(time.strftime("acceptance-%Y%m%d-%H%M%S")))
     args = parser.parse_args()
     steps, timeout = args.steps or (4 if args.cpu else 10), args.timeout or (400 if args.cpu else 900)
@@ -337,7 +350,7 @@ def main():
         model = None if args.cpu else str(build_model(HERE / "gpu_configs" / SHAPES[shape], args.out / "models" / shape))
         extra = ["lora.dropout=0"] if shape == "moe" else []  # peft's fused-expert adapters take no dropout
         for index, (script, recipe, overrides, processes) in enumerate(cases):
-            name = " ".join(["dpo"] * (script == "dpo") + [recipe, *overrides])
+            name = case_name(script, recipe, overrides)
             words = [*overrides, *extra, f"max_steps={steps}", "save_steps=null", "eval_steps=null",
                      *([] if model is None else ["--model", model]),
                      *(["--dataset", str(long_data)] if "tiled_mlp=true" in overrides else

@@ -71,8 +71,11 @@ def test_a_short_lease_runs_the_named_recipes_rows_in_the_order_named():
              ("dpo", "single-gpu-lora", [], 1), ("sft", "single-gpu-lora", ["tiled_mlp=true"], 1)]
     picked = acceptance().pick(cases, ["adamw-8bit", "single-gpu-lora"])
     assert picked == [cases[2], cases[0], cases[3], cases[4]]
-    with pytest.raises(ValueError, match="no row runs zero9; the rows here run adamw-8bit, qlora, single-gpu-lora"):
+    with pytest.raises(ValueError, match="no row answers to zero9; the rows here run adamw-8bit, qlora, single-gpu-lora"):
         acceptance().pick(cases, ["zero9", "qlora"])
+    # rows by name, and `long` for the long-context row: a lease spent on the rows it has not seen yet
+    assert acceptance().pick(cases, ["long", "dpo single-gpu-lora", "qlora"]) == [cases[4], cases[3], cases[1]]
+    assert acceptance().pick(cases, ["single-gpu-lora tiled_mlp=true", "single-gpu-lora"]) == [cases[4], cases[0], cases[3]]
 
 
 def test_a_failed_row_says_the_workers_error_not_the_launchers_last_line():
