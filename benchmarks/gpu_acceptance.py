@@ -61,24 +61,35 @@ GiB = 2**30
 # planned to fit that does not is the failure this guards). Under: more than 20% below fails too (a plan 25% high
 # refuses runs that would fit, and hides which term is wrong). Categories under 1 MiB both ways are not judged.
 OVER, UNDER, JUDGED_FROM = 1.05, 0.80, 2**20
+# A device reading is device-wide: a GPU that held more than BUSY before a row started (another process; an idle
+# H100 reads 0 MiB in nvidia-smi) is not judged on it
+BUSY = 256 * 2**20
 
 
 def build_model(config_file: Path, folder: Path) -> Path:
-    """A random-weight model of the config's shape, with the embedded tokenizer, saved like a hub model."""
-    if (folder / "config.json").is_file():
-        return folder
+    """A random-weight model of the config's shape, with the embedded tokenizer, saved like a hub model: built in a
+    child process, so that the GPU memory the build takes (its weights in the caching allocator, a CUDA context) is
+    given back before the rows run. The rows' device readings are device-wide (mem_get_info): on the second lease
+    each read ~3.5 GiB high while this process held the 1B's build."""
+    if not (folder / "config.json").is_file():
+        subprocess.run([sys.executable, "-c", "import runpy, sys; runpy.run_path(sys.argv[1])['build_here'](*sys.argv[2:])",
+                        __file__, str(config_file), str(folder)], check=True)
+    return folder
+
+
+def build_here(config_file: str, folder: str):
+    """build_model's child: the model on the GPU where there is one (random init is slow on a CPU), then saved."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from memrecipe.planning.registry import EMBEDDED_MODEL
 
-    config = AutoConfig.for_model(**json.loads(config_file.read_text()))
+    config = AutoConfig.for_model(**json.loads(Path(config_file).read_text()))
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(EMBEDDED_MODEL).save_pretrained(folder)
-    return folder
 
 
 def long_documents(path: Path, documents: int, tokens: int) -> Path:
@@ -167,7 +178,19 @@ def why_failed(done: subprocess.CompletedProcess) -> str:
     return (said or lines)[-1][:300]
 
 
-def row(name: str, shape: str, processes: int, report: dict) -> dict:
+def device_in_use() -> int | None:
+    """Bytes the GPUs already hold (the most on one) before a row starts, by nvidia-smi; None where it cannot say."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60).stdout
+        return max(int(v) for v in out.split()) * 2**20
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def row(name: str, shape: str, processes: int, report: dict, busy: int | None = None) -> dict:
+    """The table's row for one run; `busy`: bytes the device held before it started (another process's), which the
+    device-wide reading would count as the run's: past BUSY, that reading is reported and not judged."""
     plan, procs = report["plan"], report["processes"]
     peak_key = next((k for k in ("cuda_max_allocated_bytes", "peak_rss_bytes") if k in procs[0]), None)
     measured = {c: max(p["held"].get(c) or 0 for p in procs) for c in CATEGORIES}
@@ -177,13 +200,17 @@ def row(name: str, shape: str, processes: int, report: dict) -> dict:
     history, tput = report["history"], report["throughput"]
     planned = {c: plan.get(c) for c in (*CATEGORIES, "total")}
     used = max((p.get("cuda_device_used_peak_bytes") or 0 for p in procs), default=0) or None
-    verdict, why = memory_verdict(planned, {**measured, "total": peak, "device_used": used}, plan.get("overhead") or 0,
-                                  peak_key)
+    shared = bool(used and busy and busy > BUSY)
+    verdict, why = memory_verdict(planned, {**measured, "total": peak, "device_used": None if shared else used},
+                                  plan.get("overhead") or 0, peak_key)
+    if shared:
+        why += f"; device used not judged: {busy / GiB:.2g} GiB was in use on the device before the run (not its own)"
     return {"recipe": name, "shape": shape, "processes": processes, "status": "ran",
             "memory_verdict": verdict, "memory_why": why,
             "attention": report["setup"].get("attention"),
             "planned": planned,
             "measured": {**measured, "total": peak, "device_used": used}, "peak_kind": peak_key,
+            "device_in_use_before": busy,
             "measured_minus_planned_total": None if peak is None else peak - plan["total"],
             "tokens_per_second": tput["tokens_per_second"], "mfu": tput.get("mfu"),
             "compile_seconds": report["setup"].get("optimizer_compile_seconds") or None,  # before step 1
@@ -364,6 +391,7 @@ def main():
             tag = f"{shape}-{index}-{script}-{recipe}"
             if index == 0:  # a checkpoint half-way, to stop at and resume from
                 words.append(f"save_steps={steps // 2}")
+            busy = None if args.cpu else device_in_use()
             report, why = run(args.out / tag, recipe, words, processes, args.cpu,
                               row_timeout(recipe, overrides, timeout, args.cpu), script)
             if report is None:
@@ -372,7 +400,7 @@ def main():
                 print(f"{name} ({shape}): FAILED: {why}", flush=True)
                 write(args.out, rows)
                 continue
-            result = row(name, shape, processes, report)
+            result = row(name, shape, processes, report, busy)
             if index == 0:  # stopped and resumed; and its memory history, in a short run of its own
                 result.update(resume_check(args.out / tag, processes, args.cpu, timeout, steps, report))
                 if not args.cpu:
