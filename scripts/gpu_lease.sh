@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The acceptance run on a lent GPU box (no network; docs/gpu.md), as the device tool runs it in the repository with
+# the wheels folder carried (python scripts/offline_wheels.py --out .whl, beforehand, on a networked machine):
+#
+#     ROWS="adamw-8bit,long,zero3-offload" BUDGET=520 bash scripts/gpu_lease.sh
+#
+# Installs the wheels into /tmp/site, runs benchmarks/gpu_acceptance.py on ROWS (its --recipes) until BUDGET seconds
+# have passed since the start (the lease's clock: the rows that ran are kept), and leaves in $OUT the table
+# (acceptance.md, .json), the box's versions (env.txt) and one archive of every run's report.json and log tail
+# (runs.tgz: the tool brings back only a few files).
+set -uo pipefail
+START=$(date +%s)
+OUT=${OUT:-/tmp/lease-out} BUDGET=${BUDGET:-520} ROWS=${ROWS:-adamw-8bit} RUNS=/tmp/acceptance
+mkdir -p "$OUT"
+pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/install.log" 2>&1
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+{ echo "install: $(( $(date +%s) - START )) s"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nproc; python -c "import torch, transformers, accelerate, peft, datasets; print(torch.__version__, torch.version.cuda,
+transformers.__version__, accelerate.__version__, peft.__version__, datasets.__version__)"; } > "$OUT/env.txt" 2>&1
+
+python benchmarks/gpu_acceptance.py --steps 6 --out "$RUNS" --recipes "$ROWS" > "$OUT/acceptance.log" 2>&1 &
+pid=$!
+while kill -0 $pid 2>/dev/null; do
+  sleep 5
+  if (( $(date +%s) - START > BUDGET )); then  # the lease's end: stop the row that runs, keep the table
+    echo "stopped at the budget ($BUDGET s)" >> "$OUT/acceptance.log"
+    pkill -TERM -P $pid; kill $pid; sleep 3; pkill -9 -f "memrecipe run"; break
+  fi
+done
+cp "$RUNS"/acceptance.md "$RUNS"/acceptance.json "$OUT"/ 2>/dev/null
+(cd "$RUNS" && find . \( -name report.json -o -name '*.log' \) -not -path './models/*' -print0 |
+  tar czf "$OUT/runs.tgz" --null -T -)
+echo "total: $(( $(date +%s) - START )) s" >> "$OUT/env.txt"
