@@ -163,6 +163,26 @@ def bnb_adamw8bit(paged: bool):
                 config["optim_bits"] = group["optim_bits"]
             return config
 
+        def load_state_dict(self, state_dict, move_to_device=True):
+            """A paged optimizer keeps each parameter's large state in CUDA managed memory (get_state_buffer:
+            functional.get_paged for >= 1e5 elements), which the driver may move to the host under pressure, but a
+            loaded state is ordinary tensors that its first step moves into the allocator (to_gpu): the second GPU
+            lease's resumed adamw-8bit run held none paged. Copied back into paged buffers, as get_state_buffer
+            makes them. (Paged only on CUDA: bnb_8bit.)"""
+            super().load_state_dict(state_dict, move_to_device)
+            if not self.is_paged:
+                return
+            from bitsandbytes import functional as F
+
+            for p, state in self.state.items():
+                for key, value in state.items():
+                    if (torch.is_tensor(value) and value.shape == p.shape and p.numel() >= 1e5
+                            and not getattr(value, "is_paged", False)):
+                        paged = F.get_paged(*value.shape, dtype=value.dtype, device=p.device)
+                        paged.copy_(value)  # (a host view of the managed memory)
+                        self.page_mng.paged_tensors.append(paged)
+                        state[key] = paged
+
     AdamW8bit.__name__ = base.__name__
     return AdamW8bit
 

@@ -150,6 +150,45 @@ def test_embeddings_keep_fp32_state_through_a_checkpoint():
     torch.testing.assert_close(loaded, optimizer.state[embedding]["exp_avg"], atol=0, rtol=0)
 
 
+def test_a_paged_optimizers_loaded_state_is_paged_again(monkeypatch):
+    """bitsandbytes pages a paged optimizer's large state (CUDA managed memory, which the driver may move to the host
+    under pressure), but loads a checkpoint's as ordinary tensors that its first step moves into the allocator: the
+    second GPU lease's resumed adamw-8bit run held none paged. Loaded, each state of >= 1e5 elements goes back into a
+    paged buffer with its values (get_paged, CUDA-only, stood in for by a host tensor marked as it marks them)."""
+    import bitsandbytes.functional as F
+
+    from memrecipe.training.optimizers import bnb_adamw8bit
+
+    def shapes():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(512, 256)), torch.nn.Parameter(torch.randn(64, 64))]
+
+    trained = shapes()
+    saved = bnb_adamw8bit(paged=False)(trained, lr=1e-3)
+    for p in trained:
+        p.grad = torch.randn_like(p)
+    saved.step()
+    made = []
+
+    def get_paged(*shape, dtype=torch.float32, device=None):
+        out = torch.full(shape, 7, dtype=dtype)
+        out.is_paged, out.page_deviceid = True, 0
+        made.append(out)
+        return out
+
+    monkeypatch.setattr(F, "get_paged", get_paged)
+    params = shapes()
+    loaded = bnb_adamw8bit(paged=True)(params, lr=1e-3)
+    loaded.load_state_dict(saved.state_dict())
+    large, small = (loaded.state[p] for p in params)
+    assert {k for k, v in large.items() if getattr(v, "is_paged", False)} == {"state1", "state2"}
+    assert not any(getattr(v, "is_paged", False) for v in small.values())  # under 1e5 elements: never paged
+    for key in ("state1", "state2"):
+        torch.testing.assert_close(large[key], saved.state[trained[0]][key], atol=0, rtol=0)
+    assert all(any(t is m for m in made) for t in (large["state1"], large["state2"]))
+    assert set(map(id, made)) <= set(map(id, loaded.page_mng.paged_tensors))  # prefetched and evicted with the rest
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["gradient_accumulation_steps=4"], ["gradient_accumulation_steps=1", "micro batches"]),
     (["weight_dtype=fp32", "mixed_precision=fp16"], ["loss scaler", "mixed_precision=bf16"]),
