@@ -6,8 +6,9 @@
 #
 # Installs the wheels into /tmp/site, runs benchmarks/gpu_acceptance.py on ROWS (its --recipes) until BUDGET seconds
 # have passed since the start (the lease's clock: the rows that ran are kept), and leaves in $OUT the table
-# (acceptance.md, .json), the box's versions (env.txt) and one archive of every run's report.json and log tail
-# (runs.tgz: the tool brings back only a few files).
+# (acceptance.md, .json), the box's versions (env.txt), what the allocator held at the peak of each recorded
+# history (snapshot_peak.txt) and one archive of every run's report.json and log (runs.tgz: the tool brings back
+# only a few files).
 set -uo pipefail
 START=$(date +%s)
 OUT=${OUT:-/tmp/lease-out} BUDGET=${BUDGET:-520} ROWS=${ROWS:-adamw-8bit} RUNS=/tmp/acceptance
@@ -28,6 +29,9 @@ while kill -0 $pid 2>/dev/null; do
   fi
 done
 cp "$RUNS"/acceptance.md "$RUNS"/acceptance.json "$OUT"/ 2>/dev/null
+for pickle in "$RUNS"/*/memory_snapshot_rank*.pickle; do  # what the allocator held at its peak, in a few lines
+  [ -f "$pickle" ] && { echo "== $pickle"; python benchmarks/snapshot_peak.py "$pickle"; } >> "$OUT/snapshot_peak.txt" 2>&1
+done
 (cd "$RUNS" && find . \( -name report.json -o -name '*.log' \) -not -path './models/*' -print0 |
   tar czf "$OUT/runs.tgz" --null -T -)
 echo "total: $(( $(date +%s) - START )) s" >> "$OUT/env.txt"

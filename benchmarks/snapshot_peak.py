@@ -1,0 +1,75 @@
+"""What the CUDA allocator held at its peak, from the history `memrecipe run --memory-snapshot` writes
+(memory_snapshot_rank0.pickle): the largest allocations live at that moment, each with the code that made it, and
+the bytes grouped by that code. A few lines say which term a plan missed, where the pickle is tens of MB (open it at
+https://pytorch.org/memory_viz to look further).
+
+    python benchmarks/snapshot_peak.py RUN/memory_snapshot_rank0.pickle [--top 15]
+
+Replays the history (torch/cuda/_memory_viz.py's trace reads it the same way): `alloc` adds a block, `free_completed`
+returns it (the allocator's own count: a block freed on one stream waits for the others). Blocks allocated before
+the history began are not in it: the peak is above what was held then (the weights, at least). The backward's
+allocations are made by autograd's C++ thread: their innermost Python frame is the call to backward.
+"""
+
+import argparse
+import pickle
+from collections import Counter
+from pathlib import Path
+
+GiB, MiB = 2**30, 2**20
+HERE = ("memrecipe", "/recipes/", "/cli/")  # this project's code: the frame that names the term
+
+
+def where(frames: list[dict]) -> str:
+    """The innermost frame in this project's code, else the innermost of any: `file:line function`."""
+    mine = [f for f in frames if any(part in f["filename"] for part in HERE)]
+    frame = (mine or frames or [{"filename": "(no Python frame)", "line": 0, "name": ""}])[0]
+    return f"{'/'.join(Path(frame['filename']).parts[-2:])}:{frame['line']} {frame['name']}".strip()
+
+
+def peak(trace: list[dict]) -> tuple[int, list[tuple[int, str]]]:
+    """(the peak's bytes above the history's start, the blocks live at it: (bytes, where), largest first)."""
+    freed = "free_completed" if any(e["action"] == "free_completed" for e in trace) else "free_requested"
+    total = top = at = 0
+    for i, e in enumerate(trace):  # first pass: when the peak is
+        total += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == freed else 0
+        if total > top:
+            top, at = total, i
+    live = {}
+    for e in trace[:at + 1]:  # second: what is live then
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], where(e.get("frames") or []))
+        elif e["action"] == freed:
+            live.pop(e["addr"], None)
+    return top, sorted(live.values(), reverse=True)
+
+
+def summary(snapshot: dict, count: int = 15) -> str:
+    lines = []
+    for device, trace in enumerate(snapshot["device_traces"]):
+        if not trace:
+            continue
+        top, blocks = peak(trace)
+        lines.append(f"device {device}: peak {top / GiB:.3f} GiB above the history's start "
+                     f"({len(trace)} events, {len(blocks)} blocks live at the peak)")
+        lines.append("  largest blocks live at the peak:")
+        lines += [f"    {size / MiB:10.1f} MiB  {code}" for size, code in blocks[:count]]
+        by_code = Counter()
+        for size, code in blocks:
+            by_code[code] += size
+        lines.append("  the peak's bytes by the code that made them:")
+        lines += [f"    {size / MiB:10.1f} MiB  {code}" for code, size in by_code.most_common(count)]
+    return "\n".join(lines) or "no allocator history in this snapshot"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("snapshot", type=Path)
+    parser.add_argument("--top", type=int, default=15, help="how many blocks and places to list")
+    args = parser.parse_args()
+    with open(args.snapshot, "rb") as f:
+        print(summary(pickle.load(f), args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""benchmarks/snapshot_peak.py: what the CUDA allocator held at its peak, read off the allocator history the loop
+writes on a GPU (a synthetic history here, in the format torch.cuda.memory._snapshot() gives)."""
+
+import importlib.util
+import pickle
+import subprocess
+import sys
+
+from helpers import REPO
+
+MiB = 2**20
+
+
+def snapshot_peak():
+    spec = importlib.util.spec_from_file_location("snapshot_peak", REPO / "benchmarks" / "snapshot_peak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def frames(*where):
+    return [{"filename": f, "line": line, "name": name} for f, line, name in where]
+
+
+LOSS = frames(("/site/memrecipe/training/loss.py", 181, "backward"), ("/site/torch/autograd/function.py", 300, "apply"))
+LIB = frames(("/site/transformers/models/llama/modeling_llama.py", 90, "forward"))
+STEP = frames(("/repo/recipes/sft.py", 120, "train"))
+
+
+def history():
+    """a (100 MiB, the loss) is freed on request before b's peak but completes only after c: the allocator counts it
+    until free_completed. The peak (200 MiB) is after d: b, c and d live."""
+    events = [("alloc", 1, 100, LOSS), ("alloc", 2, 50, LIB), ("alloc", 3, 30, LOSS), ("free_requested", 1, 100, LOSS),
+              ("free_completed", 1, 100, LOSS), ("alloc", 4, 120, STEP), ("free_completed", 2, 50, LIB),
+              ("alloc", 5, 10, [])]
+    return {"segments": [], "device_traces": [[{"action": a, "addr": addr, "size": size * MiB, "frames": f}
+                                               for a, addr, size, f in events]]}
+
+
+def test_the_peak_lists_the_blocks_live_at_it_and_the_code_that_made_them(tmp_path):
+    top, blocks = snapshot_peak().peak(history()["device_traces"][0])
+    assert top == 200 * MiB
+    assert blocks == [(120 * MiB, "recipes/sft.py:120 train"), (50 * MiB, "llama/modeling_llama.py:90 forward"),
+                      (30 * MiB, "training/loss.py:181 backward")]  # the project's frame, not torch's below it
+    path = tmp_path / "memory_snapshot_rank0.pickle"
+    path.write_bytes(pickle.dumps(history()))
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "snapshot_peak.py"), str(path), "--top", "2"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "device 0: peak 0.195 GiB above the history's start (8 events, 3 blocks live at the peak)" in out
+    assert "     120.0 MiB  recipes/sft.py:120 train" in out and "30.0 MiB" not in out  # --top 2
