@@ -307,6 +307,11 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def is_long(overrides: list) -> bool:
+    """The long-context row (LONG): the one on the tiled MLP, run on the long documents."""
+    return "tiled_mlp=true" in overrides
+
+
 def case_name(script: str, recipe: str, overrides: list) -> str:
     """A row's name in the table: `dpo` for preference tuning, the recipe, its overrides."""
     return " ".join(["dpo"] * (script == "dpo") + [recipe, *overrides])
@@ -317,7 +322,7 @@ def pick(cases: list[tuple], names: list[str]) -> list[tuple]:
     script's order), a row's name (`dpo qlora`, `qlora activation_offload=true`) that row, `long` the long-context
     row; ValueError says what no row answers to."""
     def matches(case, name):
-        return name in (case[1], case_name(*case[:3])) or (name == "long" and "tiled_mlp=true" in case[2])
+        return name in (case[1], case_name(*case[:3])) or (name == "long" and is_long(case[2]))
 
     if unknown := [n for n in names if not any(matches(c, n) for c in cases)]:
         raise ValueError(f"--recipes: no row answers to {', '.join(unknown)}; the rows here run "
@@ -380,7 +385,7 @@ def main():
             name = case_name(script, recipe, overrides)
             words = [*overrides, *extra, f"max_steps={steps}", "save_steps=null", "eval_steps=null",
                      *([] if model is None else ["--model", model]),
-                     *(["--dataset", str(long_data)] if "tiled_mlp=true" in overrides else
+                     *(["--dataset", str(long_data)] if is_long(overrides) else
                        [] if args.cpu else ["--dataset", str(data[script])])]
             reason = skip_reason(recipe, [*overrides, *extra], processes, model, args.cpu)
             if reason:

@@ -25,7 +25,8 @@ while kill -0 $pid 2>/dev/null; do
   sleep 5
   if (( $(date +%s) - START > BUDGET )); then  # the lease's end: stop the row that runs, keep the table
     echo "stopped at the budget ($BUDGET s)" >> "$OUT/acceptance.log"
-    pkill -TERM -P $pid; kill $pid; sleep 3; pkill -9 -f "memrecipe run"; break
+    pkill -TERM -P $pid; kill $pid; sleep 3  # (memrecipe run passes TERM on to its workers)
+    pkill -9 -f 'memrecipe|recipes/(sft|dpo)\.py'; break  # the workers too, whatever is left
   fi
 done
 cp "$RUNS"/acceptance.md "$RUNS"/acceptance.json "$OUT"/ 2>/dev/null
