@@ -67,6 +67,9 @@ def main():
     parser.add_argument("snapshot", type=Path)
     parser.add_argument("--top", type=int, default=15, help="how many blocks and places to list")
     args = parser.parse_args()
+    if not args.snapshot.is_file():
+        parser.error(f"{args.snapshot}: no such file (memrecipe run --memory-snapshot writes "
+                     "RUN/memory_snapshot_rank0.pickle on a GPU)")
     with open(args.snapshot, "rb") as f:
         print(summary(pickle.load(f), args.top))
 

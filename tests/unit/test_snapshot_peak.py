@@ -48,3 +48,11 @@ def test_the_peak_lists_the_blocks_live_at_it_and_the_code_that_made_them(tmp_pa
                          capture_output=True, text=True, check=True).stdout
     assert "device 0: peak 0.195 GiB above the history's start (8 events, 3 blocks live at the peak)" in out
     assert "     120.0 MiB  recipes/sft.py:120 train" in out and "30.0 MiB" not in out  # --top 2
+
+
+def test_a_missing_snapshot_is_one_line_exit_2():
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "snapshot_peak.py"), "/no/such.pickle"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith("/no/such.pickle: no such file (memrecipe run "
+                                                         "--memory-snapshot writes RUN/memory_snapshot_rank0.pickle on a GPU)")
