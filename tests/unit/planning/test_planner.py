@@ -71,9 +71,7 @@ def test_the_steps_peak_is_what_the_planner_calls_working_memory(models, recipe,
     loss and a layer's recompute peak at different moments (the larger counts); without it, together.
     LoRA, so that the gradients (the adapters') are small beside what is measured. (A full fine-tune's
     gradients peak at the end of backward, not with the loss: the planner's sum is conservative there.)"""
-    import gc
-
-    from memrecipe.training.measure import allocation_peak
+    from measuring import allocation_peak_of
 
     B, S = 2, 256
     r = load_recipe(recipe, [*overrides, f"per_device_train_batch_size={B}", f"max_seq_length={S}"])
@@ -83,13 +81,14 @@ def test_the_steps_peak_is_what_the_planner_calls_working_memory(models, recipe,
     model.train()  # checkpointing and dropout act in training mode only
     ids = torch.randint(0, MEDIUM["vocab_size"], (B, S), generator=torch.Generator().manual_seed(0))
     b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    gc.collect()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+    def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = lm_loss(model, b)
         loss.backward()
+
+    peak, _ = allocation_peak_of(step)
     est = estimate(r, structure(read_config(models["medium"])), CPU1)
-    assert est.working + est.gradients == pytest.approx(allocation_peak(profile), rel=0.1)
+    assert est.working + est.gradients == pytest.approx(peak, rel=0.1)
     assert est.working < est.activations + est.logits or not r.gradient_checkpointing
 
 
@@ -101,16 +100,15 @@ def test_a_dpo_steps_peak_is_what_the_planner_plans_for_its_rows(models, overrid
     allocation profiled: the reference's forward is over before the policy's starts, so the step holds what an
     SFT step over the same rows holds, and the planner plans it so. (Chunks of 64 target tokens: the pairs' targets
     are their completions, fewer than the plan's every-token-a-target, and the chunk is then the same size.)"""
-    import gc
     import json
     import sys
 
     from datasets import Dataset
 
     from helpers import REPO
+    from measuring import allocation_peak_of
     from memrecipe.planning.registry import EMBEDDED_PREFERENCES
     from memrecipe.training.loading import embedded_model
-    from memrecipe.training.measure import allocation_peak
     from memrecipe.training.preference import (PairCollator, pack_pairs, preference_sums, sequence_logps, tokenize_pair,
                                                window_loss)
     from memrecipe.training.tokenizer import load_tokenizer
@@ -130,15 +128,15 @@ def test_a_dpo_steps_peak_is_what_the_planner_plans_for_its_rows(models, overrid
     assert batch["input_ids"].shape == (B, S) and batch["attention_mask"].float().mean() > 0.8
     assert (batch["labels"][:, 1:] != -100).sum() > 64
     dpo = r.dpo
-    gc.collect()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+    def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             reference = Preference(r).reference(model, batch, SimpleNamespace(unwrap_model=lambda m: m))
             sums = preference_sums(sequence_logps(model, batch), reference, batch, dpo)
-            loss = window_loss(sums, sums["pairs"], 0)
-        loss.backward()
+            window_loss(sums, sums["pairs"], 0).backward()
+
+    peak, _ = allocation_peak_of(step)
     est = estimate(r, structure(read_config(models["medium"])), CPU1)
-    assert est.working + est.gradients == pytest.approx(allocation_peak(profile), rel=0.1)
+    assert est.working + est.gradients == pytest.approx(peak, rel=0.1)
 
 
 def test_qlora_and_dropout_on_fused_experts_are_refused_with_the_reason(models, cli):

@@ -75,7 +75,7 @@ def test_apollos_step_temporaries_are_planned(in_backward):
     over all tensors: the largest tensor's temporaries and the previous tensor's last update; in backward, each
     tensor's own step (called here one tensor at a time, as the hooks do)."""
     from memrecipe.planning.states import step_temporaries, trainable_tensors
-    from memrecipe.training.measure import allocation_peak
+    from measuring import allocation_peak_of
 
     peaks = {}
     for gap in (1, 200):
@@ -90,9 +90,7 @@ def test_apollos_step_temporaries_are_planned(in_backward):
         for step, params in steps:
             for p in params:
                 p.grad = torch.randn_like(p) / 100
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-                step()
-            peaks[gap] = max(peaks[gap], allocation_peak(prof))
+            peaks[gap] = max(peaks[gap], allocation_peak_of(step)[0])
             for p in params:
                 p.grad = None
     planned = step_temporaries(recipe, trainable_tensors(recipe, structure(read_config(None))), 2)
