@@ -7,16 +7,25 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# One lane per core: `pytest -n N` (the suite's default, pyproject's addopts) runs N workers, and each worker is pinned
+# to a core of its own before torch is imported, so that it and every run it launches compute on that core with one
+# thread (the launcher reads the cores it may use). Unpinned, two workers' launches and in-process steps would share
+# both cores with two threads each, and a small matmul waits for a descheduled thread: ~60x slower measured here.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {_cores[int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) % len(_cores)]})
+
 # No hub here: every test builds its models and data locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def run_cli(*args, cwd=None, env=None, timeout=180):
-    """Run `python -m memrecipe ARGS` as a user would; returns the CompletedProcess."""
+def run_cli(*args, cwd=None, env=None, timeout=180, preexec_fn=None):
+    """Run `python -m memrecipe ARGS` as a user would; returns the CompletedProcess (`preexec_fn`: helpers.pin's, for
+    a run of several processes)."""
     return subprocess.run([sys.executable, "-m", "memrecipe", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=timeout)
+                          capture_output=True, timeout=timeout, preexec_fn=preexec_fn)
 
 
 @pytest.fixture

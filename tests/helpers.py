@@ -89,10 +89,15 @@ def start(args, folder, core=None, script="sft"):
 
 
 def pin(core):
-    """Runs side by side on this 2-core machine: a 1-process run pinned to a core of its own takes 1 thread (its
-    launcher reads the cores it may use), where two of 2 threads each would thrash; every run of a test pinned,
-    so each trains with the same threads (a 2-process run takes 1 thread per process anyway: not pinned)."""
-    return None if core is None else lambda: os.sched_setaffinity(0, {core % (os.cpu_count() or 1)})
+    """Where a launched run computes. `core` (a SideBySide slot): a 1-process run pinned to a core of its own takes 1
+    thread (its launcher reads the cores it may use), where two of 2 threads each would thrash; every run of a test
+    pinned, so each trains with the same threads. Under `pytest -n` the slot is a core of this worker's lane (its one
+    core, conftest.py). None: a run of several processes, given every core of the machine (its launcher refuses more
+    processes than it may use, and each process takes 1 thread of its share anyway)."""
+    if core is None:
+        return lambda: os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    cores = sorted(os.sched_getaffinity(0))
+    return lambda: os.sched_setaffinity(0, {cores[core % len(cores)]})
 
 
 def wait_for(predicate, proc, timeout=300):

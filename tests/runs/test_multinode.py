@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import child_env, free_port, launch
+from helpers import child_env, free_port, launch, pin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # a constant learning rate: a run resumed with a longer max_steps then trains exactly like an uninterrupted one
@@ -69,7 +69,7 @@ def reference(tmp_path_factory):
     def run():
         done = launch(["memrecipe", "run", "sft", "--recipe", "ddp", "--cpu", "--num-processes", "2",
                        "--main-process-port", str(free_port()),  # not 29500: an earlier test's store may linger there
-                       "--output-dir", str(alone), "max_steps=6", *TRAIN])
+                       "--output-dir", str(alone), "max_steps=6", *TRAIN], preexec_fn=pin(None))
         assert done.returncode == 0, done.stderr[-3000:]
         reference, _ = losses(alone)
         assert len(reference) == 6 and reference[-1] < reference[0]

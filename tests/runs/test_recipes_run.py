@@ -64,7 +64,7 @@ def runs(tmp_path_factory):
         done = launch(["memrecipe", "run", "sft", "--recipe", "fsdp", "--num-processes", "2", "--model",
                        str(jobs("mid-model")), "--output-dir", str(folder), "--main-process-port", str(free_port()),
                        "max_steps=1", "eval_size=0", "max_seq_length=64", "per_device_train_batch_size=2",
-                       "gradient_accumulation_steps=1"])  # (its config's cpu_ram_efficient_loading: true)
+                       "gradient_accumulation_steps=1"], preexec_fn=pin(None))  # (its config's cpu_ram_efficient_loading: true)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return folder
 

@@ -267,7 +267,7 @@ def resumed_with_changes(folder, core):
     refused = [refusal(folder, ["learning_rate=1e-2"]), refusal(folder, ["fsdp.activation_checkpointing=false"]),
                refusal(folder, [], num_processes=1)]
     longer = run_cli("run", "sft", "--resume", "--output-dir", str(folder), "max_steps=4", "save_steps=1",
-                     "save_total_limit=10", timeout=600)  # (unchanged keys are fine)
+                     "save_total_limit=10", timeout=600, preexec_fn=pin(None))  # (unchanged keys are fine)
     return folder, refused, longer, longer.returncode == 0 and export_here(folder, folder.parent / "keeps-exported",
                                                                    checkpoint="step-4")
 
