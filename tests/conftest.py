@@ -11,8 +11,10 @@ REPO = Path(__file__).resolve().parent.parent
 # to a core of its own before torch is imported, so that it and every run it launches compute on that core with one
 # thread (the launcher reads the cores it may use). Unpinned, two workers' launches and in-process steps would share
 # both cores with two threads each, and a small matmul waits for a descheduled thread: ~60x slower measured here.
+# The cores the whole test run may use are kept for the runs of several processes (helpers.pin).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _cores = sorted(os.sched_getaffinity(0))
+    os.environ["TESTS_CORES"] = ",".join(map(str, _cores))
     os.sched_setaffinity(0, {_cores[int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) % len(_cores)]})
 
 # No hub here: every test builds its models and data locally.

@@ -92,10 +92,11 @@ def pin(core):
     """Where a launched run computes. `core` (a SideBySide slot): a 1-process run pinned to a core of its own takes 1
     thread (its launcher reads the cores it may use), where two of 2 threads each would thrash; every run of a test
     pinned, so each trains with the same threads. Under `pytest -n` the slot is a core of this worker's lane (its one
-    core, conftest.py). None: a run of several processes, given every core of the machine (its launcher refuses more
-    processes than it may use, and each process takes 1 thread of its share anyway)."""
+    core, conftest.py). None: a run of several processes, given every core the test run may use (its launcher refuses
+    more processes than cores, and each process takes 1 thread of its share anyway)."""
     if core is None:
-        return lambda: os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        every = os.environ.get("TESTS_CORES")
+        return lambda: os.sched_setaffinity(0, map(int, every.split(","))) if every else None
     cores = sorted(os.sched_getaffinity(0))
     return lambda: os.sched_setaffinity(0, {cores[core % len(cores)]})
 
