@@ -95,8 +95,10 @@ def pin(core):
     core, conftest.py). None: a run of several processes, given every core the test run may use (its launcher refuses
     more processes than cores, and each process takes 1 thread of its share anyway)."""
     if core is None:
-        every = os.environ.get("TESTS_CORES")
-        return lambda: os.sched_setaffinity(0, map(int, every.split(","))) if every else None
+        every = os.environ.get("TESTS_CORES")  # (outside `pytest -n` nothing is pinned: the run inherits every core)
+        if every is None:
+            return None
+        return lambda: os.sched_setaffinity(0, map(int, every.split(",")))
     cores = sorted(os.sched_getaffinity(0))
     return lambda: os.sched_setaffinity(0, {cores[core % len(cores)]})
 

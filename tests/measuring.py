@@ -133,8 +133,8 @@ def _step(model, b, autocast):
     loss.backward()
 
 
-def allocation_peak_of(step) -> tuple[int, object]:
-    """(the most bytes `step()`'s own allocations held at once, what it returned): the CPU profiler's allocation
+def allocation_peak_of(step) -> int:
+    """The most bytes `step()`'s own allocations held at once: the CPU profiler's allocation
     events, each free matched to its allocation by address, so that what was allocated before the window and freed
     inside it does not count (in a full run such frees, different from one run to the next, read an optimizer
     step's peak 4-16% low); the garbage collector off, as every profiled window here must be."""
@@ -144,7 +144,7 @@ def allocation_peak_of(step) -> tuple[int, object]:
     gc.disable()
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = step()
+            step()
     finally:
         gc.enable()
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -159,7 +159,7 @@ def allocation_peak_of(step) -> tuple[int, object]:
             (live.add if size > 0 else live.discard)(address)
             now += size
             peak = max(peak, now)
-    return peak, out
+    return peak
 
 
 def profiled_peak(step) -> int:
