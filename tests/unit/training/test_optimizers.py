@@ -75,24 +75,19 @@ def test_apollos_step_temporaries_are_planned(in_backward):
     over all tensors: the largest tensor's temporaries and the previous tensor's last update; in backward, each
     tensor's own step (called here one tensor at a time, as the hooks do)."""
     from memrecipe.planning.states import step_temporaries, trainable_tensors
-    from measuring import allocation_peak_of
+    from measuring import allocation_peaks_of
 
     peaks = {}
     for gap in (1, 200):
         recipe = full("weight_dtype=bf16", "optim=apollo_adamw", "optim_args.rank=8", f"optim_args.update_proj_gap={gap}",
                       *(IN_BACKWARD if in_backward else []))
         model, optimizer, _ = trained(recipe)
-        if in_backward:  # each tensor's own optimizer, a gradient given to it alone (its hook's step)
-            steps = [(o.step, [p]) for p, o in optimizer.optimizers.items()]
-        else:
-            steps = [(optimizer.step, [p for p in model.parameters() if p.requires_grad])]
-        peaks[gap] = 0
-        for step, params in steps:
-            for p in params:
-                p.grad = torch.randn_like(p) / 100
-            peaks[gap] = max(peaks[gap], allocation_peak_of(step))
-            for p in params:
-                p.grad = None
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.randn_like(p) / 100
+        # in backward: each tensor's own optimizer, stepped alone (as its hook does); each step's own peak
+        peaks[gap] = max(allocation_peaks_of([o.step for o in optimizer.optimizers.values()] if in_backward
+                                             else [optimizer.step]))
     planned = step_temporaries(recipe, trainable_tensors(recipe, structure(read_config(None))), 2)
     assert peaks[1] == pytest.approx(planned, rel=0.05) and peaks[200] <= planned, (peaks, planned)
 
