@@ -56,3 +56,11 @@ def models(tmp_path_factory):
     return {"tiny": embedded_model(), "medium": str(folder), "mixtral": str(mixtral), "dense-first": str(dense_first),
             "dir": folder.parent}
 
+
+
+def pytest_collection_modifyitems(items):
+    """The files that launch processes (a test marked slow) first, in collection order, then the rest: a lane that
+    takes a launching file near the end would run on alone (a file goes whole to one lane, pyproject's addopts), while
+    many small in-process files even the lanes out."""
+    launching = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in launching)  # (a stable sort: each file's tests stay in their order)
