@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_cli
-from helpers import (REPO, SideBySide, child_env, finish, free_port, pin, start, stop_at_a_checkpoint,
+from helpers import (REPO, SideBySide, child_env, finish, free_port, pin, signal_tree, start, stop_at_a_checkpoint,
                      wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -87,6 +87,7 @@ def runs(tmp_path_factory):
         jobs[f"{recipe}/whole"] = partial(uninterrupted, base / recipe, recipe, launched_by, words)
     for recipe, _, sig in SIGNALS:
         jobs[f"signal/{recipe}"] = partial(stopped_by_a_signal, base / f"signal-{recipe}", recipe, sig)
+    jobs["locked"] = partial(a_locked_folder, base / "locked")
     jobs["nan"] = partial(a_non_finite_loss, base / "nan")
     side = SideBySide(jobs)
     yield side
@@ -239,22 +240,16 @@ SIGNALS = [("single-gpu-lora", 1, signal.SIGINT), ("fsdp", 2, signal.SIGTERM)]
 
 
 def stopped_by_a_signal(folder, recipe, sig, core):
-    """A long run stopped by `sig` after its step 10: (its exit status, its folder, its process id, and for the
-    1-process run a second run and a resume asked for in its folder while it trains, or None)."""
     proc = start(["--recipe", recipe, "max_steps=500", "eval_steps=null"], folder, core if recipe in ONE_PROCESS else None)
     wait_for(lambda: "step 10/500" in (folder / "train.log").read_text() if (folder / "train.log").exists()
              else False, proc)
-    locked = None
-    if recipe == "single-gpu-lora":  # (test_a_running_folder_is_locked's)
-        locked = (run_cli("run", "sft", "--recipe", recipe, "--output-dir", str(folder), "--overwrite"),
-                  run_cli("run", "sft", "--resume", "--output-dir", str(folder)))  # not "no complete checkpoint"
     proc.send_signal(sig)  # to the launcher alone (a scheduler's SIGTERM; Ctrl-C's SIGINT)
-    return proc.wait(timeout=120), folder, proc.pid, locked
+    return proc.wait(timeout=120), folder
 
 
 @pytest.mark.parametrize("recipe, processes, sig", SIGNALS)
 def test_a_signal_checkpoints_and_names_the_resume_command(runs, recipe, processes, sig):
-    status, folder, _, _ = runs(f"signal/{recipe}")
+    status, folder = runs(f"signal/{recipe}")
     assert status == 128 + sig
     log = open(f"{folder}.log").read()
     assert f"resume with: memrecipe run sft --resume --output-dir {folder}" in log
@@ -306,9 +301,19 @@ def test_resume_keeps_the_recipe_and_the_process_count(runs):
     assert_checkpoint_exports_final(folder, exported)  # FSDP's full state dict
 
 
+def a_locked_folder(folder, core):
+    """A second run and a resume asked for while a run trains in the folder; then the run is killed."""
+    proc = start(["--recipe", "single-gpu-lora", "max_steps=500", "eval_steps=null"], folder, core)
+    wait_for(lambda: (folder / ".lock").exists() and (folder / "train.log").exists(), proc)
+    second = run_cli("run", "sft", "--recipe", "single-gpu-lora", "--output-dir", str(folder), "--overwrite")
+    resumed = run_cli("run", "sft", "--resume", "--output-dir", str(folder))  # not "no complete checkpoint"
+    signal_tree(proc, signal.SIGKILL)
+    proc.wait()
+    return proc.pid, second, resumed
+
+
 def test_a_running_folder_is_locked(runs):
-    """A second run and a resume asked for in a folder where a run trains (the SIGINT case's run) are refused."""
-    _, _, pid, (second, resumed) = runs("signal/single-gpu-lora")
+    pid, second, resumed = runs("locked")
     assert second.returncode == 2 and f"in use by process {pid}" in second.stderr
     assert resumed.returncode == 2 and f"in use by process {pid}" in resumed.stderr
 
