@@ -57,7 +57,6 @@ def models(tmp_path_factory):
             "dir": folder.parent}
 
 
-
 def pytest_collection_modifyitems(items):
     """The files that launch processes (a test marked slow) first, in collection order, then the rest: a lane that
     takes a launching file near the end would run on alone (a file goes whole to one lane, pyproject's addopts), while

@@ -153,25 +153,27 @@ def allocation_peaks_of(steps) -> list[int]:
                     step()
     finally:
         gc.enable()
-    ranges, stack = {}, list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.name.startswith("measured-step-"):
-            ranges[int(event.name.removeprefix("measured-step-"))] = event
+    ranges = {int(event.name.removeprefix("measured-step-")): event
+              for event in _under(prof.profiler.kineto_results.experimental_event_tree())
+              if event.name.startswith("measured-step-")}
     return [_peak(ranges[n]) for n in range(len(steps))]
 
 
-def _peak(event) -> int:
-    """The most bytes the allocations under `event` held at once (frees of anything older left out)."""
-    from torch._C._profiler import _EventType
-
-    allocations, stack = [], [event]
+def _under(roots):
+    """Every event of the profiler's event tree from `roots` down."""
+    stack = list(roots)
     while stack:
         event = stack.pop()
         stack.extend(event.children)
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            allocations.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size))
+        yield event
+
+
+def _peak(range_event) -> int:
+    """The most bytes the allocations under `range_event` held at once (frees of anything older left out)."""
+    from torch._C._profiler import _EventType
+
+    allocations = [(e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size) for e in _under([range_event])
+                   if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu"]
     live, now, peak = set(), 0, 0
     for _, address, size in sorted(allocations):
         if size > 0 or address in live:

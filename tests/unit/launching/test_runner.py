@@ -39,20 +39,19 @@ def test_a_one_process_run_starts_the_loop_as_accelerates_simple_launcher_would(
     from memrecipe.files import write_files
     from memrecipe.launching.launch import one_process
 
-    one = plan_run("sft", "single-gpu-lora", [], tmp_path / "one", {"cpu": True}, machine=LAPTOP)
-    write_files(one.folder, one.files)
-    command, env = one_process(one.command, one.folder, one.env)
+    def started(recipe, topology):
+        folder = tmp_path / f"{recipe}-{topology.get('num_processes', 1)}"
+        plan = plan_run("sft", recipe, [], folder, topology, machine=LAPTOP)
+        write_files(plan.folder, plan.files)
+        return plan, one_process(plan.command, plan.folder, plan.env)
+
+    one, (command, env) = started("single-gpu-lora", {"cpu": True})
     assert command[1:] == one.command[one.command.index("--recipe") - 1:]  # python sft.py --recipe recipe.yaml ...
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and env["ACCELERATE_USE_CPU"] == "True"
     assert env["OMP_NUM_THREADS"] == "2" and env["MEMRECIPE_RUN"] == "1"  # its share of the cores; memrecipe's own
-    for recipe in ("fsdp", "zero3-offload"):
-        two = plan_run("sft", recipe, [], tmp_path / recipe, CPU2, machine=LAPTOP)
-        write_files(two.folder, two.files)
-        assert one_process(two.command, two.folder, two.env) is None
-    one_zero = plan_run("sft", "zero3-offload", [], tmp_path / "one-zero", {"cpu": True, "num_processes": 1},
-                        machine=LAPTOP)
-    write_files(one_zero.folder, one_zero.files)
-    assert one_process(one_zero.command, one_zero.folder, one_zero.env) is None  # (DeepSpeed's launcher, torchrun)
+    one_deepspeed = {"cpu": True, "num_processes": 1}  # (DeepSpeed's launcher, torchrun, on one process too)
+    for recipe, topology in (("fsdp", CPU2), ("zero3-offload", CPU2), ("zero3-offload", one_deepspeed)):
+        assert started(recipe, topology)[1] is None, (recipe, topology)
 
 
 def test_deepspeed_on_cpu_picks_its_own_accelerator_and_gpus_get_their_share_of_the_cores(tmp_path):
