@@ -158,12 +158,12 @@ def one_process(command: list[str], cwd: Path, env: dict) -> tuple[list[str], di
     simple launcher, chosen for one process that is neither torchrun's nor DeepSpeed's), worked out here by
     accelerate's own code; None for any other launch, which keeps accelerate's process. Started directly, such a run
     skips a Python process that only imports torch and accelerate again (a 2-step CPU run: 14.1 -> 12.7 s)."""
+    if command[1:3] != ["-m", "accelerate.commands.launch"]:
+        return None
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import ComputeEnvironment, patch_environment
     from accelerate.utils.launch import prepare_simple_launcher_cmd_env
 
-    if command[1:3] != ["-m", "accelerate.commands.launch"]:
-        return None
     args = launch_command_parser().parse_args(command[3:])
     args.config_file = str(cwd / args.config_file)  # (the launch would run inside the run folder)
     with patch_environment(**env):
