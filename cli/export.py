@@ -14,9 +14,23 @@ from pathlib import Path
 from .errors import RecipeError
 from .files import readable_files
 from .launching.run_folder import RunFolder
-from .layout import complete_checkpoints
+from .layout import CHECKPOINTS, FINAL, NAME, RECIPE, complete_checkpoints
 
 EXPORT_DTYPES = ("bf16", "fp32")
+
+
+def run_of(path: Path, checkpoint: str | None) -> tuple[Path, str | None]:
+    """The run folder and checkpoint that a path names: the run folder itself, or (as a user may point at what
+    they see) its final/ or one of its checkpoints/step-N."""
+    run = path.parent.parent if NAME.match(path.name) and path.parent.name == CHECKPOINTS else \
+        path.parent if path.name == FINAL else None
+    if run is None or not (run / RECIPE).is_file():
+        return path, checkpoint
+    named = path.name if path.name != FINAL else None
+    if checkpoint is not None and checkpoint != named:
+        raise RecipeError(f"{path} is {'checkpoint ' + named if named else 'the final save'} of run {run}, and "
+                          f"--checkpoint says {checkpoint}: give the run folder with --checkpoint, or the one path")
+    return run, named
 
 
 def source_of(run: Path, checkpoint: str | None) -> Path:
@@ -74,6 +88,7 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
     from .training.adapters import add_lora
     from .training.loading import embedded_model
 
+    run, checkpoint = run_of(run, checkpoint)
     folder = RunFolder(run)
     if not folder.recipe.is_file():
         raise RecipeError(f"{run} is not a memrecipe run folder (no {folder.recipe.name})")

@@ -14,9 +14,12 @@ from ..export import EXPORT_DTYPES, export
 def command(run_dir, output, checkpoint, merge, dtype):
     """Turn a run's final save or a checkpoint into a Hugging Face model folder.
 
+    RUN_DIR is a run folder, or its final/ or checkpoints/step-N.
+
     \b
     memrecipe export runs/single-gpu-lora-20261122-010000 merged/ --merge
     memrecipe export runs/zero3-offload-20261122-010000 model/ --checkpoint step-200 --dtype bf16
+    memrecipe export runs/zero3-offload-20261122-010000/checkpoints/step-200 model/
     """
     if not run_dir.is_dir():
         from ..errors import RecipeError

@@ -56,13 +56,28 @@ def test_the_final_save_and_a_checkpoint_export_their_own_weights(run, tmp_path)
     assert json.loads((tmp_path / "step" / "memrecipe_export.json").read_text())["source"] == "step-1"
 
 
+def test_a_path_inside_the_run_exports_what_it_names(run, tmp_path):
+    """The path a user sees (RUN/checkpoints/step-N, RUN/final) exports as the run folder with --checkpoint would."""
+    by_path = weights(export(run / "checkpoints" / "step-1", tmp_path / "by-path"))
+    by_name = weights(export(run, tmp_path / "by-name", checkpoint="step-1"))
+    assert by_path.keys() == by_name.keys() and all(torch.equal(by_path[k], by_name[k]) for k in by_name)
+    assert not torch.equal(by_path["model.norm.weight"], weights(run / "final")["model.norm.weight"])
+    record = json.loads((tmp_path / "by-path" / "memrecipe_export.json").read_text())
+    assert (record["run"], record["source"]) == (str(run.resolve()), "step-1")
+    final = weights(export(run / "final", tmp_path / "final"))
+    assert all(torch.equal(final[k], v) for k, v in weights(run / "final").items())
+
+
 @pytest.mark.parametrize("words, reason", [
     ({"checkpoint": "step-9"}, "has no complete checkpoint step-9; it has: step-1"),
     ({"merge": True}, "is a full fine-tune: there is no adapter to --merge"),
+    ({"inside": "checkpoints/step-1", "checkpoint": "step-9"}, "is checkpoint step-1 of run .*--checkpoint says step-9"),
+    ({"inside": "final", "checkpoint": "step-1"}, "is the final save of run .*--checkpoint says step-1"),
 ])
 def test_what_cannot_be_exported_is_one_line_and_writes_nothing(run, tmp_path, words, reason):
+    words = dict(words)
     with pytest.raises(RecipeError, match=reason):
-        export(run, tmp_path / "out", **words)
+        export(run / words.pop("inside", ""), tmp_path / "out", **words)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "mine.txt").write_text("kept")
