@@ -4,7 +4,8 @@
 #
 #     ROWS="adamw-8bit,long,zero3-offload" BUDGET=520 bash scripts/gpu_lease.sh
 #
-# Installs the wheels into /tmp/site, runs benchmarks/gpu_acceptance.py on ROWS (its --recipes) until BUDGET seconds
+# Installs the wheels into /tmp/site (memrecipe itself from this working tree, over its wheel's: a lease never runs
+# an older build), runs benchmarks/gpu_acceptance.py on ROWS (its --recipes) until BUDGET seconds
 # have passed since the start (the lease's clock: the rows that ran are kept), and leaves in $OUT the table
 # (acceptance.md, .json), the box's versions (env.txt), what the allocator held at the peak of each recorded
 # history (snapshot_peak.txt) and one archive of every run's report.json and log (runs.tgz: the tool brings back
@@ -13,7 +14,7 @@ set -uo pipefail
 START=$(date +%s)
 OUT=${OUT:-/tmp/lease-out} BUDGET=${BUDGET:-520} ROWS=${ROWS:-adamw-8bit} RUNS=/tmp/acceptance
 mkdir -p "$OUT"
-pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/install.log" 2>&1
+python scripts/offline_wheels.py --out .whl --install /tmp/site > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 { echo "install: $(( $(date +%s) - START )) s"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nproc; python -c "import torch, transformers, accelerate, peft, datasets; print(torch.__version__, torch.version.cuda,

@@ -3,7 +3,7 @@ wheel imports torch), it puts what the lent box lacks into one folder the device
 
     python scripts/offline_wheels.py --out .whl             # on a networked machine, in the repository
     python scripts/offline_wheels.py --out .whl --dry-run   # what it would fetch, in order, without network
-    pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site   # on the box
+    python scripts/offline_wheels.py --out .whl --install /tmp/site && export PYTHONPATH=/tmp/site   # on the box
 
 The box (seen on the first lease, 2026-11-26: docs/gpu.md) has Python 3.12, torch 2.11 (CUDA 13.0), transformers 5.17,
 accelerate 1.15, peft, pyarrow, pandas, fsspec, click, pyyaml, ninja, msgpack and py-cpuinfo; it lacks datasets (and
@@ -12,6 +12,10 @@ travels at memrecipe's floor (the box's 5.17 is below it). PyPI has no deepspeed
 here without its compiled ops (the box builds CPU Adam on first use: g++, ninja, nvcc and the Python headers are
 there). bitsandbytes' wheel carries a library for every CUDA and ROCm (43 MB): only the box's CUDA's and the CPU one
 are kept (7 MB). memrecipe's own wheel comes first. ~30 MB in all; a wheel past the budget is left out and said.
+
+On the box, `--install SITE` puts every wheel of the folder into SITE (no network, no dependency resolution) and then
+this repository's own package files over the memrecipe its wheel installed: a lease runs the code of the working tree
+it was given, however old the wheel (which still gives the `memrecipe` command and the package's metadata).
 """
 
 import argparse
@@ -84,15 +88,36 @@ def slim(wheel: Path, cuda: str) -> None:
     slimmed.replace(wheel)
 
 
+def install(wheels: Path, site: Path) -> None:
+    """Every wheel of `wheels` into `site`, then memrecipe's packages from this repository over its wheel's (the
+    folders pyproject.toml maps them from: cli/ is `memrecipe`, recipes/ is `memrecipe.recipes`...)."""
+    import tomllib  # (Python 3.11: the box has 3.12)
+
+    if not any(wheels.glob("memrecipe-*.whl")):
+        sys.exit(f"offline_wheels: {wheels} holds no memrecipe wheel: make the folder with --out {wheels} first")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
+                    *sorted(map(str, wheels.glob("*.whl")))], check=True)
+    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    shutil.rmtree(site / "memrecipe", ignore_errors=True)  # (a module the repository no longer has goes too)
+    for package, folder in sorted(folders.items()):  # `memrecipe` before the packages inside it
+        shutil.copytree(REPO / folder, site.joinpath(*package.split(".")), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="the folder the wheels go to (made if missing)")
+    parser.add_argument("--out", type=Path, required=True, help="the folder the wheels go to (made if missing); "
+                        "with --install, the folder they are read from")
     parser.add_argument("--budget-mib", type=int, default=60, help="the most the folder may hold (default 60: the "
                         "device tool carries 64 MiB with the repository)")
     parser.add_argument("--python", default="3.12", help="the box's Python version (default 3.12)")
     parser.add_argument("--cuda", default="130", help="the box's torch.version.cuda without the dot (default 130)")
     parser.add_argument("--dry-run", action="store_true", help="list what it would fetch, in order, and stop")
+    parser.add_argument("--install", type=Path, metavar="SITE", help="on the box: install the folder's wheels into "
+                        "SITE and this repository's memrecipe over its wheel's (then PYTHONPATH=SITE)")
     args = parser.parse_args()
+    if args.install:
+        return install(args.out, args.install)
     if args.dry_run:
         print(f"{'memrecipe':24} built from {REPO}")
         for requirement, why, _ in PRIORITY:

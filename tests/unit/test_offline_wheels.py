@@ -51,3 +51,38 @@ def test_bitsandbytes_keeps_only_the_boxs_cuda_library_and_its_record_says_so(tm
     assert kept == ["bitsandbytes-0.50.2.dist-info/RECORD", "bitsandbytes/__init__.py",
                     "bitsandbytes/libbitsandbytes_cpu.so", "bitsandbytes/libbitsandbytes_cuda130.so"]
     assert [line.split(",")[0] for line in record] == kept[1:]
+
+
+def test_the_box_runs_the_working_trees_memrecipe_whatever_the_wheels_age(tmp_path):
+    """--install puts the folder's wheels into SITE and then this repository's packages over the memrecipe its wheel
+    held: a wheel built before the last commit (as .whl's was, the morning after the second lease) cannot make a
+    lease test older code. A stale wheel here: an old __init__ and a module the repository no longer has."""
+    import zipfile
+
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    files = {"memrecipe/__init__.py": "STALE = True\n", "memrecipe/gone.py": "", "memrecipe/recipes/sft.py": "old\n",
+             "memrecipe-0.1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: memrecipe\nVersion: 0.1.0\n",
+             "memrecipe-0.1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                "Tag: py3-none-any\n"}
+    with zipfile.ZipFile(wheels / "memrecipe-0.1.0-py3-none-any.whl", "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr("memrecipe-0.1.0.dist-info/RECORD", "\n".join(f"{n},," for n in [*files, "RECORD"]))
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "offline_wheels.py"), "--out", str(wheels),
+                           "--install", str(site)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (site / "memrecipe-0.1.0.dist-info").is_dir()  # the wheel was installed (its metadata stays)
+    for installed, ours in [("memrecipe/__init__.py", "cli/__init__.py"), ("memrecipe/recipes/sft.py", "recipes/sft.py"),
+                            ("memrecipe/accelerate_configs", "accelerate_configs"), ("memrecipe/data", "cli/data")]:
+        mine, theirs = site / installed, REPO / ours
+        if theirs.is_dir():
+            assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in theirs.iterdir()
+                                                                     if p.name != "__pycache__")
+        else:
+            assert mine.read_bytes() == theirs.read_bytes()
+    assert not (site / "memrecipe" / "gone.py").exists()
+    missing = subprocess.run([sys.executable, str(REPO / "scripts" / "offline_wheels.py"), "--out",
+                              str(tmp_path / "none"), "--install", str(site)], capture_output=True, text=True)
+    assert missing.returncode == 1 and "holds no memrecipe wheel" in missing.stderr
