@@ -172,9 +172,12 @@ def read_config(model: str | None) -> dict:
         return _load_json(path)
     if model.startswith((".", "/", "~")):
         raise RecipeError(f"model path {model} does not exist")
-    try:
-        from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
+    cached = try_to_load_from_cache(model, "config.json")  # downloaded before: no network (the hub's client, offline
+    if isinstance(cached, str):                             # without HF_HUB_OFFLINE, retries ~25 s before using it)
+        return _load_json(Path(cached))
+    try:
         return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
     except Exception as e:  # offline, unknown id, gated: one line
         text = " ".join(str(e).split()).lower()

@@ -92,3 +92,33 @@ def test_mfu_counts_the_parameters_a_token_multiplies_by():
     assert olmoe.params / olmoe.active_params > 5
     llama = structure(LLAMA_8B)
     assert llama.active_params == llama.params - llama.vocab * llama.hidden  # untied: the head multiplies, not the embedding
+
+
+def test_a_hub_models_config_downloaded_before_is_read_without_the_network(tmp_path, monkeypatch):
+    """`plan --model org/name` on a machine that has the model in its hub cache (an offline node) reads the cached
+    config.json at once: the hub's client, offline without HF_HUB_OFFLINE, retries ~25 s before falling back to it.
+    A model not in the cache still goes to the hub, and its failure is one line."""
+    import json
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from memrecipe.planning.architecture import read_config
+
+    repo = tmp_path / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(SMALL | {"model_type": "llama"}))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    asked = []
+
+    def offline(repo_id, filename, **kwargs):
+        asked.append(repo_id)
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    assert read_config("org/tiny") == SMALL | {"model_type": "llama"} and asked == []
+    with pytest.raises(RecipeError, match="cannot read config.json of org/other: not a local folder"):
+        read_config("org/other")
+    assert asked == ["org/other"]
