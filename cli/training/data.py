@@ -364,6 +364,16 @@ def mixture(spec, recipe, tokenizer, say, name: str):
     return mixed, formats
 
 
+def held_out(train, recipe):
+    """(train, eval): `eval_size` of the examples held out (datasets' train_test_split, seeded). A dataset of one
+    example has none to spare: one line (the split's own error is a traceback)."""
+    if len(train) < 2:
+        raise RecipeError(f"the dataset has {len(train)} example(s): too few to hold out eval_size={recipe.eval_size:g} "
+                          "of them for an eval loss; add examples, or set eval_size=0")
+    split = train.train_test_split(test_size=recipe.eval_size, seed=recipe.seed)
+    return split["train"], split["test"]
+
+
 def prepare_datasets(recipe, tokenizer, say=None):
     """(train, eval or None): tokenized datasets of input_ids/labels, as the recipe asks. `say` gets one
     line per split: the format, examples kept and dropped (and why), the share of tokens that are targets
@@ -374,8 +384,7 @@ def prepare_datasets(recipe, tokenizer, say=None):
     if recipe.eval_dataset:
         eval_set, eval_formats = mixture(recipe.eval_dataset, recipe, tokenizer, say, "eval")
     elif recipe.eval_size:
-        split = train.train_test_split(test_size=recipe.eval_size, seed=recipe.seed)
-        train, eval_set, eval_formats = split["train"], split["test"], formats
+        (train, eval_set), eval_formats = held_out(train, recipe), formats
 
     def finish(ds, name, fmts):
         rows = len(ds)

@@ -77,15 +77,14 @@ def prepare_pairs(recipe, tokenizer, say=None):
     """(train, eval or None): tokenized pairs packed into rows (pack_pairs), as the recipe asks. `say` gets a line
     per split: pairs kept, dropped (the completions cut away by max_length), truncated, tokens, rows."""
     from ..errors import RecipeError
-    from .data import fingerprint
+    from .data import fingerprint, held_out
 
     say = say or (lambda *a, **k: None)
     max_length = recipe.dpo.max_length or recipe.max_seq_length // 2
     train = load_pairs(recipe.dataset, recipe, "train")
     eval_raw = load_pairs(recipe.eval_dataset, recipe, "eval") if recipe.eval_dataset else None
     if eval_raw is None and recipe.eval_size:
-        split = train.train_test_split(test_size=recipe.eval_size, seed=recipe.seed)
-        train, eval_raw = split["train"], split["test"]
+        train, eval_raw = held_out(train, recipe)
 
     def finish(raw, name, first=0):
         options = {"tokenizer": tokenizer, "max_length": max_length}

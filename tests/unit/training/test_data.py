@@ -129,6 +129,25 @@ def test_a_given_eval_dataset_wins_over_eval_size_and_null_means_no_eval(tok, tm
     assert none is None
 
 
+def test_a_dataset_of_one_example_cannot_spare_an_eval_split_and_says_so_in_one_line(tok, tmp_path):
+    """eval_size over one example left datasets' train_test_split to raise a traceback (a user's first try with a
+    one-line file); SFT and preference data say it in one line, and two examples split one and one."""
+    from memrecipe.training.preference import prepare_pairs
+
+    (tmp_path / "one.jsonl").write_text('{"prompt": "hi", "completion": "there"}\n')
+    (tmp_path / "pair.jsonl").write_text('{"prompt": "hi", "chosen": "yes", "rejected": "no"}\n')
+    for prepare, name, script in [(prepare_datasets, "one", "sft"), (prepare_pairs, "pair", "dpo")]:
+        with pytest.raises(RecipeError, match=r"has 1 example\(s\): too few to hold out eval_size=0.1 .* eval_size=0"):
+            prepare(load_recipe("single-gpu-lora", [f"dataset={tmp_path / name}.jsonl"], script), tok)
+    (tmp_path / "two.jsonl").write_text('{"prompt": "hi", "completion": "there"}\n{"prompt": "a", "completion": "b"}\n')
+    train, evals = prepare_datasets(load_recipe("single-gpu-lora", [f"dataset={tmp_path / 'two.jsonl'}",
+                                                                     "packing=false"]), tok)
+    assert (len(train), len(evals)) == (1, 1)
+    train, evals = prepare_datasets(load_recipe("single-gpu-lora", [f"dataset={tmp_path / 'one.jsonl'}",
+                                                                     "eval_size=0"]), tok)
+    assert evals is None and len(train) == 1
+
+
 def test_an_empty_or_malformed_jsonl_is_named_with_its_reason_and_line(tmp_path, capfd):
     from memrecipe.errors import RecipeError
 
