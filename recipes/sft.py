@@ -267,8 +267,10 @@ def setup_schedule(recipe, optimizer, train_loader, accelerator):
     accumulation = accelerator.gradient_accumulation_steps  # DeepSpeed's JSON has the last word
     steps_per_epoch = len(train_loader) // accumulation
     if steps_per_epoch == 0:
+        rows = f" or max_seq_length ({recipe.max_seq_length}: packed, it makes few long rows)" if recipe.packing else ""
         raise RecipeError(f"the dataset gives {len(train_loader)} micro batch(es) per process, fewer than "
-                          f"gradient_accumulation_steps={accumulation}: lower it, or the micro batch")
+                          f"gradient_accumulation_steps={accumulation}: lower it, per_device_train_batch_size "
+                          f"({recipe.per_device_train_batch_size}){rows}")
     total_steps = recipe.max_steps or math.ceil(recipe.num_train_epochs * steps_per_epoch)
     warmup = recipe.warmup_steps or math.ceil(recipe.warmup_ratio * total_steps)
     # Stepped once per optimizer step, by the loop (not prepared: accelerate would step it per process).
