@@ -14,7 +14,8 @@ set -uo pipefail
 START=$(date +%s)
 OUT=${OUT:-/tmp/lease-out} BUDGET=${BUDGET:-520} ROWS=${ROWS:-adamw-8bit} RUNS=/tmp/acceptance
 mkdir -p "$OUT"
-python scripts/offline_wheels.py --out .whl --install /tmp/site > "$OUT/install.log" 2>&1
+python scripts/offline_wheels.py --out .whl --install /tmp/site > "$OUT/install.log" 2>&1 ||
+  { echo "the install failed (a row would die on its imports):"; tail -5 "$OUT/install.log"; exit 1; }
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 { echo "install: $(( $(date +%s) - START )) s"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nproc; python -c "import torch, transformers, accelerate, peft, datasets; print(torch.__version__, torch.version.cuda,

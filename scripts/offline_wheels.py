@@ -95,8 +95,11 @@ def install(wheels: Path, site: Path) -> None:
 
     if not any(wheels.glob("memrecipe-*.whl")):
         sys.exit(f"offline_wheels: {wheels} holds no memrecipe wheel: make the folder with --out {wheels} first")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
-                    *sorted(map(str, wheels.glob("*.whl")))], check=True)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                           str(site), *sorted(map(str, wheels.glob("*.whl")))])
+    if done.returncode:
+        sys.exit(f"offline_wheels: pip could not install {wheels} (its error above): wheels made for another "
+                 f"Python than this {sys.version_info.major}.{sys.version_info.minor}? (--python when making them)")
     folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     shutil.rmtree(site / "memrecipe", ignore_errors=True)  # (a module the repository no longer has goes too)
     for package, folder in sorted(folders.items()):  # `memrecipe` before the packages inside it
