@@ -90,18 +90,21 @@ def peak_key(process: dict) -> str:
 
 
 def compare_chart(reports: list[dict], path) -> str:
-    """Bars per run: peak memory per process and tokens/s."""
+    """Bars per run, one row each (a run folder's name, as runs/<recipe>-<time>, is long: read across, not under
+    a bar): peak memory per process and tokens/s, each bar with its value."""
     plt = pyplot()
-    names = [f"{Path(r['output_dir']).name}\n{r['recipe']['name']}" for r in reports]
+    names = [f"{Path(r['output_dir']).name} ({r['recipe']['name']})" for r in reports]
     at = list(range(len(reports)))  # one bar per run, at its own place: equal labels never merge two runs
-    fig, (mem, speed) = plt.subplots(1, 2, figsize=(4 + 2 * len(reports), 4))
-    mem.bar(at, [max(p[peak_key(r["processes"][0])] for p in r["processes"]) / GiB for r in reports], color="#4c72b0")
-    mem.set_ylabel("peak GiB per process")
-    mem.set_title("memory")
-    speed.bar(at, [r["throughput"]["tokens_per_second"] for r in reports], color="#55a868")
-    speed.set_ylabel("tokens / s (real, all processes)")
-    speed.set_title("throughput")
-    for ax in (mem, speed):
-        ax.set_xticks(at, names)
-        ax.tick_params(axis="x", labelsize=8)
+    fig, (mem, speed) = plt.subplots(1, 2, sharey=True, figsize=(12, 1.2 + 0.45 * len(reports)))
+    peaks = [max(p[peak_key(r["processes"][0])] for p in r["processes"]) / GiB for r in reports]
+    rates = [r["throughput"]["tokens_per_second"] for r in reports]
+    rss = " (RSS, on CPU)" if any(peak_key(r["processes"][0]) == "peak_rss_bytes" for r in reports) else ""
+    for ax, values, color, label, text in [(mem, peaks, "#4c72b0", f"peak GiB per process{rss}", "{:.2f} GiB"),
+                                           (speed, rates, "#55a868", "tokens / s (real, all processes)", "{:,.0f}")]:
+        ax.barh(at, values, color=color)
+        ax.bar_label(ax.containers[0], [text.format(v) for v in values], padding=3, fontsize=8)
+        ax.set_xlabel(label)
+        ax.set_xlim(0, max(values, default=0) * 1.25 or 1)  # room for the labels
+    mem.set_yticks(at, names, fontsize=8)
+    mem.invert_yaxis()  # the first run named on top, as the table lists them
     return save(plt, fig, path)

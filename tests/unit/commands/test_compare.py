@@ -23,9 +23,9 @@ def test_compare_labels_runs_by_their_folder_and_never_merges_two(tmp_path, monk
     assert [row[0] for row in rows] == ["run", "run-2"]
     plt = pyplot()
     drawn = []
-    real_bar = plt.Axes.bar
-    monkeypatch.setattr(plt.Axes, "bar", lambda self, x, h, **kw: drawn.append((list(x), list(h))) or real_bar(
-        self, x, h, **kw))
+    real_bar = plt.Axes.barh
+    monkeypatch.setattr(plt.Axes, "barh", lambda self, y, w, **kw: drawn.append((list(y), list(w))) or real_bar(
+        self, y, w, **kw))
     from memrecipe.plots import compare_chart
 
     same = [load(a), load(a) | {"throughput": {"tokens_per_second": 5000}}]  # two runs with one label
