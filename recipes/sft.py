@@ -319,9 +319,7 @@ def say_setup(run, steps_per_epoch):
         f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
         f"{setup['params']:,} parameters train")
     if setup["embedded_model"]:
-        say(f"model: memrecipe's embedded tiny Llama (random weights), at its own settings: learning_rate "
-            f"{recipe.learning_rate:g}, max_seq_length {recipe.max_seq_length}, {recipe.num_train_epochs:g} epochs "
-            "(the recipe's numbers are a real model's: --model gives them)")
+        say(f"model: memrecipe's embedded tiny Llama (random weights), {setup['embedded_settings']}")
     say(f"batch: {recipe.per_device_train_batch_size} sequences x {accumulation} accumulation x {data_parallel} "
         f"data-parallel process(es) per step | {run.total_steps} steps ({steps_per_epoch} per epoch)")
     if sp > 1:

@@ -120,6 +120,20 @@ def with_embedded_settings(data: dict, given: dict, script: str | None) -> dict:
     return merge(merge(data, changes), given)  # (the overrides again: they win)
 
 
+def embedded_settings_said(recipe) -> str:
+    """The start-up line's account of the numbers the embedded tiny model trains at: its own settings
+    (with_embedded_settings), or which of them the recipe or its words changed (key=value, embedded_settings false)."""
+    own = {"learning_rate": EMBEDDED_LEARNING_RATE["lora" if recipe.lora else "full"], **EMBEDDED_SETTINGS}
+    values = {key: getattr(recipe, key) for key in own}
+    said = f"learning_rate {values['learning_rate']:g}, max_seq_length {values['max_seq_length']}, " \
+           f"{values['num_train_epochs']:g} epochs"
+    changed = [f"{key} {own[key]:g}" for key in own if values[key] != own[key]]
+    if not changed:
+        return f"at its own settings: {said} (the recipe's numbers are a real model's: --model gives them)"
+    return (f"at {said}: not its own {', '.join(changed)}, which the recipe or its words set "
+            "(embedded_settings, docs/configs.md)")
+
+
 def base_model(data: dict) -> str | None:
     """The model a recipe's keys train: model_name_or_path, or a saved adapter's base (trained_on)."""
     model, lora = data.get("model_name_or_path"), data.get("lora")

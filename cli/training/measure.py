@@ -13,7 +13,7 @@ import torch
 
 from .. import ALLOCATOR_CONF
 from ..planning.optimizers import OPTIMIZERS, bf16_rounding
-from ..planning.registry import is_embedded
+from ..planning.registry import embedded_settings_said, is_embedded
 from .norms import lean_forward
 from .ring import Ring
 from .tiling import tiled_forward
@@ -434,6 +434,7 @@ class Meter:
         self.setup["bf16_update_rounding"] = bf16_rounding(recipe)
         # memrecipe's tiny model, trained at its own settings (registry.with_embedded_settings), not the recipe's
         self.setup["embedded_model"] = is_embedded(recipe.model_name_or_path)
+        self.setup["embedded_settings"] = embedded_settings_said(recipe) if self.setup["embedded_model"] else None
         self.setup["optimizer_first_use"] = OPTIMIZERS[recipe.optim].first_use_on_cuda \
             if accelerator.device.type == "cuda" else ""
         self.tracking = start_trackers(accelerator, recipe, out)

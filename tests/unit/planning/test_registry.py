@@ -92,6 +92,20 @@ def test_the_embedded_model_trains_at_its_own_settings_and_a_real_one_at_the_rec
         assert load_recipe(str(tmp_path / "recipe.yaml")) == recipe
 
 
+def test_the_start_up_line_says_which_of_the_embedded_models_settings_a_run_trains_at():
+    """docs/configs.md: key=value overrides win, "and the start-up line says so"; so does a recipe's
+    embedded_settings false (which keeps its real-model numbers for the tiny model)."""
+    from memrecipe.planning.registry import embedded_settings_said
+
+    assert embedded_settings_said(load_recipe("single-gpu-lora")) == (
+        "at its own settings: learning_rate 0.005, max_seq_length 256, 3 epochs (the recipe's numbers are a real "
+        "model's: --model gives them)")
+    said = embedded_settings_said(load_recipe("single-gpu-lora", ["learning_rate=1e-4"]))
+    assert said.startswith("at learning_rate 0.0001, max_seq_length 256, 3 epochs: not its own learning_rate 0.005,")
+    kept = embedded_settings_said(load_recipe("fsdp", ["embedded_settings=false"]))
+    assert "not its own learning_rate 0.001, max_seq_length 256, num_train_epochs 3" in kept
+
+
 def test_run_dpo_trains_at_a_preference_tuning_rate():
     """run dpo's rate is dpo.learning_rate (alignment-handbook's: LoRA 5e-6, full 5e-7), not SFT's; a
     `learning_rate=` word under run dpo sets it; the embedded model keeps its own rate under DPO too."""
