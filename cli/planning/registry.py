@@ -112,18 +112,23 @@ def with_embedded_settings(data: dict, given: dict, script: str | None) -> dict:
     (a saved adapter's base included): the keys as they are."""
     if data.get("embedded_settings", True) is False or not is_embedded(base_model(data)):
         return data
-    rate = EMBEDDED_LEARNING_RATE["lora" if data.get("lora") else "full"]
-    changes = {key: value for key, value in EMBEDDED_SETTINGS.items() if key not in given}
+    own = embedded_own(bool(data.get("lora")))
+    changes = {key: value for key, value in own.items() if key not in given}
     if script == "dpo" or data.get("dpo") is not None:
-        changes["dpo"] = {"learning_rate": rate}
-    changes.update({"learning_rate": rate, "embedded_settings": False})
+        changes["dpo"] = {"learning_rate": own["learning_rate"]}
+    changes["embedded_settings"] = False
     return merge(merge(data, changes), given)  # (the overrides again: they win)
+
+
+def embedded_own(lora: bool) -> dict:
+    """The embedded model's own settings for a LoRA run or a full fine-tune: its learning rate and EMBEDDED_SETTINGS."""
+    return {"learning_rate": EMBEDDED_LEARNING_RATE["lora" if lora else "full"], **EMBEDDED_SETTINGS}
 
 
 def embedded_settings_said(recipe) -> str:
     """The start-up line's account of the numbers the embedded tiny model trains at: its own settings
     (with_embedded_settings), or which of them the recipe or its words changed (key=value, embedded_settings false)."""
-    own = {"learning_rate": EMBEDDED_LEARNING_RATE["lora" if recipe.lora else "full"], **EMBEDDED_SETTINGS}
+    own = embedded_own(recipe.lora is not None)
     values = {key: getattr(recipe, key) for key in own}
     said = f"learning_rate {values['learning_rate']:g}, max_seq_length {values['max_seq_length']}, " \
            f"{values['num_train_epochs']:g} epochs"
