@@ -47,6 +47,13 @@ CPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation=sdp
 LONG = ("single-gpu-lora", ["activation_offload=true", "lean_norms=true", "tiled_mlp=true",
                             "per_device_train_batch_size=1", "gradient_accumulation_steps=1", "packing=false"], 1)
 LONG_TOKENS = {"gpu": 16384, "cpu": 1024}
+# long-8b: Llama-3.1-8B's widths cut to LONG_8B_LAYERS layers (random weights), one document a step on the top rung,
+# under each kernel named: with the layers' inputs offloaded, the GPU's per-token working bytes are the 32-layer
+# model's, so the allocator's peak at the 32-layer plan's longest length checks the plan where it binds; the pinned
+# host bytes (torch's host allocator, power-of-two blocks) against the plan's host figure. Each row two steps, with
+# the allocator's history recorded (snapshot_peak.py reads its peak blocks). --cpu: the embedded model at 1K, sdpa.
+LONG_8B_LAYERS = 2
+LONG_8B_KERNELS = {"gpu": ("sdpa", "flex_attention"), "cpu": ("sdpa",)}
 PREFERENCES = [("single-gpu-lora", [], 1), ("qlora", [], 1)]  # `memrecipe run dpo` on the embedded pairs (--cpu: the first)
 LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit": "bitsandbytes",
              "single-gpu-full": "torchao", "apollo_adamw": "apollo_torch", "zero3-offload": "deepspeed",
@@ -90,6 +97,26 @@ def build_here(config_file: str, folder: str):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(EMBEDDED_MODEL).save_pretrained(folder)
+
+
+def cut_config(config_file: Path, layers: int, out: Path) -> Path:
+    """The config with its first `layers` decoder layers only (long-8b's model)."""
+    config = json.loads(config_file.read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return out
+
+
+def long_8b_lengths(config_file: Path, kernel: str) -> int:
+    """The longest sequence the 32-layer model's plan fits on one 80 GB GPU (80e9 bytes) on the top rung under
+    `kernel`: the length a long-8b row runs at unless --long-8b-tokens names one."""
+    from memrecipe.planning.architecture import read_config, structure
+    from memrecipe.planning.ladder import longest
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.planning.topology import Topology
+
+    recipe = load_recipe(LONG[0], [*LONG[1], f"attn_implementation={kernel}"])
+    return longest(recipe, structure(read_config(str(config_file))), Topology(1), 80e9, 2**50)[0]
 
 
 def long_documents(path: Path, documents: int, tokens: int) -> Path:
@@ -205,7 +232,9 @@ def row(name: str, shape: str, processes: int, report: dict, busy: int | None = 
                                   plan.get("overhead") or 0, peak_key)
     if shared:
         why += f"; device used not judged: {busy / GiB:.2g} GiB was in use on the device before the run (not its own)"
-    return {"recipe": name, "shape": shape, "processes": processes, "status": "ran",
+    host = {"host_planned": plan.get("host_offload"),  # pinned: the activation offload's blocks, as torch holds them
+            "host_pinned_peak": max((p.get("cuda_host_allocated_bytes_peak") or 0 for p in procs), default=0) or None}
+    return {"recipe": name, "shape": shape, "processes": processes, "status": "ran", **host,
             "memory_verdict": verdict, "memory_why": why,
             "attention": report["setup"].get("attention"),
             "planned": planned,
@@ -282,7 +311,8 @@ def markdown(rows: list[dict]) -> str:
         return "-" if n is None else f"{n / GiB:.3g}"
 
     head = ["recipe", "shape", "procs", "status", "attention",
-            *[f"{c} planned/measured GiB" for c in (*CATEGORIES, "total")], "measured-planned", "memory", "tokens/s",
+            *[f"{c} planned/measured GiB" for c in (*CATEGORIES, "total")], "pinned host planned/measured GiB",
+            "measured-planned", "memory", "tokens/s",
             "MFU",
             "loss", "resume / kernels"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -292,6 +322,7 @@ def markdown(rows: list[dict]) -> str:
                          + " |" * (len(head) - 4))
             continue
         cells = [f"{gib(r['planned'][c])} / {gib(r['measured'][c])}" for c in (*CATEGORIES, "total")]
+        cells.append(f"{gib(r.get('host_planned'))} / {gib(r.get('host_pinned_peak'))}")
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} ({'falls' if r['loss_fell'] else 'FAIL'})" + (
             f", reward accuracy {r['reward_accuracy']:.2f}" if r.get("reward_accuracy") is not None else "")
@@ -339,6 +370,42 @@ def write(out: Path, rows: list[dict]):
     (out / "acceptance.md").write_text(markdown(rows))
 
 
+def long_8b_cases(spec: str | None, kernels: tuple, default) -> list[tuple[str, int]]:
+    """(kernel, length) pairs in the order to run: `spec` lists `KERNEL:LENGTH` (that kernel) or `LENGTH` (every
+    kernel), comma-separated; without one, each kernel at default(kernel)."""
+    if not spec:
+        return [(k, default(k)) for k in kernels]
+    pairs = []
+    for item in spec.split(","):
+        kernel, _, length = item.rpartition(":")
+        pairs += [(k, int(length)) for k in ([kernel] if kernel else kernels)]
+    return pairs
+
+
+def long_8b_rows(args, steps: int, timeout: float) -> list[dict]:
+    """The long-8b rows (LONG_8B_KERNELS x lengths), each written to the table as it ends."""
+    side = "cpu" if args.cpu else "gpu"
+    config = HERE / "gpu_configs" / SHAPES["8b"]
+    model = None if args.cpu else str(build_model(cut_config(config, LONG_8B_LAYERS, args.out / "long-8b.json"),
+                                                  args.out / "models" / "long-8b"))
+    rows = []
+    for kernel, length in long_8b_cases(args.long_8b_tokens, LONG_8B_KERNELS[side],
+                                        lambda k: LONG_TOKENS["cpu"] if args.cpu else long_8b_lengths(config, k)):
+        name = f"long-8b {kernel} {length / 1024:g}K"
+        data = long_documents(args.out / f"long-{length}.jsonl", steps + 2, length)
+        words = [*LONG[1], f"attn_implementation={kernel}", f"max_seq_length={length}", f"max_steps={steps}",
+                 "save_steps=null", "eval_steps=null", "--dataset", str(data),
+                 *([] if model is None else ["--model", model])]
+        shape = "embedded" if args.cpu else f"8b, {LONG_8B_LAYERS} layers"
+        report, why = run(args.out / f"long-8b-{kernel}-{length}", LONG[0], words, 1, args.cpu, timeout,
+                          snapshot=not args.cpu)
+        rows.append(row(name, shape, 1, report) if report else
+                    {"recipe": name, "shape": shape, "processes": 1, "status": "failed", "reason": why})
+        print(f"{name}: {rows[-1]['status']} {rows[-1].get('reason') or rows[-1]['memory_why']}", flush=True)
+        write(args.out, rows)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="smoke mode: the embedded tiny model, one process a row")
@@ -349,6 +416,9 @@ def main():
     parser.add_argument("--recipes", default=None, help="comma-separated: recipe names (all their rows: SFT, "
                         "DPO, the long-context row), row names as the table prints them (`dpo qlora`, "
                         "`qlora activation_offload=true`) or `long`; run in this order (default: every row)")
+    parser.add_argument("--long-8b-tokens", default=None, help="the long-8b rows in order, comma-separated: "
+                        "KERNEL:LENGTH or LENGTH (every kernel) (default: each kernel at the 32-layer plan's longest on "
+                        "one 80 GB GPU); `--recipes long-8b` runs them alone")
     parser.add_argument("--out", type=Path, default=Path(time.strftime("acceptance-%Y%m%d-%H%M%S")))
     args = parser.parse_args()
     steps, timeout = args.steps or (4 if args.cpu else 10), args.timeout or (400 if args.cpu else 900)
@@ -371,13 +441,17 @@ def main():
 
         data = {"sft": repeated(EMBEDDED_DATASET, args.out / "chat.jsonl", steps, 8211),
                 "dpo": repeated(EMBEDDED_PREFERENCES, args.out / "pairs.jsonl", steps, 16393)}
-    cases.append(("sft", LONG[0], [*LONG[1], f"max_seq_length={length}"], LONG[2]))
+    if not args.cpu:  # (--cpu: long-8b's smoke row is this row, on the embedded model)
+        cases.append(("sft", LONG[0], [*LONG[1], f"max_seq_length={length}"], LONG[2]))
+    names = args.recipes.split(",") if args.recipes else []
     if args.recipes:  # a short lease: the named recipes' rows, in the order named (index 0 is still the resumed one)
         try:
-            cases = pick(cases, args.recipes.split(","))
+            cases = pick(cases, [n for n in names if n != "long-8b"])
         except ValueError as e:
             parser.error(str(e))
     rows = []
+    if not names or "long-8b" in names:  # the long-context rows first: a lease's time goes to them before the rest
+        rows += long_8b_rows(args, steps=steps if args.cpu else 2, timeout=timeout)
     for shape in shapes:
         model = None if args.cpu else str(build_model(HERE / "gpu_configs" / SHAPES[shape], args.out / "models" / shape))
         extra = ["lora.dropout=0"] if shape == "moe" else []  # peft's fused-expert adapters take no dropout

@@ -206,7 +206,7 @@ def setup_model(recipe, model_path, accelerator, run, say):
     if recipe.lora:  # peft, configured by the recipe's lora: section, or a saved adapter trained on (lora.adapter)
         # (under DPO, a saved adapter is also kept frozen beside it: the reference, as TRL's ref_adapter_name)
         model = add_lora(model, recipe.lora, reference=recipe.dpo is not None and not recipe.dpo.reference_free,
-                         autocast=accelerator.mixed_precision != "no",  # adapters share their layer's inputs
+                         autocast=accelerator.native_amp,  # adapters share their layer's inputs (not DeepSpeed's bf16)
                          compiled=recipe.torch_compile)  # (and redraw their dropout in backward, uncompiled)
         if recipe.lora.adapter:
             say(f"lora: trains on the saved adapter {recipe.lora.adapter} (r {recipe.lora.r})")

@@ -127,6 +127,11 @@ def peak_memory(device) -> dict:
     if device.type == "cuda":
         out |= {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
                 "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+        # pinned host memory as torch's CachingHostAllocator holds it: blocks rounded up to a power of two
+        # (the activation offload's), what the plan's host figure must cover
+        host = getattr(torch.cuda, "host_memory_stats", dict)()
+        out |= {f"cuda_host_{key.replace('.', '_')}": host[key] for key in ("allocated_bytes.peak", "active_bytes.peak")
+                if isinstance(host.get(key), int)}
     return out
 
 
