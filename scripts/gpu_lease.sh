@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The acceptance run on a lent GPU box (no network; docs/gpu.md), as the device tool runs it in the repository with
+# The acceptance run on a lent GPU box (no network; docs/gpu-lease.md), as the device tool runs it in the repository with
 # the wheels folder carried (python scripts/offline_wheels.py --out .whl, beforehand, on a networked machine):
 #
 #     ROWS="adamw-8bit,long,zero3-offload" BUDGET=520 bash scripts/gpu_lease.sh

@@ -5,7 +5,7 @@ wheel imports torch), it puts what the lent box lacks into one folder the device
     python scripts/offline_wheels.py --out .whl --dry-run   # what it would fetch, in order, without network
     python scripts/offline_wheels.py --out .whl --install /tmp/site && export PYTHONPATH=/tmp/site   # on the box
 
-The box (seen on the first lease, 2026-11-26: docs/gpu.md) has Python 3.12, torch 2.11 (CUDA 13.0), transformers 5.17,
+The box (seen on the first lease, 2026-11-26: docs/gpu-lease.md) has Python 3.12, torch 2.11 (CUDA 13.0), transformers 5.17,
 accelerate 1.15, peft, pyarrow, pandas, fsspec, click, pyyaml, ninja, msgpack and py-cpuinfo; it lacks datasets (and
 dill, multiprocess, xxhash), deepspeed (and hjson, pydantic), bitsandbytes, torchao and apollo-torch. transformers
 travels at memrecipe's floor (the box's 5.17 is below it). PyPI has no deepspeed wheel: its sdist is built into one

@@ -29,6 +29,7 @@ def loop_model(recipe, model_path, precision="no", device=None, device_mesh=None
     from sft import setup_model
 
     accelerator = SimpleNamespace(mixed_precision=precision, device=device or torch.device("cpu"),
+                                  native_amp=precision != "no" and engine != "DEEPSPEED",  # (accelerate's rule)
                                   torch_device_mesh=device_mesh, is_main_process=True,
                                   distributed_type=SimpleNamespace(value=engine))
     folder = Path(run_folder or tempfile.mkdtemp(prefix="memrecipe-loop-model-"))

@@ -125,8 +125,11 @@ def enable_checkpointing(model, offload: bool, selective: bool = False) -> HostO
     torch's create_selective_checkpoint_contexts, handed to torch.utils.checkpoint through transformers' kwargs."""
     import functools
 
-    # non-reentrant: works with frozen inputs (LoRA) and with FSDP/DeepSpeed
-    kwargs = {"use_reentrant": False}
+    # non-reentrant: works with frozen inputs (LoRA) and with FSDP/DeepSpeed. No early stop: it ends a recompute by
+    # raising from the saved-tensor hook at the layer's last save, which is the tiled MLP's (an autograd Function
+    # recomputed inside another one's backward); torch 2.11 on CUDA lost that exception ("SystemError: apply returned
+    # NULL", the first GPU run of the top rung). Nothing after that save is worth skipping: a residual add.
+    kwargs = {"use_reentrant": False, "early_stop": False}
     if selective:
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 

@@ -106,6 +106,9 @@ def runs(tmp_path_factory):
         "sp2dp2": lambda core: report(plain_launch(base / "sp2dp2", "max_steps=3", "gradient_accumulation_steps=2",
                                                    *LORA)),
         "bytes": lambda core: (measure(base / "bytes-sp2", 2, (1024, 8192)), wide_model(base)),
+        # LoRA without dropout in the precision the recipe ships (bf16: DeepSpeed casts, no autocast), 1 and 2 processes
+        **{f"bf16-lora-{n}": (lambda core, n=n: report(run(base / f"bf16-lora-{n}", n, "max_steps=4", *LORA,
+                                                           "mixed_precision=bf16", core=core))) for n in (1, 2)},
     })
     yield jobs
     jobs.close()
@@ -194,3 +197,17 @@ def test_a_process_of_the_group_holds_a_slices_bytes_as_planned(runs):
     assert (alone[4096]["forward_saved"] - alone[512]["forward_saved"]) == pytest.approx(held[4096] - held[512], rel=0.1)
     for key in ("forward_saved", "working"):  # a process of the group as one process holding its slice
         assert plan[8192][key] - plan[1024][key] == alone[4096][key] - alone[512][key], key
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_zero3_lora_without_dropout_trains_in_bf16(runs, processes):
+    """ZeRO-3 with LoRA and lora.dropout=0 in bf16 died at the first forward ("expected m1 and m2 to have the same
+    dtype": the adapters read their layer's bf16 input uncast, as under autocast, which DeepSpeed's bf16 does not use).
+    Under DeepSpeed peft casts each adapter's input as it does by itself; the adapters train and are saved."""
+    from safetensors.torch import load_file
+
+    r = runs(f"bf16-lora-{processes}")
+    assert (r["setup"]["mixed_precision"], r["setup"]["zero_stage"], r["setup"]["lora_shared_inputs"]) == ("bf16", 3, 0)
+    assert r["final_train_loss"] < r["history"][0]["loss"]
+    adapter = load_file(r["folder"] / "final" / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter.items())  # B starts at zero: it trained

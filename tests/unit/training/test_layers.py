@@ -200,3 +200,24 @@ def test_compile_is_refused_where_it_is_not_supported(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")  # a user's accelerate config with dynamo_config
     with pytest.raises(RecipeError, match="remove dynamo_config and set torch_compile: true"):
         make_accelerator(load_recipe("single-gpu-lora"))
+
+
+def test_the_recompute_runs_each_layer_to_its_end_never_stopping_inside_the_tiled_mlp():
+    """Non-reentrant checkpointing stops a recompute early by raising from its saved-tensor hook at the layer's last
+    save; on the top rung that save is the tiled MLP's, inside its autograd Function, and torch 2.11 on CUDA lost the
+    exception there (SystemError at the first backward: the first GPU run of the rung, docs/gpu.md). The loop's
+    checkpoints run each layer's recompute to its end: every tiled MLP's call returns twice per step (the forward and
+    the recompute; an early stop raises out of the recompute's)."""
+    recipe = load_recipe("single-gpu-lora", ["lora.dropout=0", "activation_offload=true", "lean_norms=true",
+                                             "tiled_mlp=4"])
+    torch.manual_seed(0)
+    model, hooks = loop_model(recipe, embedded_model(), "bf16")
+    layers = model.base_model.model.model.layers
+    completed = []
+    for layer in layers:
+        layer.mlp.register_forward_hook(lambda module, args, out: completed.append(module))
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        token_loss(model(input_ids=ids).logits, ids).backward()
+    assert [completed.count(layer.mlp) for layer in layers] == [2] * len(layers)  # the forward, and the recompute
