@@ -3,7 +3,7 @@ import click
 from ..files import write_files
 from ..options import overrides_argument, topology_options
 from ..planning.configs import generate
-from ..planning.registry import load_recipe
+from ..planning.registry import written_recipe
 from ..planning.topology import check_supported, make_topology
 
 
@@ -22,7 +22,7 @@ def command(recipe, num_processes, num_machines, machine_rank, main_process_ip, 
     memrecipe config fsdp --cpu --num-processes 2 --output-dir configs
     memrecipe config single-gpu-lora max_seq_length=1024 lora.r=8
     """
-    r = load_recipe(recipe, overrides)
+    r = written_recipe(recipe, overrides)  # the recipe's own numbers: the embedded model's apply when a run uses it
     if num_processes is None:
         num_processes = max(r.supports.min_processes, 1)
     topo = make_topology(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, cpu)

@@ -91,15 +91,18 @@ def read_with_bases(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     return merge(read_with_bases(base_path, (*chain, path.resolve())), data)
 
 
-def load_recipe(name_or_path: str, overrides=(), script: str | None = None) -> Recipe:
+def load_recipe(name_or_path: str, overrides=(), script: str | None = None, embedded: bool = True) -> Recipe:
     """The validated Recipe for a name or file (its `base:` chain resolved), with `key=value` override words applied;
-    with `script`, checked for that loop script (its objective's section, e.g. no dpo: under sft)."""
+    with `script`, checked for that loop script (its objective's section, e.g. no dpo: under sft). `embedded`: the
+    embedded tiny model's own settings applied where it is the model (a run); false: the recipe's own numbers, as a
+    written recipe keeps them (written_recipe)."""
     path = recipe_path(name_or_path)
     try:
         given = parse_overrides(overrides)
         if script == "dpo" and "learning_rate" in given:  # run dpo's rate is dpo.learning_rate: the word means it
             given = merge({"dpo": {"learning_rate": given.pop("learning_rate")}}, given)
-        recipe = trained_on(make_recipe(with_embedded_settings(merge(read_with_bases(path), given), given, script)))
+        data = merge(read_with_bases(path), given)
+        recipe = trained_on(make_recipe(with_embedded_settings(data, given, script) if embedded else data))
         return recipe if script is None else for_script(recipe, script)
     except RecipeError as e:
         raise RecipeError(f"recipe {name_or_path}: {e}") from None
@@ -118,6 +121,14 @@ def with_embedded_settings(data: dict, given: dict, script: str | None) -> dict:
         changes["dpo"] = {"learning_rate": own["learning_rate"]}
     changes["embedded_settings"] = False
     return merge(merge(data, changes), given)  # (the overrides again: they win)
+
+
+def written_recipe(name_or_path: str, overrides=()) -> Recipe:
+    """The recipe as a file written for later runs carries it (`memrecipe config --output-dir`): the recipe's own
+    numbers, the embedded model's applied at run time only when it is the model (embedded_settings true); where the
+    words set one of those keys, embedded_settings false, so that the word is what every model trains at."""
+    sets_own = bool(set(parse_overrides(overrides)) & set(embedded_own(False)))
+    return load_recipe(name_or_path, [*overrides, *["embedded_settings=false"] * sets_own], embedded=False)
 
 
 def embedded_own(lora: bool) -> dict:

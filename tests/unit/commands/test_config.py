@@ -19,3 +19,24 @@ def test_config_prints_then_writes_and_refuses_to_overwrite(cli, tmp_path):
     forced = cli("config", "zero3-offload", "--num-processes", "8", "--output-dir", str(out), "--force",
                  "per_device_train_batch_size=1")
     assert forced.returncode == 0 and '"train_micro_batch_size_per_gpu": 1' in (out / "zero3_offload_8gpu.json").read_text()
+
+
+def test_a_written_recipe_carries_the_recipes_own_numbers_and_the_tiny_models_apply_at_run_time(cli, tmp_path):
+    """Without --model, the written recipe is the recipe's (2e-4, 1 epoch, rows of 2048), not the embedded tiny model's
+    (5e-3, 3 epochs, 256), which apply only when a run's model is the tiny one; a word for one of those keys is kept
+    for every model."""
+    from memrecipe.planning.registry import load_recipe
+
+    done = cli("config", "single-gpu-lora", "--output-dir", str(tmp_path / "a"), "lora.r=8")
+    assert done.returncode == 0, done.stderr
+    written = tmp_path / "a" / "single-gpu-lora.yaml"
+    data = yaml.safe_load(written.read_text())
+    assert (data["learning_rate"], data["num_train_epochs"], data["max_seq_length"]) == (2e-4, 1.0, 2048)
+    assert data["embedded_settings"] is True and data["lora"]["r"] == 8
+    real = load_recipe(str(written), ["model_name_or_path=/models/llama"])  # (not read: the numbers alone)
+    assert (real.learning_rate, real.num_train_epochs) == (2e-4, 1.0)
+    tiny = load_recipe(str(written))  # the run's model is the embedded one: its own settings
+    assert (tiny.learning_rate, tiny.num_train_epochs, tiny.max_seq_length) == (5e-3, 3.0, 256)
+    cli("config", "single-gpu-lora", "--output-dir", str(tmp_path / "b"), "learning_rate=1e-3")
+    kept = load_recipe(str(tmp_path / "b" / "single-gpu-lora.yaml"))
+    assert (kept.learning_rate, kept.max_seq_length) == (1e-3, 2048)  # the word, for the tiny model too
