@@ -342,7 +342,8 @@ def say_setup(run, steps_per_epoch):
                            ", in host RAM" if recipe.activation_offload else ""), False: "every one kept"}.get(
                            setup["gradient_checkpointing"], "checkpointed by the engine")
         + (f"; {setup['tiled_mlps']} MLPs run in tiles of tokens, recomputed in backward" if setup["tiled_mlps"] else "")
-        + (f"; {setup['lean_norms']} RMSNorms keep their inputs, not fp32 copies" if setup["lean_norms"] else "")
+        + (f"; {setup['lean_norms']} RMSNorms keep their inputs, not fp32 copies" if setup["lean_norms"] else
+           "; lean_norms: none of this model's norms is Llama's RMSNorm, each left as it is" if recipe.lean_norms else "")
         + (f"; {setup['lora_shared_inputs']} LoRA layers' adapters share their inputs" if setup["lora_shared_inputs"]
            else "")
         + (f", {setup['lora_recomputed_dropout']} redraw their dropout in backward" if setup["lora_recomputed_dropout"]

@@ -16,6 +16,9 @@ from ..table import table
 from ..units import GiB, parse_size
 
 
+SAID_NOTES = ("attention:", "lean_norms:")  # the plan's notes printed under its table
+
+
 @click.command("plan")
 @click.option("--model", default=None, help="Hub id (config.json only is fetched) or local folder; default: the recipe's.")
 @click.option("--recipe", default=None, help="Plan one recipe (default: all of them, with a recommendation).")
@@ -189,8 +192,8 @@ def echo_table(rows, gpu, host, topo, global_batch, shapes):
                      f"{e.total / GiB:.2f}",
                      f"{e.host_total() / GiB:.1f}", fits, f"x{e.speed_cost}"] + ([note] if global_batch else []))
     click.echo(table(headers, body))
-    for line in dict.fromkeys(n for _, v, _ in rows for n in v.estimate.notes if n.startswith("attention:")):
-        click.echo(line)  # what attn_implementation: auto resolves to here, planned as such
+    for line in dict.fromkeys(n for _, v, _ in rows for n in v.estimate.notes if n.startswith(SAID_NOTES)):
+        click.echo(line)  # what attn_implementation: auto resolves to here, a knob the model cannot take: as planned
     click.echo("GiB per process (HOST: per machine); TOTAL counts ACTIV and LOGITS at their joint peak (with "
                "checkpointing the loss and a layer's recompute come one after the other); FITS: spare GiB on the "
                "tightest of GPU and host; SPEED: step "

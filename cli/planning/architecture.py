@@ -19,6 +19,11 @@ EMBEDDED_CONFIG = EMBEDDED_MODEL / "config.json"
 # Counted by hand (no torch needed, so `plan` stays fast): the families whose counts equal the modules transformers
 # builds (tests/unit/planning/test_architecture.py checks each). Others, mixtures of experts among them, are read
 # from the real modules on the meta device.
+# model types whose RMSNorm is transformers' LlamaRMSNorm op for op: the norms lean_norms replaces (at load,
+# training.norms.is_llama_norm decides; tests/unit/training/test_norms.py holds the two equal). Gemma's adds 1 to its
+# weight and OLMo2's casts elsewhere: lean_norms leaves theirs as they are, and the plan counts them so.
+LEAN_NORM_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmoe", "granite",
+                   "granitemoe", "smollm3", "phi3", "deepseek_v3", "glm4"}
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "smollm3"}
 
 
@@ -82,6 +87,11 @@ class Structure:
         """The decoder layers in groups of identical ones; read each group's per-layer fields (linears, norms,
         experts, intermediate) and its `layers` count, never its top_params."""
         return self.blocks or (self,)
+
+    @property
+    def lean_norms_apply(self) -> bool:
+        """Whether lean_norms replaces this model's norms (LEAN_NORM_TYPES)."""
+        return self.model_type in LEAN_NORM_TYPES
 
     @property
     def kv_dim(self) -> int:

@@ -149,3 +149,24 @@ def test_qlora_and_dropout_on_fused_experts_are_refused_with_the_reason(models, 
         estimate(load_recipe("single-gpu-lora"), s, CPU1)
     done = cli("plan", "--model", models["mixtral"], "--gpu-memory", "24GiB", "--recipe", "qlora")
     assert done.returncode == 2 and "QLoRA saves little" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_lean_norms_are_planned_where_the_loop_runs_them_and_said_where_it_cannot():
+    """Gemma's RMSNorm adds 1 to its weight: lean_norms leaves it as it is, so its plan is the plan without them (and a
+    note says why), where a Llama's plan is lower with them."""
+    import json
+
+    from memrecipe.planning.architecture import structure
+    from memrecipe.planning.registry import EMBEDDED_MODEL, load_recipe
+
+    config = json.loads((EMBEDDED_MODEL / "config.json").read_text())
+    words = ["model_name_or_path=/models/x", "max_seq_length=8192", "per_device_train_batch_size=1"]
+    plans = {}
+    for model_type in ("llama", "gemma"):
+        s = structure({**config, "model_type": model_type})
+        plans[model_type] = [estimate(load_recipe("single-gpu-lora", [*words, f"lean_norms={lean}"]), s, Topology(1))
+                             for lean in ("false", "true")]
+    assert plans["llama"][1].activations < plans["llama"][0].activations
+    assert plans["gemma"][1].activations == plans["gemma"][0].activations
+    assert any("lean_norms: gemma's RMSNorm is not Llama's" in n for n in plans["gemma"][1].notes)
+    assert not any("lean_norms" in n for n in plans["llama"][1].notes)

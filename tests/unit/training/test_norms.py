@@ -140,3 +140,20 @@ def test_what_lean_norms_cannot_run_with_is_one_line(words, says):
 
     with pytest.raises(RecipeError, match=re.escape(says)):
         load_recipe("fsdp", ["lean_norms=true", *words])
+
+
+def test_the_planners_list_of_models_whose_norms_run_lean_is_the_loops():
+    """planning/architecture.LEAN_NORM_TYPES (torch-free, what the plan credits) against training.norms.is_llama_norm
+    (what the loop replaces): every RMSNorm class of each listed model type is Llama's, and Gemma's and OLMo2's are
+    not (lean_norms leaves them: the plan must not credit it there)."""
+    import importlib
+
+    from memrecipe.planning.architecture import LEAN_NORM_TYPES
+
+    def llama_norms(model_type):
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        norms = [v for k, v in vars(module).items() if k.endswith("RMSNorm") and isinstance(v, type)]
+        return bool(norms) and all(is_llama_norm(cls.__new__(cls)) for cls in norms)
+
+    assert [t for t in sorted(LEAN_NORM_TYPES) if not llama_norms(t)] == []
+    assert [t for t in ("gemma", "gemma2", "gemma3", "olmo2") if llama_norms(t)] == []
