@@ -14,7 +14,7 @@ from ..planning.hardware import Machine
 from ..planning.paths import absolute_paths, check_paths
 from ..planning.planner import Verdict
 from ..planning.recipe import Recipe
-from ..planning.registry import load_recipe
+from ..planning.registry import load_recipe, method_rate_note
 from ..planning.topology import Topology, decide, plan_topology
 from ..units import GiB
 from .checks import check_fits, deepspeed_builds, preflight, resumable
@@ -88,6 +88,7 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
             raise
         refused.append(str(e))
         notes = []
+    notes += [note for note in [None if resume else method_rate_note(recipe_ref, words)] if note]
     try:
         verdict = check_fits(r, topo, machine, words, force)
     except RecipeError as e:

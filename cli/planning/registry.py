@@ -24,6 +24,10 @@ EMBEDDED_PREFERENCES = PACKAGE / "data" / "preferences.jsonl"  # the chat set's 
 # rates differ), and its chat set fits rows of 256 tokens. The DPO rate is SFT's here, dpo.max_length half the row.
 EMBEDDED_SETTINGS = {"max_seq_length": 256, "num_train_epochs": 3}
 EMBEDDED_LEARNING_RATE = {"lora": 5e-3, "full": 1e-3}
+# The shipped recipes' rates for a real model by method (the LoRA recipes' 2e-4, the full fine-tunes' 2e-5): what a
+# recipe trains at when words switch its method (lora.r=16 on zero3-ulysses; lora=null on single-gpu-lora) and do not
+# name a rate: the rate written for the other method is wrong for this one by 10-20x (method_rate)
+METHOD_LEARNING_RATE = {"lora": 2e-4, "full": 2e-5}
 
 
 def model_cache() -> Path:
@@ -101,7 +105,10 @@ def load_recipe(name_or_path: str, overrides=(), script: str | None = None, embe
         given = parse_overrides(overrides)
         if script == "dpo" and "learning_rate" in given:  # run dpo's rate is dpo.learning_rate: the word means it
             given = merge({"dpo": {"learning_rate": given.pop("learning_rate")}}, given)
-        data = merge(read_with_bases(path), given)
+        written = read_with_bases(path)
+        data = merge(written, given)
+        if switched := method_rate(written, given):
+            data["learning_rate"] = METHOD_LEARNING_RATE[switched]
         recipe = trained_on(make_recipe(with_embedded_settings(data, given, script) if embedded else data))
         return recipe if script is None else for_script(recipe, script)
     except RecipeError as e:
@@ -121,6 +128,27 @@ def with_embedded_settings(data: dict, given: dict, script: str | None) -> dict:
         changes["dpo"] = {"learning_rate": own["learning_rate"]}
     changes["embedded_settings"] = False
     return merge(merge(data, changes), given)  # (the overrides again: they win)
+
+
+def method_rate(written: dict, given: dict) -> str | None:
+    """The method ("lora" | "full") whose rate a recipe takes because the words switched it to that method without
+    naming a learning_rate (METHOD_LEARNING_RATE); None when they did not switch it."""
+    if "learning_rate" in given or "lora" not in given:
+        return None
+    was, now = bool(written.get("lora")), bool(merge(written, given).get("lora"))
+    return None if was == now else "lora" if now else "full"
+
+
+def method_rate_note(name_or_path: str, overrides=()) -> str | None:
+    """What start-up says when the words switched the recipe's method and so its learning rate (method_rate)."""
+    written = read_with_bases(recipe_path(name_or_path))
+    switched = method_rate(written, parse_overrides(overrides))
+    if switched is None:
+        return None
+    return (f"learning_rate {METHOD_LEARNING_RATE[switched]:g}: the words make {written.get('name', name_or_path)} "
+            f"{'a LoRA run' if switched == 'lora' else 'a full fine-tune'}, and its own {written.get('learning_rate'):g} "
+            f"is a {'full fine-tune' if switched == 'lora' else 'LoRA'}'s; the shipped "
+            f"{'LoRA' if switched == 'lora' else 'full'} recipes' rate (learning_rate=... sets another)")
 
 
 def written_recipe(name_or_path: str, overrides=()) -> Recipe:

@@ -126,3 +126,25 @@ def test_dpo_rows_never_exceed_what_the_plan_counts():
     assert load_recipe("single-gpu-lora", ["dpo.max_length=128"], script="dpo").dpo.max_length == 128
     with pytest.raises(RecipeError, match="dpo.max_length=2048"):
         load_recipe("qlora", ["model_name_or_path=org/model", "dpo.max_length=2048"], script="dpo")
+
+
+def test_words_that_switch_the_method_switch_the_learning_rate_unless_they_name_one(cli):
+    """lora.r=16 on a full fine-tune (zero3-ulysses, 1e-5) trains at the LoRA recipes' 2e-4, and lora=null on a LoRA
+    recipe at the full fine-tunes' 2e-5, each said before the launch; a learning_rate word wins; the shipped recipes
+    train at the rates the table names."""
+    from memrecipe.planning.registry import METHOD_LEARNING_RATE, data_dir
+
+    real = ["model_name_or_path=/models/llama"]
+    assert load_recipe("zero3-ulysses", real).learning_rate == 1e-5  # as written: its own, for a full fine-tune
+    assert load_recipe("zero3-ulysses", [*real, "lora.r=16"]).learning_rate == 2e-4
+    assert load_recipe("zero3-offload", [*real, "lora.r=8"]).learning_rate == 2e-4
+    assert load_recipe("zero3-ulysses", [*real, "lora.r=16", "learning_rate=1e-4"]).learning_rate == 1e-4
+    assert load_recipe("single-gpu-lora", [*real, "lora=null"]).learning_rate == 2e-5
+    assert load_recipe("single-gpu-lora", [*real, "lora.r=4"]).learning_rate == 2e-4  # (LoRA still: its own)
+    for path in data_dir("recipes").glob("*.yaml"):
+        r = load_recipe(str(path), real)
+        if r.lora is not None:
+            assert r.learning_rate == METHOD_LEARNING_RATE["lora"], path.name
+    done = cli("run", "sft", "--recipe", "zero3-ulysses", "--cpu", "--num-processes", "1", "lora.r=16", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "note: learning_rate 0.0002: the words make zero3-ulysses a LoRA run" in done.stdout + done.stderr
