@@ -86,7 +86,7 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
 
     from .planning.registry import load_recipe
     from .training.adapters import add_lora
-    from .training.loading import embedded_model
+    from .training.loading import embedded_model, model_config
 
     run, checkpoint = run_of(run, checkpoint)
     folder = RunFolder(run)
@@ -102,7 +102,8 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
     if recipe.lora:
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32,
+                                                    config=model_config(recipe, base_path))  # (rope_scaling)
         if source == folder.final:
             model = PeftModel.from_pretrained(base, source)
         else:
@@ -121,7 +122,8 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
         if source == folder.final:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         else:
-            model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32,
+                                                         config=model_config(recipe, base_path))
             model.load_state_dict(checkpoint_state_dict(source))
     model = model.to(torch_dtype)
     model.save_pretrained(output, safe_serialization=True)

@@ -198,6 +198,10 @@ def setup_model(recipe, model_path, accelerator, run, say):
     initial adapter's folder or None)."""
     # the weights in the recipe's dtype; 4/8-bit quantization (bitsandbytes) as they load
     model = load_pretrained(recipe, model_path, accelerator.mixed_precision, accelerator.device)
+    if recipe.rope_scaling:  # RoPE stretched past the model's own positions, in its config (saved with the model)
+        rope = model.config.get_text_config().rope_parameters
+        say(f"rope_scaling: {rope['rope_type']} x{rope['factor']:g} from {rope['original_max_position_embeddings']:,} "
+            f"positions, to {model.config.get_text_config().max_position_embeddings:,}")
     if recipe.tensor_parallel > 1:  # tensor parallel: each linear split over the mesh's "tp" dimension
         tensor_parallel(model, recipe.tensor_parallel, accelerator.torch_device_mesh)
     offload = None

@@ -6,6 +6,7 @@ import click
 from ..errors import RecipeError
 from ..options import overrides_argument
 from ..planning.architecture import read_config, structure
+from ..planning.positions import positions_note
 from ..planning.hardware import Machine
 from ..planning.ladder import climb, longest_per_recipe, tokens
 from ..planning.planner import CATEGORIES, judge_each, recommend, recommend_by_method
@@ -84,6 +85,8 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
             click.echo(f"  {name}: {why}")
         for name, rung in climbed:
             click.echo(f"  {name}: fits with {rung.name} ({' '.join(rung.words)}), not as written")
+        for line in positions_lines(recipes):
+            click.echo(line)
     if plot:
         from ..plots import plan_chart
 
@@ -151,9 +154,16 @@ def echo_longest(named, shapes, topo, gpu, host, as_json):
                + (f", {host / GiB:.0f} GiB host RAM per machine" if host else ", host RAM not checked (--host-memory)"))
     click.echo(table(["RECIPE", "METHOD", "LONGEST", "RUNG", f"{where} GiB", "HOST GiB", "ADD"], body))
     click.echo("\n".join(skipped))
+    for line in positions_lines([replace(row.recipe, max_seq_length=row.seq_length) for row in rows if row.seq_length]):
+        click.echo(line)
     click.echo(f"LONGEST: tokens per sequence at micro batch 1 (1K = 1,024 tokens), with the {where} memory and the host "
                "RAM per machine it needs there (backward's gradient buffers counted); ADD: the key=value words that climb "
                "to its rung. lora.dropout=0 reaches further: the adapters then share their inputs (docs/long-context.md)")
+
+
+def positions_lines(recipes) -> list[str]:
+    """What each recipe's max_seq_length asks of the model's RoPE (planning.positions), each line once."""
+    return [line for line in dict.fromkeys(positions_note(r, read_config(r.model_name_or_path)) for r in recipes) if line]
 
 
 def climbed_recipes(named, shapes, topo, gpu, host):

@@ -14,6 +14,8 @@ from ..planning.hardware import Machine
 from ..planning.paths import absolute_paths, check_paths
 from ..planning.planner import Verdict
 from ..planning.recipe import Recipe
+from ..planning.architecture import read_config
+from ..planning.positions import positions_note
 from ..planning.registry import load_recipe, method_rate_note
 from ..planning.topology import Topology, decide, plan_topology
 from ..units import GiB
@@ -88,7 +90,8 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
             raise
         refused.append(str(e))
         notes = []
-    notes += [note for note in [None if resume else method_rate_note(recipe_ref, words)] if note]
+    notes += [note for note in [None if resume else method_rate_note(recipe_ref, words),
+                                positions_note(r, read_config(r.model_name_or_path))] if note]
     try:
         verdict = check_fits(r, topo, machine, words, force)
     except RecipeError as e:

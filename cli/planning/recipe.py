@@ -205,6 +205,16 @@ class DeepSpeed:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """RoPE stretched past the positions the model was trained on (transformers' rope_parameters, applied to the
+    model's config as it loads: planning/positions.py)."""
+
+    rope_type: Literal["yarn", "linear", "dynamic"] = "yarn"  # YaRN: what TRL's 1M-token example and Qwen's docs use
+    factor: float | None = spec(None, low=1)  # null: max_seq_length / original_max_position_embeddings
+    original_max_position_embeddings: int | None = spec(None, low=1)  # null: the model's max_position_embeddings
+
+
+@dataclass(frozen=True)
 class Parallelism:
     """How a layer's work is split beyond data parallelism, through accelerate's ParallelismConfig: tensor parallelism
     (FSDP2 shards over the other processes), Ulysses sequence parallelism (DeepSpeed, over the other processes) or
@@ -243,6 +253,8 @@ class Recipe:
     # fraction held out for eval when no eval_dataset is given (a given eval_dataset wins); 0 or null: none
     eval_size: float | None = spec(0.0, low=0, high=0.5)
     max_seq_length: int = spec(512, low=8)
+    # null: the model's own RoPE; a section scales it past the positions the model knows (max_position_embeddings)
+    rope_scaling: RopeScaling | None = None
     # whole documents packed into rows of max_seq_length (position_ids restart per document: attention never
     # crosses one); false: one example per row, padded to the longest in the batch
     packing: bool = True

@@ -158,11 +158,12 @@ def load_pretrained(recipe, name_or_path: str, precision: str, device=None, own_
         elif device is not None and device.type == "cuda":
             extra["device_map"] = {"": device}  # quantize straight onto this process's GPU
     kernel = attention(recipe, name_or_path, precision, device)  # attn_implementation: auto, resolved here
+    config = model_config(recipe, name_or_path)  # (rope_scaling applied)
     if q is None and not own_weights and rank0_loads(recipe):
-        model = without_weights(name_or_path, dtype, kernel.name, recipe.trust_remote_code)
+        model = without_weights(name_or_path, dtype, kernel.name, recipe.trust_remote_code, config)
     else:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=kernel.name,
-                                                     trust_remote_code=recipe.trust_remote_code, **extra)
+                                                     trust_remote_code=recipe.trust_remote_code, config=config, **extra)
     model.memrecipe_attention = kernel  # why this kernel, for the start-up log and the report (measure.describe_setup)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if q is not None and q.upcast_unquantized:
@@ -194,14 +195,32 @@ def rank0_loads(recipe) -> bool:
             and str_to_bool(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")) == 1)
 
 
-def without_weights(name_or_path: str, dtype, attn_implementation: str, trust_remote_code: bool):
+def model_config(recipe, name_or_path: str):
+    """The model's config with the recipe's rope_scaling written into its rope_parameters (and max_position_embeddings
+    set to the positions they reach: planning.positions), so that the rotary frequencies are built scaled and the saved
+    and exported models carry them; None without rope_scaling (from_pretrained reads the config itself)."""
+    if recipe.rope_scaling is None:
+        return None
+    from transformers import AutoConfig
+
+    from ..planning.positions import rope_parameters
+
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=recipe.trust_remote_code)
+    text = config.get_text_config()
+    rope = rope_parameters(recipe, text.to_dict())
+    text.max_position_embeddings = rope.pop("max_position_embeddings")
+    text.rope_parameters = rope
+    return config
+
+
+def without_weights(name_or_path: str, dtype, attn_implementation: str, trust_remote_code: bool, config=None):
     """The model built from its config with storage for its parameters that nothing writes (untouched pages hold no
     host RAM), its buffers computed as usual (the rotary frequencies: FSDP2 does not broadcast non-persistent
     buffers). Tied weights stay tied."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    config = config or AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)

@@ -53,3 +53,22 @@ def test_a_model_built_without_weights_has_their_shapes_real_buffers_and_its_tie
 def test_a_model_that_cannot_be_read_is_one_line(path, reason):
     with pytest.raises(RecipeError, match=reason):
         check_model(path)
+
+
+def test_rope_scaling_is_written_into_the_config_the_model_is_built_and_saved_with(tmp_path):
+    """rope_scaling (YaRN x2 from the model's 512 positions, by default from max_seq_length's ratio): the rotary
+    frequencies are built scaled, and the saved model's config.json carries them; without it, the model's own RoPE."""
+    from transformers import AutoModelForCausalLM
+
+    plain = load_pretrained(load_recipe("single-gpu-lora", ["max_seq_length=1024"]), embedded_model(), "no")
+    scaled = load_pretrained(load_recipe("single-gpu-lora", ["max_seq_length=1024", "rope_scaling.rope_type=yarn"]),
+                             embedded_model(), "no")
+    assert plain.config.rope_parameters["rope_type"] == "default" and plain.config.max_position_embeddings == 512
+    assert scaled.config.rope_parameters == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512,
+                                             "rope_theta": 10000.0}
+    assert scaled.config.max_position_embeddings == 1024
+    a, b = (m.model.rotary_emb for m in (plain, scaled))
+    assert not torch.equal(a.inv_freq, b.inv_freq) and b.attention_scaling > a.attention_scaling == 1.0  # YaRN's
+    scaled.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.model.rotary_emb.inv_freq, b.inv_freq)
