@@ -1,17 +1,17 @@
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import click
 
 from ..errors import RecipeError
 from ..options import overrides_argument
 from ..planning.architecture import read_config, structure
-from ..planning.positions import positions_note
+from ..planning.positions import known_positions, positions_note
 from ..planning.hardware import Machine
-from ..planning.ladder import climb, longest_per_recipe, tokens
+from ..planning.ladder import Rung, climb, longest_per_recipe, tokens, with_words
 from ..planning.planner import CATEGORIES, judge_each, recommend, recommend_by_method
 from ..planning.recipe import METHODS, Recipe, method
-from ..planning.registry import flag_overrides, load_recipe, recipe_names
+from ..planning.registry import flag_overrides, load_recipe, parse_overrides, recipe_names
 from ..planning.topology import check_supported, make_topology
 from ..table import table
 from ..units import GiB, parse_size
@@ -57,47 +57,109 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
     words = [*overrides, *flag_overrides(model=model)]
     named, refused = load_all([recipe] if recipe else recipe_names(), words, one=recipe is not None)
     named = [(name, r) for name, r in named if only is None or method(r) == only]
-    recipes = [r for _, r in named]
-    shapes = {m: structure(read_config(m)) for m in {r.model_name_or_path for r in recipes}}
+    shapes = {m: structure(read_config(m)) for m in {r.model_name_or_path for _, r in named}}
     if longest:
         return echo_longest(named, shapes, topo, gpu, host, as_json)
-    recipes, climbed = climbed_recipes(named, shapes, topo, gpu, host)
+    p = plan_all(named, refused, words, shapes, topo, gpu, host, global_batch, recipe)
+    asked = list(overrides)  # the words of the job planned (run_line)
+    if not any(v.fits for _, v, _ in p.rows) and not global_batch and "per_device_train_batch_size" not in \
+            parse_overrides(overrides) and any(r.per_device_train_batch_size > 1 for r in p.recipes):
+        # at lengths where no recipe fits its own micro batch, the question is what fits one sequence at a time
+        one = [(name, replace(r, per_device_train_batch_size=1)) for name, r in named]
+        p = plan_all(one, refused, [*words, "per_device_train_batch_size=1"], shapes, topo, gpu, host, None, recipe)
+        p.said.append("no recipe fits its own micro batch here: planned at micro batch 1 (per_device_train_batch_size=1)")
+        asked.append("per_device_train_batch_size=1")
+    verdicts = [v for _, v, _ in p.rows]
+    if recipe and p.skipped:  # the one recipe asked for cannot be planned: its reason is the answer
+        raise RecipeError(p.skipped[0][1])
+    skipped = [(name, why if recipe else why.split(":")[0]) for name, why in p.skipped]
 
-    rows, skipped = judge_each(recipes, shapes, topo, gpu, host, global_batch)
-    skipped = refused + skipped
-    verdicts = [v for _, v, _ in rows]
-    if recipe and skipped:  # the one recipe asked for cannot be planned: its reason is the answer
-        raise RecipeError(skipped[0][1])
-    skipped = [(name, why if recipe else why.split(":")[0]) for name, why in skipped]
-
-    # full fine-tuning, LoRA and QLoRA are a choice of quality, not interchangeable speeds: one pick for each
-    picks = recommend_by_method([r for r, _, _ in rows], verdicts)
+    # full fine-tuning, LoRA and QLoRA are a choice of quality, not interchangeable speeds: one pick for each, among
+    # every recipe that trains the method (a full recipe given a lora: section too: p.variants)
+    picks = recommend_by_method([r for r, _, _ in p.rows], [v for _, v, _ in p.rows])
+    if p.variants and (only in (None, "lora")) and not (picks.get("lora") or (None,))[0]:
+        # no LoRA recipe fits: a full recipe with a lora: section may (ZeRO-3 + LoRA, Ulysses + LoRA)
+        best, why = recommend([v for _, v, _ in p.variants])
+        picks["lora"] = (best, why) if best else picks.get("lora", (best, why))
+    if "qlora" in picks and picks["qlora"][0] is None and topo.num_processes > 1:
+        picks["qlora"] = (None, picks["qlora"][1] + "; no multi-GPU long-context path takes QLoRA here (fsdp-qlora "
+                          "neither offloads activations nor splits sequences): use LoRA")
+    commands = {m: run_line(p.how, best.estimate.recipe, asked, model, n, num_machines)
+                for m, (best, _) in picks.items() if best}
     if as_json:
         click.echo(json.dumps({"model": model, "processes": n, "machines": num_machines, "gpu_memory": gpu,
                                "host_memory": host, "estimates": [v.estimate.as_dict() | {"fits": v.fits,
-                               "headroom": v.headroom, "batch": note, "method": method(r)} for r, v, note in rows],
+                               "headroom": v.headroom, "batch": note, "method": method(r),
+                               "rung": p.how.get(r.name, (r.name, None))[1].name if p.how.get(r.name) else None,
+                               "add": list(p.how[r.name][1].words) if r.name in p.how else []}
+                               for r, v, note in p.rows],
                                "skipped": dict(skipped),
-                               "recommendations": {m: {"recipe": best.estimate.recipe if best else None, "reason": why}
+                               "recommendations": {m: {"recipe": best.estimate.recipe if best else None, "reason": why,
+                                                       "command": commands.get(m)}
                                                    for m, (best, why) in picks.items()}}, indent=2))
     else:
-        echo_table(rows, gpu, host, topo, global_batch, shapes)
+        echo_table(p.rows, gpu, host, topo, global_batch, shapes)
         for name, why in skipped:
             click.echo(f"  {name}: {why}")
-        for name, rung in climbed:
-            click.echo(f"  {name}: fits with {rung.name} ({' '.join(rung.words)}), not as written")
-        for line in positions_lines(recipes):
+        for line in p.said:
+            click.echo(line)
+        for line in positions_lines(p.recipes):
             click.echo(line)
     if plot:
         from ..plots import plan_chart
 
-        click.echo(f"wrote {plan_chart([v for _, v, _ in rows], gpu, plot)}", err=True)
+        click.echo(f"wrote {plan_chart(verdicts, gpu, plot)}", err=True)
     if not as_json:
         click.echo("\nrecommended, for each training method (a choice of quality: the fastest recipe that fits "
                    "within it):")
         for m, (best, why) in picks.items():
-            click.echo(f"  {METHODS[m]}: {why}")
+            click.echo(f"  {METHODS[m]}: {why}" + (f"\n    {commands[m]}" if m in commands else ""))
     if not any(best for best, _ in picks.values()):
         raise RecipeError(recommend(verdicts)[1])  # what comes closest, over all methods
+
+
+# a full recipe given LoRA for the LoRA recommendation: the shipped LoRA recipes' section (r 16, every linear layer)
+LORA_WORDS = ("lora.r=16", "lora.target_modules=all-linear")
+
+
+@dataclass
+class Planned:
+    recipes: list  # as planned: at the rung each climbed to (named NAME+RUNG)
+    rows: list  # [(recipe, verdict, batch note)]: the table
+    skipped: list  # [(name, why)]
+    variants: list  # [(recipe, verdict, note)]: full recipes given a lora: section, judged for the LoRA pick only
+    how: dict  # planned recipe name -> (the shipped recipe's name, the rung whose words it adds)
+    said: list  # lines under the table: rungs climbed, the closest rung where none fits
+
+
+def plan_all(named, refused, words, shapes, topo, gpu, host, global_batch, one) -> Planned:
+    """Every recipe judged at the rung of the activation ladder it needs, and (unless the words already say lora, or
+    one recipe is asked for) each full recipe with a lora: section beside them, for the LoRA pick."""
+    recipes, how, said = climbed_recipes(named, shapes, topo, gpu, host)
+    rows, skipped = judge_each(recipes, shapes, topo, gpu, host, global_batch)
+    variants = []
+    if not one and not any(w.startswith("lora") for w in words):
+        lora = []
+        for name, r in named:
+            if method(r) != "full":
+                continue
+            try:
+                lora.append((f"{name}+lora", replace(load_recipe(name, [*words, *LORA_WORDS]), name=f"{name}+lora")))
+            except RecipeError:  # its rules take no adapters
+                continue
+        more, more_how, _ = climbed_recipes(lora, shapes, topo, gpu, host, LORA_WORDS)
+        how |= more_how
+        variants = judge_each(more, shapes, topo, gpu, host, global_batch)[0]
+    return Planned(recipes, rows, refused + skipped, variants, how, said)
+
+
+def run_line(how, planned, overrides, model, processes, machines) -> str:
+    """The command that runs the planned job: the shipped recipe, the user's words and the rung's."""
+    name, rung = how.get(planned, (planned, None))
+    added = [w for w in (rung.words if rung else ()) if w not in overrides]
+    return " ".join(["memrecipe run sft --recipe", name, *(["--model", model] if model else []),
+                     *(["--num-processes", str(processes)] if processes > 1 else []),
+                     *(["--num-machines", str(machines)] if machines > 1 else []), *overrides, *added])
 
 
 def memories(machine, gpu_memory, host_memory, cpu) -> tuple[int | None, int | None]:
@@ -154,11 +216,25 @@ def echo_longest(named, shapes, topo, gpu, host, as_json):
                + (f", {host / GiB:.0f} GiB host RAM per machine" if host else ", host RAM not checked (--host-memory)"))
     click.echo(table(["RECIPE", "METHOD", "LONGEST", "RUNG", f"{where} GiB", "HOST GiB", "ADD"], body))
     click.echo("\n".join(skipped))
-    for line in positions_lines([replace(row.recipe, max_seq_length=row.seq_length) for row in rows if row.seq_length]):
-        click.echo(line)
+    past = [row for row in rows if row.seq_length and positions_note(replace(row.recipe, max_seq_length=row.seq_length),
+                                                                     read_config(row.recipe.model_name_or_path))]
+    if past:  # one line for the table (each length its own factor)
+        known = known_positions(read_config(past[0].recipe.model_name_or_path))
+        scaled = [row for row in past if row.recipe.rope_scaling]
+        click.echo(f"{', '.join(row.recipe.name for row in past)}: " + (
+            f"the lengths pass the positions rope_scaling reaches: raise rope_scaling.factor" if scaled else
+            f"the lengths pass the model's max_position_embeddings {known:,}, positions it never trained: "
+            "rope_scaling.rope_type=yarn scales RoPE to them (the factor from the length's ratio)"))
     click.echo(f"LONGEST: tokens per sequence at micro batch 1 (1K = 1,024 tokens), with the {where} memory and the host "
                "RAM per machine it needs there (backward's gradient buffers counted); ADD: the key=value words that climb "
-               "to its rung. lora.dropout=0 reaches further: the adapters then share their inputs (docs/long-context.md)")
+               "to its rung.")
+    for row in rows:  # what no dropout would give, where it gives more (the adapters then share their inputs)
+        if row.seq_length and row.recipe.lora and row.recipe.lora.dropout > 0:
+            without = longest_per_recipe(with_words(row.recipe, ["lora.dropout=0"]), shapes[row.recipe.model_name_or_path],
+                                         topo, gpu, host)
+            if without.seq_length > row.seq_length:
+                click.echo(f"{row.recipe.name}: lora.dropout=0 reaches {tokens(without.seq_length)} "
+                           f"(the adapters then share their inputs: docs/long-context.md)")
 
 
 def positions_lines(recipes) -> list[str]:
@@ -166,20 +242,26 @@ def positions_lines(recipes) -> list[str]:
     return [line for line in dict.fromkeys(positions_note(r, read_config(r.model_name_or_path)) for r in recipes) if line]
 
 
-def climbed_recipes(named, shapes, topo, gpu, host):
+def climbed_recipes(named, shapes, topo, gpu, host, words=()):
     """Each recipe at the cheapest rung of the activation ladder that fits (planning.ladder.climb), named NAME+RUNG
-    where it climbed: ([recipe], [(that name, rung)])."""
-    recipes, climbed = [], []
+    where it climbed, or at the rung that comes closest when none fits: ([recipe], {planned name: (shipped name,
+    rung with `words` before its own)}, [lines that say which])."""
+    recipes, how, said = [], {}, []
     for name, r in named:
+        base = name.removesuffix("+lora")
         try:  # (a rung this topology does not support is not climbed to)
-            at, rung = climb(r, shapes[r.model_name_or_path], topo, gpu, host)
+            at, rung, fits = climb(r, shapes[r.model_name_or_path], topo, gpu, host)
         except RecipeError:  # a model the estimate refuses: judge_each says why
-            at, rung = r, None
-        if rung is not None and rung.words:
+            at, rung, fits = r, None, False
+        rung = rung and Rung(rung.name, (*words, *rung.words))
+        if rung is not None and len(rung.words) > len(words):
             at = replace(at, name=f"{r.name}+{rung.name.split()[-1]}")
-            climbed.append((at.name, rung))
+            said.append(f"  {at.name}: " + (f"fits with {rung.name} ({' '.join(rung.words[len(words):])}), not as "
+                                             "written" if fits else f"does not fit on any rung; shown at its closest, {rung.name} "
+                                             f"({' '.join(rung.words[len(words):])})"))
+        how[at.name] = (base, rung or Rung("", tuple(words)))
         recipes.append(at)
-    return recipes, climbed
+    return recipes, how, said
 
 
 def echo_table(rows, gpu, host, topo, global_batch, shapes):

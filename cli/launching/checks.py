@@ -123,8 +123,8 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
     loading = f" (loading: {copies} of the model)" if est.host_load >= est.host_total() else ""
     where = (f"host RAM {est.host_total() / GiB:.1f} GiB{loading} > {machine.host_memory / GiB:.1f} GiB"
              if not verdict.host_fits else f"{est.total / GiB:.1f} GiB per GPU > {machine.gpu_memory / GiB:.1f} GiB")
-    climbed, rung = climb(recipe, shape, topo, machine.gpu_memory, machine.host_memory or None)
-    if rung.words:  # the same recipe a rung up the activation ladder fits: the cheapest change
+    climbed, rung, fits = climb(recipe, shape, topo, machine.gpu_memory, machine.host_memory or None)
+    if fits and rung.words:  # the same recipe a rung up the activation ladder fits: the cheapest change
         up = estimate(climbed, shape, topo)
         raise RecipeError(f"recipe {recipe.name} will not fit: {where} ({breakdown(est)}); with {rung.name} it "
                           f"would ({up.total / GiB:.1f} GiB per process, host RAM {up.host_total() / GiB:.1f} GiB): add "

@@ -30,8 +30,10 @@ def with_words(recipe: Recipe, words) -> Recipe:
     return make_recipe(merge(recipe.to_dict(), parse_overrides(words))) if words else recipe
 
 
-def rung_of(recipe: Recipe) -> str:
-    if recipe.sequence_parallel != 1:
+def rung_of(recipe: Recipe, processes: int | None = None) -> str:
+    """The rung the recipe stands on (on `processes`, when given: sequence parallelism over one process splits
+    nothing)."""
+    if recipe.sequence_parallel != 1 and (processes is None or recipe.sequence_group(processes) > 1):
         return "sequence parallelism"
     if recipe.tiled_mlp is not False:
         return "tiled MLP"
@@ -55,7 +57,7 @@ def climbs(recipe: Recipe, topo: Topology | None = None):
     (each layer's input), activation offload (that input in host RAM), lean norms (each RMSNorm's input kept as it
     comes, its backward a tile of tokens at a time), tiled MLP (its tensors one tile of tokens at a time); on several
     processes, sequence parallelism over all of them (Ulysses: each holds 1/N of every sequence; ZeRO-3 only)."""
-    out = [Rung(rung_of(recipe), ())]
+    out = [Rung(rung_of(recipe, topo.num_processes if topo else None), ())]
     if not recipe.checkpoints:
         out.append(Rung("selective checkpointing", ("gradient_checkpointing=selective",)))
     if not recipe.checkpoints or recipe.gradient_checkpointing == "selective":
@@ -81,13 +83,21 @@ def climbs(recipe: Recipe, topo: Topology | None = None):
         yield rung, climbed
 
 
-def climb(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> tuple[Recipe, Rung]:
-    """The recipe at the cheapest rung that fits at its own length, or as written when none does (its own refusal
-    is then the answer)."""
+def climb(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> tuple[Recipe, Rung, bool]:
+    """(the recipe at the cheapest rung that fits at its own length, that rung, True); when none does, the rung that
+    comes closest (the most spare memory, or the least missing), and False: a refusal quotes what the ladder can
+    reach, not the recipe as written."""
+    closest = None
     for rung, climbed in climbs(recipe, topo):
-        if judge(estimate(climbed, s, topo), gpu_memory, host_memory).fits:
-            return climbed, rung
-    return recipe, Rung(rung_of(recipe), ())
+        verdict = judge(estimate(climbed, s, topo), gpu_memory, host_memory)
+        if verdict.fits:
+            return climbed, rung, True
+        spare = verdict.headroom if verdict.headroom is not None else -verdict.estimate.total
+        if closest is None or spare > closest[0]:
+            closest = (spare, climbed, rung)
+    if closest is None:
+        return recipe, Rung(rung_of(recipe, topo.num_processes), ()), False
+    return closest[1], closest[2], False
 
 
 def longest(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> tuple[int, Verdict | None]:
@@ -119,7 +129,7 @@ def longest_per_recipe(recipe: Recipe, s: Structure, topo: Topology, gpu_memory,
     """A recipe's longest sequence at micro batch 1 over the rungs it can climb (a rung its rules refuse is left
     out): the cheapest rung among those that reach furthest."""
     one = with_words(recipe, ["per_device_train_batch_size=1"])
-    best = Longest(one, Rung(rung_of(one), ()), 0, None)
+    best = Longest(one, Rung(rung_of(one, topo.num_processes), ()), 0, None)
     for rung, climbed in climbs(one, topo):
         length, verdict = longest(climbed, s, topo, gpu_memory, host_memory)
         if length > best.seq_length:

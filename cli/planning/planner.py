@@ -266,8 +266,13 @@ def recommend(verdicts: list[Verdict]) -> tuple[Verdict | None, str]:
                       f"{least.host_capacity / GiB:.1f}; give the machines more host RAM, use more machines (each "
                       "holds its own processes' share), or train another way (LoRA, QLoRA)")
     least = min(verdicts, key=lambda v: v.estimate.total)
-    return None, (f"nothing fits on the GPUs: the least is {least.estimate.recipe} at {least.estimate.total / GiB:.1f} "
-                  "GiB per process; use more GPUs, a shorter max_seq_length, or per_device_train_batch_size=1")
+    e = least.estimate
+    remedies = ["use more GPUs" + (" (sequence parallelism splits each sequence over them)" if e.seq_length >= 32768
+                                   else ""), "a shorter max_seq_length"]
+    if e.micro_batch > 1:  # (advice that changes something: at 1 there is no smaller micro batch)
+        remedies.append("per_device_train_batch_size=1")
+    return None, (f"nothing fits on the GPUs: the least is {e.recipe} at {e.total / GiB:.1f} GiB per process; "
+                  + ", ".join(remedies[:-1]) + f" or {remedies[-1]}")
 
 
 def recommend_by_method(recipes: list[Recipe], verdicts: list[Verdict]) -> dict[str, tuple[Verdict | None, str]]:

@@ -75,10 +75,12 @@ RING_8B = lambda: [longest_split(LLAMA_8B, 1, *RING, "lora.r=16", "lora.target_m
                                  recipe="fsdp-lora"), longest_split(LLAMA_8B, 1, *RING, recipe="fsdp")]
 
 SPLIT_8B = lambda: [longest_split(LLAMA_8B, 1, "lora.r=16", "lora.target_modules=all-linear").split(", ")[0]]  # noqa: E731
+SPLIT_8B_BOTH = lambda: [longest_split(LLAMA_8B, 1).split(", ")[0], *SPLIT_8B()]  # noqa: E731  (as shipped; LoRA)
 
 
 @pytest.mark.parametrize("path, sentence, figures", [*LONG_CONTEXT, *MANY_GPUS,
-    ("README.md", "the 8B plans at {} tokens on 8 x 80 GB", SPLIT_8B),
+    ("README.md", "the 8B plans at {} tokens fully fine-tuned, as shipped, on 8 x 80 GB ({} with `lora.r=16`",
+     SPLIT_8B_BOTH),
     ("docs/long-context.md", "ring attention over the 8 GPUs plans the 8B at {} with LoRA r16 on every linear layer "
                              "(`fsdp-lora`) and {} fully fine-tuned (`fsdp`)", RING_8B),
     ("docs/recipes.md", "8B plans at {} tokens with LoRA on 8 x 80 GB", SPLIT_8B),

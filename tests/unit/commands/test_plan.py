@@ -67,8 +67,8 @@ def test_plan_recommends_the_bf16_full_fine_tune_on_one_gpu(cli, tmp_path):
             "--method", "full", "--json"]
     data = json.loads(cli(*args).stdout)
     assert data["recommendations"]["full"]["recipe"] == "single-gpu-full"
-    fits = {e["recipe"]: e["fits"] for e in data["estimates"]}
-    assert not fits["adamw-8bit"] and not fits["zero3-offload"]  # 80 GB of GPU; 145 GB of offload in 64 GiB of RAM
+    fits = {e["recipe"].split("+")[0]: e["fits"] for e in data["estimates"]}  # (a row that fits nowhere: at its
+    assert not fits["adamw-8bit"] and not fits["zero3-offload"]  # closest rung) 80 GB of GPU; 145 GB of offload in 64 GiB
 
 
 def test_plan_recommends_within_each_training_method(cli, tmp_path):
@@ -128,8 +128,9 @@ def test_plan_shows_each_rows_batch_and_what_binds_when_nothing_fits(cli, tmp_pa
     (folder / "config.json").write_text(json.dumps(LLAMA_8B))
     done = cli("plan", "--model", str(folder), "--gpu-memory", "24GB")
     assert done.returncode == 0, done.stderr
-    rows = {line.split()[0]: line.split()[1:4] for line in done.stdout.splitlines() if line.split()[:1] in
-            (["single-gpu-full"], ["single-gpu-lora"])}
+    rows = {line.split()[0].split("+")[0]: line.split()[1:4] for line in done.stdout.splitlines()
+            if line[:1] != " " and line.split()[:1] and line.split()[0].split("+")[0] in ("single-gpu-full",
+                                                                                             "single-gpu-lora")}
     assert rows == {"single-gpu-full": ["8", "x", "2048"], "single-gpu-lora": ["4", "x", "2048"]}  # a real job's
     assert "host RAM 119.7 GiB per machine (not checked: give --host-memory)" in done.stdout  # zero2's
     small = cli("plan", "--cpu")  # the embedded model: its own rows of 256 tokens
@@ -177,3 +178,72 @@ def test_at_128k_plan_recommends_a_lora_and_a_qlora_recipe_a_rung_up_where_neede
     assert "LoRA: single-gpu-lora+offload: the fastest recipe that fits" in done.stdout
     assert "QLoRA: qlora+offload: the fastest recipe that fits" in done.stdout and "nothing fits" not in done.stdout
     assert "single-gpu-lora+offload: fits with activation offload (activation_offload=true), not as written" in done.stdout
+
+
+def eight_b(tmp_path):
+    folder = tmp_path / "llama-8b"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    return str(folder)
+
+
+def test_the_lora_pick_considers_full_recipes_given_a_lora_section_and_says_the_command(cli, tmp_path):
+    """8 x 80 GB at 256K: no LoRA recipe fits, zero3-ulysses with a lora: section does (without the user having to know
+    to type lora.r=16), and the pick is a whole command to copy; QLoRA has no multi-GPU long-context path: use LoRA."""
+    model = eight_b(tmp_path)
+    args = ["plan", "--model", model, "--num-processes", "8", "--gpu-memory", "80GB", "max_seq_length=262144"]
+    data = json.loads(cli(*args, "--json").stdout)
+    lora = data["recommendations"]["lora"]
+    assert lora["recipe"].startswith("zero3-ulysses+lora"), lora
+    assert lora["command"] == (f"memrecipe run sft --recipe zero3-ulysses --model {model} --num-processes 8 "
+                               "max_seq_length=262144 lora.r=16 lora.target_modules=all-linear")
+    assert "no multi-GPU long-context path takes QLoRA here" in data["recommendations"]["qlora"]["reason"]
+    text = cli(*args).stdout
+    assert f"\n    memrecipe run sft --recipe zero3-ulysses --model {model} --num-processes 8" in text
+    assert all("rung" in e and "add" in e for e in data["estimates"])  # plain --json says each row's rung too
+    one = json.loads(cli("plan", "--model", model, "--gpu-memory", "80GB", "--json", "max_seq_length=131072",
+                         "per_device_train_batch_size=1").stdout)
+    row = {e["recipe"]: e for e in one["estimates"]}["single-gpu-lora+offload"]
+    assert (row["rung"], row["add"]) == ("activation offload", ["activation_offload=true"])
+    assert one["recommendations"]["lora"]["command"].endswith("activation_offload=true")
+
+
+def test_nothing_fits_quotes_the_closest_rung_at_micro_batch_1_and_only_advice_that_changes_something(cli, tmp_path):
+    """24 GB at 64K: no recipe fits its micro batch of 4 x 65536, so the plan is made at micro batch 1 and says so;
+    a row that fits no rung is shown at its closest (the top rung, not the recipe as written), and the refusal
+    does not suggest per_device_train_batch_size=1 when it is 1 already."""
+    model = eight_b(tmp_path)
+    done = cli("plan", "--model", model, "--gpu-memory", "24GB", "--method", "lora", "max_seq_length=65536")
+    assert "no recipe fits its own micro batch here: planned at micro batch 1" in done.stdout
+    row = next(line.split() for line in done.stdout.splitlines() if line.startswith("single-gpu-lora"))
+    assert row[0] == "single-gpu-lora+MLP" and row[1:4] == ["1", "x", "65536"] and float(row[8]) < 30
+    assert "single-gpu-lora+MLP: does not fit on any rung; shown at its closest, tiled MLP" in done.stdout
+    said = done.stdout + done.stderr
+    assert "nothing fits on the GPUs: the least is single-gpu-lora+MLP" in said
+    assert "per_device_train_batch_size=1" not in said.split("nothing fits on the GPUs")[1]
+
+
+def test_longest_says_what_no_dropout_reaches_only_where_it_reaches_further_and_splits_only_over_processes(cli, tmp_path,
+                                                                                                          monkeypatch):
+    """The footer named lora.dropout=0 under every table, also where the lengths were equal; zero3-ulysses on one GPU
+    stood on 'sequence parallelism' with nothing split."""
+    model = eight_b(tmp_path)
+    done = cli("plan", "--model", model, "--gpu-memory", "80GB", "--longest")
+    assert "lora.dropout=0" not in done.stdout  # the plan gives the same lengths with and without dropout here
+    row = next(line.split() for line in done.stdout.splitlines() if line.startswith("zero3-ulysses"))
+    assert "sequence" not in row and row[4:6] == ["tiled", "MLP"]
+    from click.testing import CliRunner
+
+    from memrecipe.commands import plan
+    from memrecipe.planning.ladder import Longest
+
+    real = plan.longest_per_recipe
+
+    def further(recipe, *args):  # where no dropout reaches further, the line says how far
+        row = real(recipe, *args)
+        return Longest(row.recipe, row.rung, row.seq_length * 2, row.verdict) if recipe.lora and \
+            recipe.lora.dropout == 0 and row.seq_length else row
+
+    monkeypatch.setattr(plan, "longest_per_recipe", further)
+    out = CliRunner().invoke(plan.command, ["--model", model, "--gpu-memory", "80GB", "--longest", "--method", "lora"])
+    assert "single-gpu-lora: lora.dropout=0 reaches 1,130K" in out.output, out.output

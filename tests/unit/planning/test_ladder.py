@@ -59,9 +59,11 @@ def test_a_recipe_reaches_furthest_on_its_highest_rung_and_the_host_ram_can_bind
 def test_the_cheapest_rung_that_fits_is_taken(recipe, length, rung):
     s = structure(LLAMA_8B)
     r = load_recipe(recipe, [f"max_seq_length={length}", "per_device_train_batch_size=1"])
-    climbed, taken = climb(r, s, Topology(1), GPU80, None)
-    assert taken.name == rung and judge(estimate(climbed, s, Topology(1)), GPU80, None).fits
-    assert climb(r, s, Topology(1), 10 * GiB, None)[1].words == ()  # nothing fits: the recipe as written
+    climbed, taken, fits = climb(r, s, Topology(1), GPU80, None)
+    assert fits and taken.name == rung and judge(estimate(climbed, s, Topology(1)), GPU80, None).fits
+    closest, at, fits = climb(r, s, Topology(1), 10 * GiB, None)  # nothing fits: the rung that comes closest
+    assert not fits and at.name == "tiled MLP" and estimate(closest, s, Topology(1)).total == min(
+        estimate(c, s, Topology(1)).total for _, c in climbs(r, Topology(1)))
 
 
 def test_lengths_read_as_people_write_them():
