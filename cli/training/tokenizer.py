@@ -34,6 +34,10 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:  # padding is masked out of the loss, any token will do
         tokenizer.pad_token = tokenizer.eos_token
+    # its "Token indices sequence length is longer than the specified maximum ... indexing errors" on every long
+    # document: the loop cuts rows at max_seq_length itself and counts what it cut (transformers warns once per
+    # tokenizer, keyed by this flag)
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     if chat_template:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer

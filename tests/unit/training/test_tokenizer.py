@@ -62,3 +62,16 @@ def test_a_folder_without_a_tokenizer_or_with_a_broken_template_is_one_line(tmp_
         check_tokenizer(str(tmp_path))
     with pytest.raises(RecipeError, match=r"the inline chat_template is not valid Jinja \(line 1"):
         read_chat_template("{% for m in messages %}{{ m }}")
+
+
+def test_a_document_longer_than_the_tokenizers_maximum_is_tokenized_without_its_indexing_warning(capfd):
+    """The loop cuts rows at max_seq_length and says what it cut; transformers' 'Token indices sequence length is
+    longer than the specified maximum ... indexing errors' (model_max_length 512 here) is not a user's concern."""
+    from memrecipe.training.loading import embedded_model
+    from memrecipe.training.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(embedded_model())
+    capfd.readouterr()
+    ids = tokenizer("river stone " * 2000)["input_ids"]
+    assert len(ids) > tokenizer.model_max_length
+    assert "Token indices sequence length" not in "".join(capfd.readouterr())
