@@ -69,7 +69,7 @@ def _coerce(hint, value, key, meta):
         literal = [e for a, e in zip((a for a in arms if a is not type(None)), errors) if typing.get_origin(a) is Literal]
         if isinstance(value, str) and len(literal) == 1:  # a near-miss of a named choice: say which it meant
             raise RecipeError(f"{key} must be {_describe(hint)}, got {_show(value)}{did_you_mean(value, _choices(hint))}")
-        raise RecipeError(f"{key} must be {_describe(hint)}, got {_show(value)}")
+        raise RecipeError(f"{key} must be {_describe(hint, meta)}, got {_show(value)}")
     if origin is Literal:
         choices = typing.get_args(hint)
         if value is False and "no" in choices:  # YAML 1.1 reads a bare `no` as false
@@ -124,17 +124,25 @@ def _check_range(value, key, meta):
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and value > high
     if too_low or too_high:
-        left = "" if low is None else (f"> {low}" if low_open else f">= {low}")
-        right = "" if high is None else f"<= {high}"
-        allowed = " and ".join(p for p in (left, right) if p)
-        raise RecipeError(f"{key} must be {allowed}, got {value!r}")
+        raise RecipeError(f"{key} must be {_allowed(meta)}, got {value!r}")
     return value
 
 
-def _describe(hint) -> str:
+def _allowed(meta) -> str:
+    """'>= 2', '> 0 and <= 1': a number's range from its field's spec."""
+    low, high, low_open = meta.get("low"), meta.get("high"), meta.get("low_open")
+    left = "" if low is None else (f"> {low}" if low_open else f">= {low}")
+    right = "" if high is None else f"<= {high}"
+    return " and ".join(p for p in (left, right) if p)
+
+
+def _describe(hint, meta=None) -> str:
+    """The values a type takes, in words (a number's with its range, from `meta`)."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(hint))
+        return " or ".join(_describe(a, meta) for a in typing.get_args(hint))
+    if hint in (int, float) and meta and _allowed(meta):
+        return f"{'an integer' if hint is int else 'a number'} {_allowed(meta)}"
     if origin is Literal:
         return "one of " + ", ".join(str(c) for c in typing.get_args(hint))
     if origin is tuple:

@@ -186,6 +186,9 @@ def check_supported(recipe: Recipe, topo: Topology) -> None:
     blocker = recipe.cpu_blocker if topo.cpu else None
     if blocker and blocker.startswith("attn_implementation="):  # a key's choice, not what the recipe is
         raise RecipeError(f"{blocker}: set it so, or run where there are GPUs")
+    if blocker and blocker.startswith("ring attention") and recipe.supports.cpu:  # the key's, not the recipe's
+        raise RecipeError(f"parallelism.cp_size={recipe.context_parallel} is GPU-only: {blocker}; set "
+                          "parallelism.cp_size=1 to run the recipe here, or run where there are GPUs")
     if blocker:
         raise RecipeError(f"recipe {recipe.name} is GPU-only: {blocker}; generate and check its GPU configs with "
                           f"memrecipe config {recipe.name} (no --cpu), and run it where there are GPUs")

@@ -100,3 +100,11 @@ def test_a_signal_after_the_last_step_says_the_run_finished(tmp_path, monkeypatc
         assert "--resume" not in done.output
     else:
         assert done.exit_code == 128 + signals.SIGINT and "resume with: memrecipe run sft --resume" in done.output
+
+
+def test_ring_attention_on_cpu_names_the_key_not_the_recipe(cli):
+    """fsdp-lora runs on CPU; only its parallelism.cp_size does not: the refusal says which, and how to run here."""
+    done = cli("run", "sft", "--recipe", "fsdp-lora", "--num-processes", "2", "--dry-run", "parallelism.cp_size=2",
+               "packing=false")
+    assert done.returncode == 2 and done.stderr.startswith("memrecipe: error: parallelism.cp_size=2 is GPU-only: ")
+    assert "set parallelism.cp_size=1 to run the recipe here" in done.stderr and "recipe fsdp-lora is" not in done.stderr

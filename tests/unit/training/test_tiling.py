@@ -80,7 +80,7 @@ def test_tiles_are_about_a_hidden_size_of_tokens_or_the_number_given():
     ("fsdp", [], "tiled_mlp runs on one process or under DeepSpeed (told to wait for a weight's last tile): FSDP syncs"),
     ("single-gpu-full", [], "set tiled_mlp=false or optimizer_in_backward=false"),
     ("single-gpu-lora", ["torch_compile=true"], "set tiled_mlp=false or torch_compile=false"),
-    ("single-gpu-lora", ["tiled_mlp=1"], "tiled_mlp must be true or false or an integer, got 1"),
+    ("single-gpu-lora", ["tiled_mlp=1"], "tiled_mlp must be true or false or an integer >= 2, got 1"),
 ])
 def test_what_a_tiled_mlp_cannot_run_with_is_one_line(recipe, words, says):
     with pytest.raises(RecipeError, match=re.escape(says)):
