@@ -27,8 +27,11 @@ from .run_folder import RunFolder
 RESUMABLE_KEYS = ("max_steps", "num_train_epochs")
 
 
-def preflight(recipe):
-    """Fail fast, with one line and before any folder exists: model, tokenizer, dataset columns."""
+def preflight(recipe, dry_run: bool = False) -> list[str]:
+    """Fail fast, with one line and before any folder exists: model, tokenizer, dataset columns. A dry run of a model
+    folder with only its config.json (the weights not downloaded yet) checks everything the folder allows and returns
+    what it could not check."""
+    from ..planning.paths import config_only, has_tokenizer
     from ..planning.registry import EMBEDDED_MODEL
     from ..training.data import check_targets, load_sources
     from ..training.loading import check_model
@@ -54,12 +57,21 @@ def preflight(recipe):
         read_chat_template(recipe.chat_template)
     if recipe.model_name_or_path:
         check_model(recipe.model_name_or_path, recipe.trust_remote_code)
+    unchecked = []
+    if dry_run and config_only(recipe.model_name_or_path):
+        unchecked.append(f"{recipe.model_name_or_path} has a config.json and no weights yet: the dry run checked "
+                         "everything else (a run needs them)")
+    if dry_run and not has_tokenizer(recipe.model_name_or_path):
+        unchecked.append(f"{recipe.model_name_or_path} has no tokenizer yet: the examples' lengths and the chat "
+                         "template were not checked against it")
+        return unchecked
     tokenizer = check_tokenizer(recipe.model_name_or_path or str(EMBEDDED_MODEL), recipe.trust_remote_code,
                                 recipe.chat_template, chat=chat or any(fmt == "messages" for _, _, fmt in sources))
     for where, raw, fmt in sources:  # examples too long for max_seq_length: known before launch
         check_targets(raw, fmt, tokenizer, recipe, where)
     for where, pairs in pair_sets:  # and pairs too long for dpo.max_length
         check_pair_lengths(pairs, tokenizer, recipe, where)
+    return unchecked
 
 
 def deepspeed_builds(recipe, topo: Topology) -> list[str]:

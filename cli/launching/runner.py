@@ -69,6 +69,7 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
 
         machine = detect_machine()
     refused: list[str] = []
+    unchecked: list[str] = []  # what a dry run could not check (a model folder without its weights yet)
     if resume:
         r, topo = resumable(output_dir, recipe_ref, words, topology_flags.get("num_processes"), machine,
                             topology_flags.get("machine_rank", 0))
@@ -80,9 +81,9 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
         if recipe_ref is None:
             raise RecipeError("name a recipe with --recipe (memrecipe ls lists them), or --resume a run")
         r = absolute_paths(load_recipe(recipe_ref, words, script))
-        check_paths(r)  # also in a dry run: a missing file is known without reading anything
+        check_paths(r, weights=not dry_run)  # also in a dry run: a missing file is known without reading anything
         r, topo = plan_topology(r, machine, **topology_flags, refused=refused if dry_run else None)
-        preflight(r)  # the model, the tokenizer and the data, read as the run reads them (a dry run too)
+        unchecked = preflight(r, dry_run)  # the model, the tokenizer and the data, read as the run reads them
     try:
         notes = deepspeed_builds(r, topo)  # (beside the other checks: what compiles before the first step)
     except RecipeError as e:
@@ -90,6 +91,7 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
             raise
         refused.append(str(e))
         notes = []
+    notes += unchecked
     notes += [note for note in [None if resume else method_rate_note(recipe_ref, words),
                                 positions_note(r, read_config(r.model_name_or_path))] if note]
     try:

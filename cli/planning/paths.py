@@ -75,9 +75,10 @@ def from_recipe_file(data: dict, folder: Path) -> dict:
     return out
 
 
-def check_paths(recipe: Recipe) -> None:
+def check_paths(recipe: Recipe, weights: bool = True) -> None:
     """A local path that does not exist, or a local model folder without whole weights, refused in one line (before
-    launch, in validate and in a dry run)."""
+    launch, in validate and in a dry run; `weights` false: a folder with no weights at all passes, for a dry run of a
+    job whose weights are not there yet)."""
     for key in PATH_KEYS:
         value = getattr(recipe, key)
         for i, path in enumerate(e.path for e in value) if isinstance(value, tuple) else [(None, value)]:
@@ -91,8 +92,27 @@ def check_paths(recipe: Recipe) -> None:
                 raise RecipeError(f"{where}: {path} does not exist (a recipe file's relative paths are read from "
                                   "its own folder; a key=value word's from the current one)")
     model = recipe.model_name_or_path
-    if model and Path(model).expanduser().is_dir():
+    if model and Path(model).expanduser().is_dir() and (weights or has_weights(Path(model).expanduser())):
         check_weights(Path(model).expanduser())
+
+
+def has_weights(folder: Path) -> bool:
+    """Whether a model folder holds any weights file or index (whole or not: check_weights says)."""
+    return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")) or any(folder.glob("*.index.json"))
+
+
+def config_only(model: str | None) -> bool:
+    """A local model folder with its config.json and no weights yet (a dry run checks the rest)."""
+    folder = Path(model).expanduser() if model else None
+    return bool(folder and folder.is_dir() and (folder / "config.json").is_file() and not has_weights(folder))
+
+
+def has_tokenizer(model: str | None) -> bool:
+    """Whether a local model folder holds a tokenizer (a hub id or the embedded model: taken as holding one)."""
+    folder = Path(model).expanduser() if model else None
+    if not (folder and folder.is_dir()):
+        return True
+    return any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 def check_weights(folder: Path) -> None:

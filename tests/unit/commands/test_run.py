@@ -108,3 +108,23 @@ def test_ring_attention_on_cpu_names_the_key_not_the_recipe(cli):
                "packing=false")
     assert done.returncode == 2 and done.stderr.startswith("memrecipe: error: parallelism.cp_size=2 is GPU-only: ")
     assert "set parallelism.cp_size=1 to run the recipe here" in done.stderr and "recipe fsdp-lora is" not in done.stderr
+
+
+def test_a_dry_run_of_a_model_folder_with_only_its_config_checks_the_rest_and_says_what_it_could_not(cli, tmp_path):
+    """No GPU and no weights yet: the dry run of the real job's words goes through (the plan, the configs, the data),
+    saying that the weights and the tokenizer were not there to check; the run itself still refuses."""
+    import json
+
+    from memrecipe.planning.registry import EMBEDDED_MODEL
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((EMBEDDED_MODEL / "config.json").read_text())
+    dry = cli("run", "sft", "--recipe", "single-gpu-lora", "--model", str(model), "--dry-run", "max_seq_length=512")
+    assert dry.returncode == 0, dry.stderr
+    said = dry.stdout + dry.stderr
+    assert f"note: {model} has a config.json and no weights yet: the dry run checked everything else" in said
+    assert f"note: {model} has no tokenizer yet" in said and "accelerate launch" in said
+    run = cli("run", "sft", "--recipe", "single-gpu-lora", "--model", str(model), "--output-dir", str(tmp_path / "r"))
+    assert run.returncode == 2 and "has a config.json but no weights" in run.stderr and not (tmp_path / "r").exists()
+    assert json.loads((model / "config.json").read_text())  # (nothing written into the model's folder)
