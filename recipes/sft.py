@@ -206,7 +206,8 @@ def setup_model(recipe, model_path, accelerator, run, say):
         tensor_parallel(model, recipe.tensor_parallel, accelerator.torch_device_mesh)
     offload = None
     if recipe.gradient_checkpointing:  # recompute each layer in backward (+ its saved input in host memory)
-        offload = enable_checkpointing(model, recipe.activation_offload, recipe.gradient_checkpointing == "selective")
+        offload = enable_checkpointing(model, recipe.activation_offload, recipe.gradient_checkpointing == "selective",
+                                       stop_early=recipe.tiled_mlp is False or recipe.deepspeed is not None)
     if recipe.lora:  # peft, configured by the recipe's lora: section, or a saved adapter trained on (lora.adapter)
         # (under DPO, a saved adapter is also kept frozen beside it: the reference, as TRL's ref_adapter_name)
         model = add_lora(model, recipe.lora, reference=recipe.dpo is not None and not recipe.dpo.reference_free,

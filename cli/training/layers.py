@@ -117,19 +117,22 @@ SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def enable_checkpointing(model, offload: bool, selective: bool = False) -> HostOffload | None:
+def enable_checkpointing(model, offload: bool, selective: bool = False, stop_early: bool = True) -> HostOffload | None:
     """The model's own (non-reentrant) gradient checkpointing; with offload, each checkpointed
     layer's saved input goes to host memory. transformers' own offload=True always pins memory,
     which fails on a machine without CUDA (measured), so the offload wraps its checkpoint function.
     `selective`: each layer keeps its matmuls' and attention's outputs too (selective_policy), recomputing the rest:
-    torch's create_selective_checkpoint_contexts, handed to torch.utils.checkpoint through transformers' kwargs."""
+    torch's create_selective_checkpoint_contexts, handed to torch.utils.checkpoint through transformers' kwargs.
+    `stop_early` false: each recompute runs its layer to the end (the tiled MLP's, below)."""
     import functools
 
-    # non-reentrant: works with frozen inputs (LoRA) and with FSDP/DeepSpeed. No early stop: it ends a recompute by
-    # raising from the saved-tensor hook at the layer's last save, which is the tiled MLP's (an autograd Function
-    # recomputed inside another one's backward); torch 2.11 on CUDA lost that exception ("SystemError: apply returned
-    # NULL", the first GPU run of the top rung). Nothing after that save is worth skipping: a residual add.
-    kwargs = {"use_reentrant": False, "early_stop": False}
+    # non-reentrant: works with frozen inputs (LoRA) and with FSDP/DeepSpeed. Early stop ends a recompute by raising
+    # from the saved-tensor hook at the layer's last save, which with a tiled MLP is the MLP's own (an autograd Function
+    # recomputed inside another one's backward): torch 2.11 on CUDA lost that exception ("SystemError: apply returned
+    # NULL", the first GPU run of the top rung), so the loop turns it off there (nothing after that save but a residual
+    # add). Under ZeRO-3 it stays on: a whole recompute meets parameters ZeRO has released again (shape [0]) where the
+    # forward saved activations, and torch's check of the recomputed tensors fails (measured on CPU, LoRA + dropout).
+    kwargs = {"use_reentrant": False, "early_stop": stop_early}
     if selective:
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
