@@ -56,6 +56,9 @@ def load(run_dir) -> dict:
     return report | {"output_dir": str(Path(run_dir).resolve())}  # where it is now (a run folder may move)
 
 
+GATHERED = {"parameters": "params", "gradients": "grads"}  # plan keys of what a sharded engine gathers per layer
+
+
 def card(report: dict) -> str:
     """The report card as text: memory predicted vs measured, throughput, MFU, loss, advice."""
     plan, procs, setup = report.get("plan") or {}, report["processes"], report.get("setup", {})
@@ -70,8 +73,10 @@ def card(report: dict) -> str:
             ("total / peak" + (" (CUDA allocated)" if peak.startswith("cuda") else " (RSS)"), "total",
              [p[peak] for p in procs])):
         planned, most = plan.get(key), max((m for m in measured if m is not None), default=None)
-        # where the plan missed, by category: the largest rank's figure minus the plan
-        missed = _gib(most - planned) if None not in (most, planned) else "-"
+        # where the plan missed, by category: the largest rank's figure minus the plan, less what the plan counts
+        # as gathered only while a layer computes (held bytes are read after the step, sharded again)
+        held = planned - (plan.get(f"gathered_{GATHERED.get(key)}") or 0) if planned is not None else None
+        missed = _gib(most - held) if None not in (most, held) else "-"
         rows.append([label, _gib(planned), *[_gib(m) for m in measured], missed])
     lines.append(table(["MEMORY GiB", "PLANNED", *[f"RANK {p['process_index']}" for p in procs], "MEASURED - PLANNED"],
                        rows))
@@ -94,7 +99,7 @@ def card(report: dict) -> str:
             "FSDP's running and prefetched unit"
         lines.append("(" + " and ".join(f"{name} {_gib(size)}" for name, size in gathered if size) + " GiB of the plan "
                      f"are gathered only while a layer computes ({what}); held bytes are read after the step, when "
-                     "they are sharded again)")
+                     "they are sharded again: MEASURED - PLANNED leaves them out)")
     offloaded = setup.get("offloaded_bytes_per_micro_batch")
     if offloaded is not None:
         planned = (plan.get("host_offload") or 0) / 2**20

@@ -132,7 +132,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     trained = sum(t.numel for t in train)
     weights = weight_bytes(recipe) if recipe.lora is None else 4  # LoRA's adapters train in fp32
     z = Sizes(s.params, trained, compute_bytes, weights, optimizer_state_bytes(recipe, train, weights),
-              topo.num_processes, topo.num_machines)
+              topo.num_processes, topo.num_machines, topo.cpu)
     states = engine_states(recipe, s, z, train)
     add_reference(recipe, z, states)
     notes = states.notes

@@ -242,6 +242,7 @@ class Sizes:
     optimizer: int  # the optimizer's state, whole
     processes: int
     machines: int
+    cpu: bool = False  # CPU smoke-test mode: the host is the device, and what is offloaded is held beside the rest
 
     @property
     def local(self) -> int:
@@ -255,16 +256,28 @@ def zero3_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
     ds, layer, n = recipe.deepspeed, s.largest_module, z.processes
     out = States(2 * layer, 2 * layer, 0, gathered_params=2 * layer, gathered_grads=2 * layer,
                  notes=["ZeRO-3 model states follow DeepSpeed's estimate_zero3_model_states_mem_needs"])
+    # LoRA: peft's adapters are fp32 (adapters.add_lora) and ZeRO-3 partitions each parameter in its own dtype, beside
+    # the 16-bit frozen base (measured on CPU: 4 bytes an adapter parameter, 2 a base one)
+    adapters = 4 * z.trained if recipe.lora is not None else 0
     if ds.offload_param != "none":
-        out.host = (16 * z.trained + 2 * z.params) // z.machines  # = 18 P when everything trains
+        out.host = (16 * z.trained + 2 * z.params + adapters) // z.machines  # = 18 P when everything trains
     elif ds.offload_optimizer != "none":
-        out.params += 2 * z.params // n
+        out.params += (2 * z.params + adapters) // n
         out.host = 16 * z.trained // z.machines
     else:
-        out.params, out.grads, out.optimizer = out.params + 2 * z.params // n, out.grads + 4 * z.trained // n, \
-            12 * z.trained // n
+        out.params, out.grads, out.optimizer = out.params + (2 * z.params + adapters) // n, \
+            out.grads + 4 * z.trained // n, 12 * z.trained // n
         if ds.zero3_init:
             out.host = 4 * layer * z.local  # zero.Init materialises one layer at a time per process
+    if z.cpu and ds.offload_optimizer != "none":  # the host is the device: what is offloaded is held beside the
+        # rest, in the rows a run measures it in: the trained parameters' 16-bit gradient partitions (stage3.py
+        # grad_partitions_flat_buffer, on the optimizer's device), CPU Adam's fp32 master and moments, and with
+        # parameter offload the parameters' partitions
+        moved = (2 * z.params + adapters) // n if ds.offload_param != "none" else 0
+        out.params += moved
+        out.grads += 2 * z.trained // n
+        out.optimizer += 12 * z.trained // n
+        out.host = max(0, out.host - moved * z.local - (2 + 12) * z.trained // z.machines)
     return out
 
 

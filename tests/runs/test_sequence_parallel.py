@@ -211,3 +211,10 @@ def test_zero3_lora_without_dropout_trains_in_bf16(runs, processes):
     assert r["final_train_loss"] < r["history"][0]["loss"]
     adapter = load_file(r["folder"] / "final" / "adapter_model.safetensors")
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter.items())  # B starts at zero: it trained
+    # the model states each rank holds are the plan's, to the byte (fp32 adapters beside the 16-bit base; on CPU the
+    # offloaded gradient partitions and CPU Adam's state are held beside them), less what a layer gathers to compute
+    plan = r["plan"]
+    held = {"parameters": plan["parameters"] - plan["gathered_params"], "gradients": plan["gradients"] -
+            plan["gathered_grads"], "optimizer_state": plan["optimizer_state"]}
+    for p in r["processes"]:
+        assert {c: p["held"][c] for c in held} == held, (p["process_index"], p["held"], held)
