@@ -109,6 +109,15 @@ def speed_cost(recipe: Recipe, precision: str) -> float:
     return round(cost, 2)
 
 
+def as_it_runs(recipe: Recipe, s: Structure) -> tuple[Recipe, list[str]]:
+    """The recipe as the loop runs it on this model, and what differs said: lean_norms replaces Llama's RMSNorm only
+    (the norms of other kinds stay as they are, and are planned so)."""
+    if recipe.lean_norms and not s.lean_norms_apply:
+        return replace(recipe, lean_norms=False), [f"lean_norms: {s.model_type}'s RMSNorm is not Llama's (Gemma's adds "
+                                                   "1 to its weight), so it is left as it is: planned without"]
+    return recipe, []
+
+
 def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | None = None,
              seq_length: int | None = None, attention: str | None = None) -> Estimate:
     """Memory per process and per machine for this recipe, model and topology. `attention`: the kernel that ran (a
@@ -121,9 +130,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     if s.experts and recipe.gradient_checkpointing == "selective":
         raise RecipeError(f"gradient_checkpointing: selective is planned for dense models; {s.model_type} routes "
                           "tokens to experts, whose kernels it would keep unplanned: use gradient_checkpointing=true")
-    lean_left = recipe.lean_norms and not s.lean_norms_apply
-    if lean_left:  # planned as it runs: the norms stay as they are
-        recipe = replace(recipe, lean_norms=False)
+    recipe, said = as_it_runs(recipe, s)
     batch, seq = micro_batch or recipe.per_device_train_batch_size, seq_length or recipe.max_seq_length
     sp = recipe.sequence_group(topo.num_processes)
     precision = resolve_precision(recipe, topo)
@@ -135,10 +142,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
               topo.num_processes, topo.num_machines, topo.cpu)
     states = engine_states(recipe, s, z, train)
     add_reference(recipe, z, states)
-    notes = states.notes
-    if lean_left:
-        notes.append(f"lean_norms: {s.model_type}'s RMSNorm is not Llama's (Gemma's adds 1 to its weight), so it is "
-                     "left as it is: planned without")
+    notes = states.notes + said
     load = loading_bytes(recipe, s, compute_bytes, z.local)
     step = step_temporaries(recipe, train, weights)  # (the model states' side: asked here, with the rest of them)
     if load and not topo.cpu:
