@@ -92,8 +92,9 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
         refused.append(str(e))
         notes = []
     notes += unchecked
-    notes += [note for note in [None if resume else method_rate_note(recipe_ref, words),
-                                positions_note(r, read_config(r.model_name_or_path))] if note]
+    if not resume:  # (said when the run started; a resumed folder's paths are its own, relative to it)
+        notes += [note for note in [method_rate_note(recipe_ref, words),
+                                    positions_note(r, read_config(r.model_name_or_path))] if note]
     try:
         verdict = check_fits(r, topo, machine, words, force)
     except RecipeError as e:
