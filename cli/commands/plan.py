@@ -90,7 +90,7 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
         click.echo(json.dumps({"model": model, "processes": n, "machines": num_machines, "gpu_memory": gpu,
                                "host_memory": host, "estimates": [v.estimate.as_dict() | {"fits": v.fits,
                                "headroom": v.headroom, "batch": note, "method": method(r),
-                               "rung": p.how.get(r.name, (r.name, None))[1].name if p.how.get(r.name) else None,
+                               "rung": p.how[r.name][1].name if r.name in p.how else None,
                                "add": list(p.how[r.name][1].words) if r.name in p.how else []}
                                for r, v, note in p.rows],
                                "skipped": dict(skipped),
