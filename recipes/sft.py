@@ -321,7 +321,9 @@ def say_setup(run, steps_per_epoch):
     sp, ring = setup["sequence_parallel"], setup["context_parallel"]
     data_parallel = world // (recipe.tensor_parallel * sp * ring)  # a TP group or ring shares a batch, an SP group a sequence
     say(f"memrecipe {'dpo' if recipe.dpo else 'sft'}: recipe {recipe.name} | {world} process(es), {setup['engine']} on "
-        f"{accelerator.device.type} | {accelerator.mixed_precision} | {setup['trainable_params']:,} of "
+        f"{accelerator.device.type} | {accelerator.mixed_precision}"
+        + (" (matmuls as fp32 GEMMs rounded to bf16: this CPU has no bf16 GEMM)" if setup["bf16_matmuls_in_fp32"] else "")
+        + f" | {setup['trainable_params']:,} of "
         f"{setup['params']:,} parameters train")
     if setup["embedded_model"]:
         say(f"model: memrecipe's embedded tiny Llama (random weights), {setup['embedded_settings']}")

@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..errors import RecipeError
+from .cpu_matmul import bf16_matmuls_in_fp32
 from .device import ask_cpu_once
 from .loading import TORCH_DTYPES
 from .ring import check_ring
@@ -53,6 +54,8 @@ def make_accelerator(recipe, **kwargs):
     data = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.seed)
     accelerator = Accelerator(gradient_accumulation_plugin=plugin, dataloader_config=data, kwargs_handlers=handlers,
                               **kwargs)
+    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16":
+        bf16_matmuls_in_fp32()  # (where the CPU has no bf16 GEMM: torch's fallback is ~15x slower)
     if accelerator.mixed_precision == "fp16" and recipe.fp16_blocker:  # the launch config's precision wins
         raise RecipeError(f"the launch config runs mixed_precision fp16, and {recipe.fp16_blocker}: set "
                           "mixed_precision: bf16 in it (or regenerate it with memrecipe config on a GPU with bf16)")

@@ -14,6 +14,7 @@ import torch
 from .. import ALLOCATOR_CONF
 from ..planning.optimizers import OPTIMIZERS, bf16_rounding
 from ..planning.registry import embedded_settings_said, is_embedded
+from . import cpu_matmul
 from .norms import lean_forward
 from .ring import Ring
 from .tiling import tiled_forward
@@ -63,6 +64,8 @@ def describe_setup(accelerator, model, optimizer) -> dict:
         # the kernel transformers runs, and why (training.loading.attention: attn_implementation auto resolved)
         "attention": getattr(getattr(accelerator.unwrap_model(model), "config", None), "_attn_implementation", None),
         "attention_why": getattr(getattr(accelerator.unwrap_model(model), "memrecipe_attention", None), "why", None),
+        # bf16 matmuls through fp32 GEMMs, where the CPU has no bf16 GEMM (training.cpu_matmul)
+        "bf16_matmuls_in_fp32": cpu_matmul.active(),
         "cpu_threads": torch.get_num_threads(),  # what CPU work (DeepSpeed's CPU Adam, collation) runs on
         # the CUDA allocator's configuration (memrecipe/__init__.py sets one unless the user did)
         "allocator_conf": ", ".join(f"{k}={os.environ[k]}" for k in ALLOCATOR_CONF if k in os.environ) or None,

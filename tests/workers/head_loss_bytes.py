@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from memrecipe.planning.architecture import structure
 from memrecipe.planning.activations import activation_bytes, activation_mode
 from memrecipe.planning.registry import load_recipe
+from memrecipe.training.cpu_matmul import bf16_matmuls_in_fp32
 from memrecipe.training.loss import fuse_head, lm_loss
 from memrecipe.training.measure import LossMemory
 
@@ -29,6 +30,7 @@ vocab, rows, seq = map(int, shape or (32000, 2, 256))
 config = {"vocab_size": vocab, "hidden_size": int(hidden), "intermediate_size": 2 * int(hidden), "num_hidden_layers": 1,
           "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": seq, "tie_word_embeddings": False}
 name, overrides = RECIPES[mode]
+bf16_matmuls_in_fp32()  # as the loop computes on this CPU (the bytes torch counts are the native kernels')
 recipe = load_recipe(name, [*overrides, "optimizer_in_backward=false", f"loss_chunk_tokens={tokens}",
                             f"per_device_train_batch_size={rows}", f"max_seq_length={seq}"])
 torch.manual_seed(0)

@@ -19,9 +19,11 @@ import memrecipe  # noqa: F401  (quiets library notices, as the loop does)
 from helpers import loop_model
 from measuring import saved_at_forward_end
 from memrecipe.planning.registry import load_recipe
+from memrecipe.training.cpu_matmul import bf16_matmuls_in_fp32
 
 out, model_path, lengths, words = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3].split(",")], sys.argv[4:]
 deepspeed.init_distributed("gloo")
+bf16_matmuls_in_fp32()  # as the loop computes on this CPU
 rank, sp = torch.distributed.get_rank(), torch.distributed.get_world_size()
 recipe = load_recipe("zero3-ulysses", words)
 model, _ = loop_model(recipe, model_path, "bf16", engine="DEEPSPEED")  # (the tiled MLPs agree on their tile counts)
