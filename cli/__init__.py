@@ -35,3 +35,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 ALLOCATOR_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 if not set(ALLOCATOR_CONF) & set(os.environ):
     os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+# numpy's BLAS computes the bf16 matmuls of a CPU without a bf16 GEMM (training/cpu_matmul.py) on the calling thread:
+# its own pool would spin beside torch's threads on the same cores (a step 3.5x slower measured on 2 cores). Read
+# when numpy is first imported; only numpy's OpenBLAS reads it (torch's matmuls are MKL's, threaded by torch).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

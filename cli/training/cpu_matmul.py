@@ -4,11 +4,12 @@ torch runs a bf16 matmul on the CPU through oneDNN only where the CPU has AVX-51
 `cpublas::gemm` falls to `gemm_stub`, a scalar triple loop (aten/src/ATen/native/cpu/BlasKernel.cpp), and the
 non-transposed case, every linear layer's input gradient, runs at ~1 GFLOP/s: a smoke-test step ~15x slower than on
 an AVX-512 CPU (pytorch/pytorch#146508). Here bf16 mm/addmm/bmm/baddbmm compute as that kernel and oneDNN do, bf16
-inputs with fp32 accumulation rounded once to bf16, but through the fp32 GEMM (MKL).
+inputs with fp32 accumulation rounded once to bf16, but through numpy's fp32 GEMM (its OpenBLAS, one thread:
+memrecipe/__init__.py).
 
-Memory: the fp32 copies live in buffers numpy allocates, outside torch's allocator, so the bytes torch counts (the
-profiler's, the planner's CPU measurements) are the native kernel's, the bf16 output alone. Other dtypes run the
-native kernels (the `.out` forms, which this leaves registered)."""
+Memory: the fp32 copies are numpy's, outside torch's allocator, so the bytes torch counts (the profiler's, the
+planner's CPU measurements) are the native kernel's, the bf16 output alone, allocated by the same op. Other dtypes
+run torch's kernels (the `.out` forms, left registered)."""
 
 from __future__ import annotations
 
@@ -47,35 +48,36 @@ def active() -> bool:
     return bool(_LIBRARIES)
 
 
-def _untracked(like: torch.Tensor) -> torch.Tensor:
-    """An empty fp32 tensor of `like`'s shape whose memory numpy allocated (torch's allocator never sees it)."""
-    return torch.from_numpy(np.empty(tuple(like.shape), dtype=np.float32))
+def _wide(t: torch.Tensor) -> np.ndarray:
+    """A bf16 tensor's values as numpy's float32 (exact: a bf16 is an fp32's upper half)."""
+    return (t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def _matmul(op, *args, **kwargs):
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    out_shape = _shape(op, args)
-    out_dtype = tensors[-1].dtype
-    out = torch.empty(out_shape, dtype=out_dtype)  # what the native kernel allocates
-    if not all(t.dtype == torch.bfloat16 for t in tensors):
-        return getattr(torch.ops.aten, op).out(*args, **kwargs, out=out)
-    wide = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            copy = _untracked(a)
-            copy.copy_(a)  # (exact: every bf16 is an fp32)
-            wide.append(copy)
-        else:
-            wide.append(a)
-    result = _untracked(out)
-    getattr(torch.ops.aten, op).out(*wide, **kwargs, out=result)
-    return out.copy_(result)  # rounded to nearest even, once
+def _narrow(x: np.ndarray) -> torch.Tensor:
+    """float32 -> a new bf16 tensor, rounded to nearest even as torch rounds (NaN stays a quiet NaN). torch allocates
+    it (the op's one allocation, as its own kernel's) and numpy writes it: no tensor over numpy's memory, which the
+    profiler's memory timeline would take for one of torch's blocks at the same address."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    rounded[np.isnan(x)] = 0x7FC0
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    out.view(torch.int16).numpy()[...] = rounded.view(np.int16)
+    return out
 
 
-def _shape(op, args) -> tuple:
-    if op == "mm":
-        return args[0].shape[0], args[1].shape[1]
-    if op == "bmm":
-        return args[0].shape[0], args[0].shape[1], args[1].shape[2]
-    first, second = args[1], args[2]  # addmm / baddbmm: (self, mat1, mat2)
-    return (*first.shape[:-1], second.shape[-1])
+def _matmul(op, *args, beta=1, alpha=1):
+    """aten's mm / addmm / bmm / baddbmm on the CPU. Every operand bf16: computed in numpy (its fp32 GEMM, its
+    buffers), only the bf16 result made by torch; otherwise torch's own kernel (its `.out` form)."""
+    if not all(a.dtype == torch.bfloat16 for a in args):
+        scale = {} if op in ("mm", "bmm") else {"beta": beta, "alpha": alpha}
+        first, second = args[-2:]
+        shape = (*first.shape[:-1], second.shape[-1])
+        return getattr(torch.ops.aten, op).out(*args, **scale, out=torch.empty(shape, dtype=second.dtype))
+    *added, first, second = args
+    product = np.matmul(_wide(first), _wide(second))
+    if added:  # addmm / baddbmm: beta x self + alpha x the product, summed in fp32 and rounded once
+        if alpha != 1:
+            product *= np.float32(alpha)
+        if beta != 0:  # (beta 0 ignores self, NaN included, as torch does)
+            product += np.float32(beta) * _wide(added[0])
+    return _narrow(product)

@@ -1,6 +1,8 @@
 """bf16 matmuls through fp32 GEMMs (training/cpu_matmul.py): torch's own results to a bf16 rounding, the same bytes
 allocated where torch counts them, gradients through autocast; installed here whether or not this CPU has a bf16 GEMM."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -15,6 +17,19 @@ def installed(monkeypatch):
     yield
     if not before:  # (an AVX-512 machine: the rest of this process runs torch's kernels, as it did)
         cpu_matmul._LIBRARIES.pop()._destroy()
+
+
+@contextlib.contextmanager
+def torchs_own_kernels():
+    """torch's kernels for a while, then the fp32 GEMMs again."""
+    libraries = list(cpu_matmul._LIBRARIES)
+    cpu_matmul._LIBRARIES.clear()
+    for library in libraries:
+        library._destroy()
+    try:
+        yield
+    finally:
+        assert cpu_matmul.bf16_matmuls_in_fp32()
 
 
 def native(op, *args, **kwargs):
@@ -78,3 +93,38 @@ def test_gradients_through_autocast_match_fp32(installed):
     reference.pow(2).sum().backward()
     torch.testing.assert_close(y.float(), reference, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=5e-2, atol=5e-2)
+
+
+def test_the_profilers_memory_timeline_is_the_native_kernels(installed):
+    """The planner's CPU measurements read the profiler's memory timeline (tests/measuring.py): a bf16 step through
+    these kernels allocates what torch's own do, the same sizes in the same order, and the timeline's peak is the
+    same (a tensor over numpy's memory would be taken for a torch block freed at that address)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    torch.manual_seed(0)
+    layer, x, w = torch.nn.Linear(256, 128), torch.randn(64, 256, requires_grad=True), torch.randn(128, 32)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x) @ w
+        y.float().sum().backward()
+
+    def profiled():
+        step()  # (the gradients exist before the profiled step, as in a run's later steps)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                    record_shapes=True, with_stack=True) as profile:
+            step()
+        events = list(profile.profiler.kineto_results.experimental_event_tree())
+        sizes = []
+        while events:
+            event = events.pop(0)
+            events = list(event.children) + events
+            if event.tag == _EventType.Allocation:
+                sizes.append(event.extra_fields.alloc_size)
+        _, timeline = MemoryProfileTimeline(profile._memory_profile())._coalesce_timeline("cpu")
+        return sizes, max(sum(held) for held in timeline)
+
+    with torchs_own_kernels():
+        expected = profiled()
+    assert profiled() == expected
