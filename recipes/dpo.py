@@ -91,7 +91,7 @@ class Preference(sft.Objective):
         d = self.dpo
         return (f"dpo: {' + '.join(f'{w:g} x {t}' for t, w in zip(d.losses, d.weights))}, beta {d.beta:g}"
                 + (f", label_smoothing {d.label_smoothing:g}" if d.label_smoothing else "")
-                + (f", simpo_gamma {d.gamma:g}" if "simpo" in d.losses else "")
+                + (f", simpo_gamma {d.gamma:g}" if d.reads("simpo_gamma") else "")
                 + "; reference: " + {
                     "none": "none (a reference-free objective: no reference pass)",
                     "store": "its log-probs precomputed before the first step",

@@ -51,7 +51,7 @@ def uneven_examples(n=8, seed=1):
     """n sequences of very different lengths, each with a masked prompt of different length."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         length = int(torch.randint(4, 40, (1,), generator=g))
         prompt = int(torch.randint(1, length - 2, (1,), generator=g))
         ids = torch.randint(0, 64, (length,), generator=g).tolist()

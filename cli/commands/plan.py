@@ -112,7 +112,7 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
     if not as_json:
         click.echo("\nrecommended, for each training method (a choice of quality: the fastest recipe that fits "
                    "within it):")
-        for m, (best, why) in picks.items():
+        for m, (_, why) in picks.items():
             click.echo(f"  {METHODS[m]}: {why}" + (f"\n    {commands[m]}" if m in commands else ""))
     if not any(best for best, _ in picks.values()):
         raise RecipeError(recommend(verdicts)[1])  # what comes closest, over all methods
@@ -222,7 +222,7 @@ def echo_longest(named, shapes, topo, gpu, host, as_json):
         known = known_positions(read_config(past[0].recipe.model_name_or_path))
         scaled = [row for row in past if row.recipe.rope_scaling]
         click.echo(f"{', '.join(row.recipe.name for row in past)}: " + (
-            f"the lengths pass the positions rope_scaling reaches: raise rope_scaling.factor" if scaled else
+            "the lengths pass the positions rope_scaling reaches: raise rope_scaling.factor" if scaled else
             f"the lengths pass the model's max_position_embeddings {known:,}, positions it never trained: "
             "rope_scaling.rope_type=yarn scales RoPE to them (the factor from the length's ratio)"))
     click.echo(f"LONGEST: tokens per sequence at micro batch 1 (1K = 1,024 tokens), with the {where} memory and the host "

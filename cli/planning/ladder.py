@@ -12,6 +12,7 @@ from .architecture import Structure
 from .planner import Verdict, estimate, judge
 from .recipe import Recipe
 from .registry import merge, parse_overrides
+from .rungs import LADDER
 from .rules import make_recipe
 from .topology import Topology, check_supported
 
@@ -31,19 +32,9 @@ def with_words(recipe: Recipe, words) -> Recipe:
 
 
 def rung_of(recipe: Recipe, processes: int | None = None) -> str:
-    """The rung the recipe stands on (on `processes`, when given: sequence parallelism over one process splits
-    nothing)."""
-    if recipe.sequence_parallel != 1 and (processes is None or recipe.sequence_group(processes) > 1):
-        return "sequence parallelism"
-    if recipe.tiled_mlp is not False:
-        return "tiled MLP"
-    if recipe.lean_norms:
-        return "lean norms"
-    if recipe.activation_offload:
-        return "activation offload"
-    if recipe.gradient_checkpointing == "selective":
-        return "selective checkpointing"
-    return "full checkpointing" if recipe.checkpoints else "no checkpointing"
+    """The rung the recipe stands on: the highest whose technique it uses (on `processes`, when given: sequence
+    parallelism over one process splits nothing)."""
+    return next(rung.name for rung in reversed(LADDER) if rung.on(recipe, processes))
 
 
 def rungs(recipe: Recipe) -> list[Rung]:
@@ -52,27 +43,12 @@ def rungs(recipe: Recipe) -> list[Rung]:
 
 
 def climbs(recipe: Recipe, topo: Topology | None = None):
-    """(rung, the recipe on it) for the recipe's own rung and each above it that its rules (and `topo`, when given)
-    accept, cheapest first: selective checkpointing (the matmuls' and attention's outputs kept), full checkpointing
-    (each layer's input), activation offload (that input in host RAM), lean norms (each RMSNorm's input kept as it
-    comes, its backward a tile of tokens at a time), tiled MLP (its tensors one tile of tokens at a time); on several
-    processes, sequence parallelism over all of them (Ulysses: each holds 1/N of every sequence; ZeRO-3 only)."""
+    """(rung, the recipe on it) for the recipe's own rung and each of LADDER's it climbs to that its rules (and
+    `topo`, when given) accept, cheapest first."""
     out = [Rung(rung_of(recipe, topo.num_processes if topo else None), ())]
-    if not recipe.checkpoints:
-        out.append(Rung("selective checkpointing", ("gradient_checkpointing=selective",)))
-    if not recipe.checkpoints or recipe.gradient_checkpointing == "selective":
-        out.append(Rung("full checkpointing", ("gradient_checkpointing=true",)))
-    if not recipe.activation_offload:  # the loop's own checkpointing (FSDP's wrapper keeps its inputs on the GPU)
-        ours = () if recipe.gradient_checkpointing is True else ("gradient_checkpointing=true",)
-        fsdp = ("fsdp.activation_checkpointing=false",) if recipe.fsdp and recipe.fsdp.activation_checkpointing else ()
-        out.append(Rung("activation offload", (*ours, *fsdp, "activation_offload=true")))
-    if not recipe.lean_norms:  # each RMSNorm keeps its input as it comes, its backward a tile at a time
-        out.append(Rung("lean norms", (*out[-1].words, "lean_norms=true")))
-    if recipe.tiled_mlp is False:  # each MLP a tile of tokens at a time (one process only: the rules say where)
-        out.append(Rung("tiled MLP", (*out[-1].words, "tiled_mlp=true")))
-    if topo is not None and topo.num_processes > 1 and recipe.sequence_parallel == 1:  # each sequence split over them
-        unpacked = ("packing=false",) if recipe.packing and recipe.attn_implementation != "flash_attention_2" else ()
-        out.append(Rung("sequence parallelism", (*out[-1].words, *unpacked, f"parallelism.sp_size={topo.num_processes}")))
+    for technique in LADDER:
+        if technique.offered(recipe, topo):
+            out.append(Rung(technique.name, technique.words(recipe, topo, out[-1].words)))
     for rung in out:
         try:
             climbed = with_words(recipe, rung.words)

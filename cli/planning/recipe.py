@@ -14,6 +14,7 @@ from typing import Literal
 import yaml
 
 from .optimizers import OPTIMIZERS
+from .rungs import LADDER
 from .schema import spec, to_dict
 
 OptimizerName = Literal[tuple(OPTIMIZERS)]  # the table's names: the schema's choices
@@ -102,19 +103,47 @@ class OptimArgs:
     bf16_stochastic_round: bool = True
 
 
-# the DPO family's objectives, under TRL's names (trl 1.16, DPOConfig.loss_type); `sft` is the NLL of the chosen
-# completions (RPO: loss_type [sigmoid, sft] with loss_weights [1, alpha]). simpo (trl.experimental's CPOTrainer,
-# loss_type simpo) and orpo (its ORPOTrainer, the chosen NLL included) use no reference model.
 DPO_LEARNING_RATE = {"lora": 5e-6, "full": 5e-7}  # dpo.learning_rate's defaults (see Dpo.learning_rate)
 
 
-DpoLoss = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "sft"]
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """One of the DPO family's objectives (dpo.loss_type), as PREFERENCE_LOSSES lists it."""
+
+    source: str  # whose objective it is, and whose code the loop's follows
+    # True: from the policy's log-ratios to a reference model; False: from the policy alone; None: no pair compared
+    reference: bool | None
+    reads: tuple[str, ...] = ()  # the dpo: keys it reads besides beta (the rules refuse them elsewhere)
+    chosen_nll: bool = False  # adds the chosen completions' NLL
 
 
-SMOOTHED_LOSSES = ("robust", "simpo")  # the ones that read label_smoothing
+# The DPO family's objectives under TRL's names (trl 1.16, DPOConfig.loss_type), each computed in
+# training/preference.py's PAIR_LOSSES (reference) or FREE_LOSSES (no reference); one entry adds one.
+PREFERENCE_LOSSES = {
+    "sigmoid": PreferenceLoss("DPO (Rafailov et al. 2023)", reference=True),
+    "ipo": PreferenceLoss("IPO (Azar et al. 2023), on per-token log-ratios as TRL's", reference=True),
+    "hinge": PreferenceLoss("SLiC (Zhao et al. 2023)", reference=True),
+    "robust": PreferenceLoss("robust DPO (Chowdhury et al. 2024)", reference=True, reads=("label_smoothing",)),
+    "simpo": PreferenceLoss("SimPO (Meng et al. 2024), trl.experimental's CPOTrainer loss_type simpo",
+                            reference=False, reads=("label_smoothing", "simpo_gamma")),
+    "orpo": PreferenceLoss("ORPO (Hong et al. 2024), trl.experimental's ORPOTrainer", reference=False,
+                           chosen_nll=True),
+    # RPO: loss_type [sigmoid, sft] with loss_weights [1, alpha]
+    "sft": PreferenceLoss("the chosen completions' NLL", reference=None, chosen_nll=True),
+}
 
 
-REFERENCE_FREE = ("simpo", "orpo", "sft")  # the ones that need no reference model
+DpoLoss = Literal[tuple(PREFERENCE_LOSSES)]  # type: ignore[valid-type]  (the names above)
+
+
+def losses_reading(key: str) -> list[str]:
+    """The loss_types that read a dpo: key."""
+    return [name for name, loss in PREFERENCE_LOSSES.items() if key in loss.reads]
+
+
+def losses_with(reference: bool | None) -> list[str]:
+    """The loss_types by what they compare (PreferenceLoss.reference)."""
+    return [name for name, loss in PREFERENCE_LOSSES.items() if loss.reference is reference]
 
 
 @dataclass(frozen=True)
@@ -153,8 +182,12 @@ class Dpo:
 
     @property
     def reference_free(self) -> bool:
-        """simpo / orpo (with sft): no reference model, so no reference pass nor store."""
-        return all(loss in REFERENCE_FREE for loss in self.losses)
+        """No loss compares with a reference model (simpo, orpo; with sft): no reference pass nor store."""
+        return not any(PREFERENCE_LOSSES[loss].reference for loss in self.losses)
+
+    def reads(self, key: str) -> bool:
+        """Whether one of its losses reads this dpo: key (PreferenceLoss.reads)."""
+        return any(key in PREFERENCE_LOSSES[loss].reads for loss in self.losses)
 
 
 @dataclass(frozen=True)
@@ -448,8 +481,7 @@ def techniques(r: Recipe) -> list[str]:
         out.append(f"{kind} r={r.lora.r} ({targets}{saved}{init})")
     else:
         out.append("full fine-tune")
-    if r.gradient_checkpointing:
-        out.append("gradient checkpointing" + (" + offload to host" if r.activation_offload else ""))
+    out += [said for rung in LADDER if (said := rung.said(r))]  # the activation ladder's rungs it stands on
     out.append({"auto": "bf16/fp16 auto", "no": "fp32"}.get(r.mixed_precision, r.mixed_precision))
     if r.weight_dtype == "bf16":
         out.append("bf16 weights" + (", stochastic rounding" if r.optim == "adamw_torch_8bit"

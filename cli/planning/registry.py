@@ -3,6 +3,8 @@ read, `base:` chains merged, `key=value` overrides applied (rules.make_recipe va
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 from pathlib import Path
 
@@ -233,10 +235,17 @@ def merge(base: dict, changes: dict, path: str = "") -> dict:
 
 
 def read_yaml(path: Path) -> dict:
+    """A YAML file's mapping (a copy, the caller's to change). Each text is parsed once a process: one plan loads
+    every shipped recipe, with its `base:` chain, for each recipe it weighs."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise RecipeError(f"cannot read {path}: {e.strerror}") from None
+    return copy.deepcopy(parse_yaml(text, str(path)))
+
+
+@functools.lru_cache(maxsize=128)
+def parse_yaml(text: str, path: str) -> dict:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

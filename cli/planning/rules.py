@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import RecipeError
 from .optimizers import OPTIMIZERS
-from .recipe import DPO_LEARNING_RATE, REFERENCE_FREE, SMOOTHED_LOSSES, Dpo, Recipe
+from .recipe import DPO_LEARNING_RATE, PREFERENCE_LOSSES, Dpo, Recipe, losses_reading, losses_with
 from .schema import build
 
 
@@ -208,28 +208,28 @@ def check_deepspeed(r: Recipe) -> None:
 def check_dpo(d: Dpo) -> None:
     losses = d.losses
     if not losses:
-        raise RecipeError("dpo.loss_type is an empty list: name at least one (sigmoid, ipo, hinge, robust, simpo, "
-                          "orpo, sft)")
+        raise RecipeError(f"dpo.loss_type is an empty list: name at least one ({', '.join(PREFERENCE_LOSSES)})")
     if d.loss_weights is not None and len(d.loss_weights) != len(losses):
         raise RecipeError(f"dpo.loss_weights has {len(d.loss_weights)} weight(s) for {len(losses)} loss_type(s) "
                           f"({', '.join(losses)}): give one per loss")
-    if d.label_smoothing and not any(loss in SMOOTHED_LOSSES for loss in losses):
-        raise RecipeError(f"dpo.label_smoothing={d.label_smoothing:g} is read by loss_type robust and simpo only, "
-                          f"not by {', '.join(losses)}: use one of them, or label_smoothing 0")
-    if d.simpo_gamma is not None and "simpo" not in losses:
-        raise RecipeError(f"dpo.simpo_gamma={d.simpo_gamma:g} is read by loss_type simpo only, not by "
-                          f"{', '.join(losses)}: use loss_type simpo, or simpo_gamma null")
-    free = [loss for loss in losses if loss in ("simpo", "orpo")]
+    for key, unset in (("label_smoothing", 0.0), ("simpo_gamma", None)):
+        value = getattr(d, key)
+        if value != unset and not d.reads(key):
+            readers, off = losses_reading(key), "null" if unset is None else f"{unset:g}"
+            raise RecipeError(f"dpo.{key}={value:g} is read by loss_type {' and '.join(readers)} only, not by "
+                              f"{', '.join(losses)}: use {'one of them' if len(readers) > 1 else 'loss_type ' + readers[0]}"
+                              f", or {key} {off}")
+    free = [loss for loss in losses if PREFERENCE_LOSSES[loss].reference is False]
     if free and not d.reference_free:
         raise RecipeError(f"dpo.loss_type {', '.join(free)} uses no reference model and the others "
-                          f"({', '.join(x for x in losses if x not in REFERENCE_FREE)}) do: combine {free[0]} with sft "
-                          "only")
+                          f"({', '.join(x for x in losses if PREFERENCE_LOSSES[x].reference)}) do: combine {free[0]} "
+                          f"with {' or '.join(losses_with(None))} only")
     if free and d.precompute_ref_log_probs:
         raise RecipeError(f"dpo.precompute_ref_log_probs: loss_type {free[0]} uses no reference model, so there is "
                           "nothing to precompute: leave it null")
-    if set(losses) == {"sft"}:
-        raise RecipeError("dpo.loss_type sft alone is supervised fine-tuning on the chosen completions: add a "
-                          "preference loss (e.g. [sigmoid, sft]), or use memrecipe run sft")
+    if all(PREFERENCE_LOSSES[loss].reference is None for loss in losses):
+        raise RecipeError(f"dpo.loss_type {', '.join(losses)} alone is supervised fine-tuning on the chosen "
+                          "completions: add a preference loss (e.g. [sigmoid, sft]), or use memrecipe run sft")
 
 
 def for_script(r: Recipe, script: str) -> Recipe:
@@ -254,12 +254,12 @@ def for_script(r: Recipe, script: str) -> Recipe:
     if r.context_parallel > 1:
         raise RecipeError("run dpo does not run ring attention in this release (a pair's log-probs would be split "
                           "over the ring's processes): set parallelism.cp_size=1")
-    if r.dpo.reference_free:  # simpo, orpo: no reference model, so nothing below applies
+    if r.dpo.reference_free:  # no reference model, so nothing below applies
         return r
     if r.lora is not None and r.lora.init_lora_weights in ("pissa", "olora"):
         raise RecipeError(f"lora.init_lora_weights {r.lora.init_lora_weights} rewrites the base, so the adapters off "
                           "are not the reference model: use init_lora_weights true under run dpo (or a "
-                          "reference-free loss_type: simpo, orpo)")
+                          f"reference-free loss_type: {', '.join(losses_with(False))})")
     return r
 
 

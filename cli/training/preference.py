@@ -15,6 +15,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from ..planning.recipe import PREFERENCE_LOSSES
 from .data import IGNORE, bins
 from .loss import per_group, target_losses
 
@@ -351,35 +352,40 @@ def target_counts(batch) -> torch.Tensor:
     return per_group(ones, labels, batch["document"].clamp(min=0), batch["completion_tokens"].numel())
 
 
-def pair_losses(loss_type: str, chosen: torch.Tensor, rejected: torch.Tensor, lengths: torch.Tensor, dpo
-                ) -> torch.Tensor:
-    """One objective per pair, from the policy's log-ratios to the reference (chosen, rejected: log pi - log ref).
-    `lengths`: the completions' tokens, [pairs, 2] (IPO averages per token, as TRL does)."""
-    delta = chosen - rejected
-    if loss_type == "sigmoid":  # DPO (Rafailov et al. 2023)
-        return -F.logsigmoid(dpo.beta * delta)
-    if loss_type == "hinge":  # SLiC
-        return torch.relu(1 - dpo.beta * delta)
-    if loss_type == "ipo":  # Azar et al. 2023, eq. 17, on per-token log-ratios (TRL's normalisation)
-        per_token = chosen / lengths[:, 0].clamp(min=1) - rejected / lengths[:, 1].clamp(min=1)
-        return (per_token - 1 / (2 * dpo.beta)) ** 2
-    if loss_type == "robust":  # Chowdhury et al. 2024: unbiased under a label_smoothing share of flipped pairs
-        eps = dpo.label_smoothing
-        return (-(1 - eps) * F.logsigmoid(dpo.beta * delta) + eps * F.logsigmoid(-dpo.beta * delta)) / (1 - 2 * eps)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
+def _ipo(chosen, rejected, lengths, dpo):  # on per-token log-ratios (TRL's normalisation), Azar et al. eq. 17
+    per_token = chosen / lengths[:, 0].clamp(min=1) - rejected / lengths[:, 1].clamp(min=1)
+    return (per_token - 1 / (2 * dpo.beta)) ** 2
 
 
-def free_pair_losses(loss_type: str, chosen: torch.Tensor, rejected: torch.Tensor, dpo) -> torch.Tensor:
-    """The reference-free objectives, one per pair, from the policy's mean log-probability per completion token
-    (chosen, rejected), as trl.experimental's CPOTrainer (simpo) and ORPOTrainer compute them."""
-    if loss_type == "simpo":  # Meng et al. 2024: a margin over length-normalised rewards, no reference
-        logits = chosen - rejected - dpo.gamma / dpo.beta
-        eps = dpo.label_smoothing
-        return -(1 - eps) * F.logsigmoid(dpo.beta * logits) - eps * F.logsigmoid(-dpo.beta * logits)
-    if loss_type == "orpo":  # Hong et al. 2024: the log odds ratio (the chosen NLL is the sft term beside it)
-        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
-        return -dpo.beta * F.logsigmoid(log_odds)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
+def _robust(chosen, rejected, lengths, dpo):  # unbiased under a label_smoothing share of flipped pairs
+    delta, eps = chosen - rejected, dpo.label_smoothing
+    return (-(1 - eps) * F.logsigmoid(dpo.beta * delta) + eps * F.logsigmoid(-dpo.beta * delta)) / (1 - 2 * eps)
+
+
+# The objectives with a reference (PREFERENCE_LOSSES' reference True), one per pair, from the policy's log-ratios
+# to the reference (chosen, rejected: log pi - log ref); `lengths`: the completions' tokens, [pairs, 2].
+PAIR_LOSSES = {
+    "sigmoid": lambda chosen, rejected, lengths, dpo: -F.logsigmoid(dpo.beta * (chosen - rejected)),
+    "ipo": _ipo,
+    "hinge": lambda chosen, rejected, lengths, dpo: torch.relu(1 - dpo.beta * (chosen - rejected)),
+    "robust": _robust,
+}
+
+
+def _simpo(chosen, rejected, dpo):  # a margin over length-normalised rewards
+    logits = chosen - rejected - dpo.gamma / dpo.beta
+    eps = dpo.label_smoothing
+    return -(1 - eps) * F.logsigmoid(dpo.beta * logits) - eps * F.logsigmoid(-dpo.beta * logits)
+
+
+def _orpo(chosen, rejected, dpo):  # the log odds ratio (the chosen NLL is added beside it: chosen_nll)
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    return -dpo.beta * F.logsigmoid(log_odds)
+
+
+# The reference-free objectives (reference False), one per pair, from the policy's mean log-probability per
+# completion token (chosen, rejected), as trl.experimental's CPOTrainer (simpo) and ORPOTrainer compute them.
+FREE_LOSSES = {"simpo": _simpo, "orpo": _orpo}
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -395,7 +401,7 @@ def pair_values(policy: torch.Tensor, reference: torch.Tensor | None, batch, dpo
     """Per pair of the micro batch: `loss` (the weighted objectives other than the chosen NLL), `sft` (the weighted
     -log p of the chosen completion: loss_type sft, and orpo's own), `chosen_targets`, and TRL's metrics (METRICS).
     policy, reference: sequence_logps, one per document (chosen, rejected alternating); reference None for the
-    reference-free objectives (simpo, orpo), whose rewards and logps are per completion token, as TRL's."""
+    reference-free objectives (FREE_LOSSES), whose rewards and logps are per completion token, as TRL's."""
     chosen, rejected = policy[0::2], policy[1::2]
     lengths = batch["completion_tokens"].view(-1, 2).to(policy.dtype)
     if reference is None:  # (TRL's CPO and ORPO average the log-probs over the completion's tokens)
@@ -404,12 +410,12 @@ def pair_values(policy: torch.Tensor, reference: torch.Tensor | None, batch, dpo
         chosen_ratio, rejected_ratio = chosen - reference[0::2].to(policy.dtype), rejected - reference[1::2].to(policy.dtype)
     loss, sft = torch.zeros_like(chosen), torch.zeros_like(chosen)
     for loss_type, weight in zip(dpo.losses, dpo.weights):
-        if loss_type in ("sft", "orpo"):
+        if PREFERENCE_LOSSES[loss_type].chosen_nll:
             sft = sft + weight * -policy[0::2]  # summed here; the window divides by its chosen target tokens
-        if loss_type in ("simpo", "orpo"):
-            loss = loss + weight * free_pair_losses(loss_type, chosen, rejected, dpo)
-        elif loss_type != "sft":
-            loss = loss + weight * pair_losses(loss_type, chosen_ratio, rejected_ratio, lengths, dpo)
+        if loss_type in FREE_LOSSES:
+            loss = loss + weight * FREE_LOSSES[loss_type](chosen, rejected, dpo)
+        elif loss_type in PAIR_LOSSES:
+            loss = loss + weight * PAIR_LOSSES[loss_type](chosen_ratio, rejected_ratio, lengths, dpo)
     with torch.no_grad():
         rewards_chosen, rewards_rejected = ((chosen, rejected) if reference is None else
                                             (chosen_ratio, rejected_ratio))

@@ -83,7 +83,7 @@ def runs(tmp_path_factory):
     for recipe, launched_by, mode, words in CASES:
         jobs[f"{recipe}/cut"] = partial(cut_and_resumed, base / recipe, recipe, launched_by, mode, words)
     jobs["keeps"] = partial(resumed_with_changes, base / "keeps")
-    for recipe, launched_by, mode, words in CASES:
+    for recipe, launched_by, _, words in CASES:
         jobs[f"{recipe}/whole"] = partial(uninterrupted, base / recipe, recipe, launched_by, words)
     for recipe, _, sig in SIGNALS:
         jobs[f"signal/{recipe}"] = partial(stopped_by_a_signal, base / f"signal-{recipe}", recipe, sig)

@@ -80,7 +80,7 @@ def test_deepspeed_plugin_and_zero_model_accept_the_json(tmp_path):
     from accelerate.utils import DeepSpeedPlugin
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    for r, topo, folder in all_generated(tmp_path):
+    for r, _, folder in all_generated(tmp_path):
         if r.deepspeed is None:
             continue
         (js,) = folder.glob("*.json")

@@ -148,3 +148,27 @@ def test_words_that_switch_the_method_switch_the_learning_rate_unless_they_name_
     done = cli("run", "sft", "--recipe", "zero3-ulysses", "--cpu", "--num-processes", "1", "lora.r=16", "--dry-run")
     assert done.returncode == 0, done.stderr
     assert "note: learning_rate 0.0002: the words make zero3-ulysses a LoRA run" in done.stdout + done.stderr
+
+
+def test_one_plan_parses_each_recipe_file_once(monkeypatch, tmp_path):
+    """A plan over 8 GPUs loads every shipped recipe (and its `base:` chain) for each recipe whose topology it checks:
+    180 YAML parses for one 70B plan, now one per file; and a file changed between two loads is read anew."""
+    from click.testing import CliRunner
+
+    from memrecipe.commands import plan
+    from memrecipe.planning import registry
+
+    parsed = []
+    real = yaml.safe_load
+    monkeypatch.setattr(registry.yaml, "safe_load", lambda text: parsed.append(text) or real(text))
+    registry.parse_yaml.cache_clear()
+    out = CliRunner().invoke(plan.command, ["--gpu-memory", "80GB", "--num-processes", "8"])
+    assert out.exit_code == 0, out.output
+    files = {registry.recipe_path(name).read_text() for name in registry.recipe_names()}
+    read = [text for text in parsed if text in files]  # (override words are YAML too)
+    assert len(read) == len(set(read)) >= len(files) // 2  # (each once; the plan reads most of them)
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("base: single-gpu-lora\nsave_total_limit: 3\n")
+    assert load_recipe(str(mine)).save_total_limit == 3
+    mine.write_text("base: single-gpu-lora\nsave_total_limit: 5\n")
+    assert load_recipe(str(mine)).save_total_limit == 5

@@ -151,8 +151,8 @@ def test_a_flattened_packed_micro_batch_gives_the_same_loss_and_gradients(monkey
     results = []
     for flatten in (False, True):
         calls = []
-        monkeypatch.setattr(loss, "varlen", lambda m: flatten)
-        hook = model.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape),
+        monkeypatch.setattr(loss, "varlen", lambda m: flatten)  # noqa: B023  (called within this iteration)
+        hook = model.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape),  # noqa: B023
                                                      with_kwargs=True)
         model.zero_grad()
         total = lm_loss(model, batch)

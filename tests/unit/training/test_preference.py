@@ -11,7 +11,7 @@ import trl  # a test dependency (pyproject.toml [test]): TRL's trainer is the re
 
 from memrecipe.planning.recipe import Dpo
 from memrecipe.training.loading import embedded_model
-from memrecipe.training.preference import (PairCollator, free_pair_losses, learnable_pair, pack_pairs, preference_sums,
+from memrecipe.training.preference import (FREE_LOSSES, PairCollator, learnable_pair, pack_pairs, preference_sums,
                                            sequence_logps, split_prompt, tokenize_pair, window_loss)
 
 MAX_LENGTH = 64
@@ -214,6 +214,28 @@ def test_a_window_of_uneven_micro_batches_averages_over_its_pairs(tokenizer, bas
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-7)
 
 
+def test_each_preference_loss_is_one_table_entry_with_all_its_parts():
+    """PREFERENCE_LOSSES is the list of dpo.loss_type: the schema's names, an implementation by what it compares,
+    a check against TRL here, the keys it reads real dpo: keys, and each named in docs/dpo.md and docs/configs.md."""
+    import typing
+    from dataclasses import fields
+    from pathlib import Path
+
+    from memrecipe.planning.recipe import PREFERENCE_LOSSES, DpoLoss
+    from memrecipe.training.preference import PAIR_LOSSES
+
+    assert list(typing.get_args(DpoLoss)) == list(PREFERENCE_LOSSES)
+    assert set(PAIR_LOSSES) == {n for n, loss in PREFERENCE_LOSSES.items() if loss.reference is True}
+    assert set(FREE_LOSSES) == {n for n, loss in PREFERENCE_LOSSES.items() if loss.reference is False}
+    compared = {n for c in LOSSES + FREE for n in ([c["loss_type"]] if isinstance(c["loss_type"], str) else c["loss_type"])}
+    assert compared == set(PREFERENCE_LOSSES)
+    keys = {f.name for f in fields(Dpo)}
+    docs = [(Path(__file__).parents[3] / "docs" / page).read_text() for page in ("dpo.md", "configs.md")]
+    for name, loss in PREFERENCE_LOSSES.items():
+        assert set(loss.reads) <= keys and (loss.reference is not None or loss.chosen_nll), name
+        assert all(f"`{name}`" in page for page in docs), name
+
+
 @pytest.mark.parametrize("words, says", [
     (["dpo.label_smoothing=0.1"], "dpo.label_smoothing=0.1 is read by loss_type robust and simpo only"),
     (["dpo.loss_type=orpo", "dpo.label_smoothing=0.1"], "read by loss_type robust and simpo only, not by orpo"),
@@ -289,7 +311,7 @@ def test_each_reference_free_loss_and_its_metrics_equal_trls(tokenizer, base, lo
         # a tiny random model's log-probs per token (~ -7) leave log(1 - p) ~ 0: the odds' correction is checked
         # where it matters too, on likely completions (per-token log-probs near 0) through TRL's odds_ratio_loss
         chosen, rejected = torch.tensor([-0.01, -0.3, -0.69, -0.7, -2.0]), torch.tensor([-0.02, -1.5, -0.6, -0.8, -0.1])
-        torch.testing.assert_close(free_pair_losses("orpo", chosen, rejected, dpo),
+        torch.testing.assert_close(FREE_LOSSES["orpo"](chosen, rejected, dpo),
                                    -trainer.odds_ratio_loss(chosen, rejected)[0], rtol=1e-6, atol=1e-7)
     assert float(mine) == pytest.approx(float(theirs), abs=1e-5, rel=1e-5)
     for name, total in sums["metrics"].items():
