@@ -68,23 +68,37 @@ class DataSource:
 
 @dataclass(frozen=True)
 class Lora:
-    r: int = spec(16, low=1, high=4096)
-    alpha: float = spec(32.0, low=0, low_open=True)
-    dropout: float = spec(0.05, low=0, high=0.99)
-    # a list of module names, or peft's "all-linear"
-    target_modules: tuple[str, ...] | Literal["all-linear"] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    # whole modules trained (and saved) beside the adapters, e.g. [embed_tokens, lm_head] when tokens are added:
-    # each costs a full fp32 copy with its gradients and optimizer state
-    modules_to_save: tuple[str, ...] | None = None
-    use_dora: bool = False  # DoRA: adds a trained magnitude per output channel (closer to a full fine-tune, slower step)
-    use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r (steadier at high ranks)
-    # true: peft's default (B = 0); pissa / olora start from the weights' principal / orthonormal directions and
-    # rewrite the base: the saved adapter is converted so that it applies to the original base
-    init_lora_weights: bool | Literal["gaussian", "pissa", "olora"] = True
-    bias: Literal["none", "all", "lora_only"] = "none"  # which biases train too (all: every bias of the model)
-    # a saved adapter's folder to train on instead of new adapters (`--model runs/<sft-run>/final` sets it, and the
-    # model to the adapter's base): r, alpha, targets, dora, rslora, bias and modules_to_save are then the adapter's
-    adapter: str | None = None
+    r: int = spec(16, low=1, high=4096, shown='16, 32, 0.05', keys='`r`, `alpha`, `dropout`',
+        help="rank, scale (alpha / r), dropout on the adapter's input")
+    alpha: float = spec(32.0, low=0, low_open=True, row=False)
+    dropout: float = spec(0.05, low=0, high=0.99, row=False)
+    target_modules: tuple[str, ...] | Literal["all-linear"] = spec(
+        ("q_proj", "k_proj", "v_proj", "o_proj"), shown='q/k/v/o_proj',
+        help='module names, or `all-linear` (every linear of the decoder layers)')
+    modules_to_save: tuple[str, ...] | None = spec(None, shown='null',
+        help=('whole modules trained and saved beside the adapters, e.g. `[embed_tokens, lm_head]` when tokens are '
+              'added: each is a trained fp32 copy (planned with its gradients and optimizer state)'))
+    # DoRA: adds a trained magnitude per output channel (closer to a full fine-tune, slower step)
+    use_dora: bool = spec(False, shown='false',
+        help=('DoRA: a trained magnitude per output channel (planned); not under ZeRO-3'))
+    use_rslora: bool = spec(False, shown='false',
+        help='scale by alpha / sqrt(r)')  # instead of alpha / r: steadier at high ranks
+    init_lora_weights: bool | Literal["gaussian", "pissa", "olora"] = spec(True, shown='true',
+        help=('`true` (B = 0), `false`, `gaussian`, `pissa`, `olora`. PiSSA and OLoRA rewrite the base as it loads: the'
+              " run saves the initial adapter (`initial_adapter/`) and converts the final one against it (peft's "
+              '`path_initial_model_for_weight_conversion`, rank 2r), so `final/` applies to the ORIGINAL base and '
+              '`export --merge` gives the trained model. One process or DDP; not with quantization or DoRA. With a bf16'
+              ' base the residual is stored in bf16, and the converted adapter cannot carry that rounding: measured on '
+              "the embedded model after 3 steps, its logits differ from the trained model's by up to 0.11 (of 4.4); "
+              'with `mixed_precision: no` (an fp32 base) they agree to 1e-4 (tested).'))
+    bias: Literal["none", "all", "lora_only"] = spec("none", shown='`none`',
+        help=("`none`, `all` (every bias of the model trains), `lora_only` (the targeted layers' biases)"))
+    adapter: str | None = spec(None, shown='null',
+        help=("a saved LoRA adapter's folder to train on (e.g. an SFT run's `final/`) instead of new adapters: its "
+              "weights are the start, and r, alpha, targets, DoRA, rsLoRA, bias and modules_to_save are the adapter's "
+              "(the recipe's are replaced; dropout stays the recipe's). `--model runs/<run>/final` sets it and the "
+              "model to the adapter's base; `final/` is then the adapter trained on, for that base. Under `run dpo` a "
+              "frozen copy of it is the reference (TRL's `ref_adapter_name`)"))
 
 
 @dataclass(frozen=True)
@@ -264,92 +278,184 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class Recipe:
-    name: str
-    description: str = ""
-    saves: str = ""  # one line for `memrecipe ls`: what memory it saves
-    costs: str = ""  # one line for `memrecipe ls`: what it costs
-    supports: Supports = field(default_factory=Supports)
-    distributed_type: Literal["no", "ddp", "fsdp", "deepspeed"] = "no"
+    name: str = spec(shown="the file's stem with `base:`; else required",
+                     help="the recipe's name (run folders, reports)")
+    description: str = spec("", shown='`""`', keys='`description`, `saves`, `costs`',
+        help='one line each for `memrecipe ls`')
+    saves: str = spec("", row=False)  # one line for `memrecipe ls`: what memory it saves
+    costs: str = spec("", row=False)  # one line for `memrecipe ls`: what it costs
+    supports: Supports = spec(Supports(), shown='section',
+        help=('the topologies it runs on: `min_processes` (1), `max_processes` (null: any), `multi_node` (true), `cpu` '
+              '(true: runs end to end on CPU)'))
+    distributed_type: Literal["no", "ddp", "fsdp", "deepspeed"] = spec("no", shown='`no`',
+        help='`no` (one process), `ddp`, `fsdp` (needs `fsdp:`), `deepspeed` (needs `deepspeed:`)')
     # model
-    model_name_or_path: str | None = None  # null: the embedded tiny default
-    trust_remote_code: bool = False
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = "auto"
+    model_name_or_path: str | None = spec(None, shown='null',
+        help='hub id or local folder; null: the embedded tiny Llama')  # null: the embedded tiny default
+    trust_remote_code: bool = spec(False, help="let transformers run the model's own code", shown='false')
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = spec(
+        "auto", shown='`auto`',
+        help=("`auto` (flash-attn's varlen kernel where installed on CUDA with 16-bit compute; else `flex_attention` "
+              'for packed rows on CUDA; else `sdpa`: see docs/loop.md), `sdpa`, `eager`, `flash_attention_2`, '
+              '`flex_attention` (CUDA only: no backward on CPU)'))
     # data
-    # one source (hub id, file or folder; null: the embedded default dataset), or a list of
-    # {path, split, fraction, format, columns} mixed together
-    dataset: str | tuple[DataSource, ...] | None = None
-    dataset_format: DatasetFormat = "auto"
-    eval_dataset: str | tuple[DataSource, ...] | None = None
-    # false: only completions / assistant turns are targets; true: every token of a document after its first
-    train_on_inputs: bool = False
-    chat_template: str | None = None  # null: the tokenizer's own; or a Jinja file (or the template itself)
-    # fraction held out for eval when no eval_dataset is given (a given eval_dataset wins); 0 or null: none
-    eval_size: float | None = spec(0.0, low=0, high=0.5)
-    max_seq_length: int = spec(512, low=8)
-    # null: the model's own RoPE; a section scales it past the positions the model knows (max_position_embeddings)
-    rope_scaling: RopeScaling | None = None
-    # whole documents packed into rows of max_seq_length (position_ids restart per document: attention never
-    # crosses one); false: one example per row, padded to the longest in the batch
-    packing: bool = True
+    dataset: str | tuple[DataSource, ...] | None = spec(None, shown='null',
+        help=('a hub id, a `.jsonl`/`.json`/`.parquet`/`.csv` file or a folder (null: the embedded chat data); or a '
+              'list of sources mixed together (below)'))
+    dataset_format: DatasetFormat = spec("auto", shown='`auto`',
+        help='`text`, `prompt_completion`, `messages`; auto: from the columns')
+    eval_dataset: str | tuple[DataSource, ...] | None = spec(None, shown='null',
+        help='the same forms as `dataset`; given, it wins over `eval_size`')
+    train_on_inputs: bool = spec(False, shown='false',
+        help=('false: only completions / assistant turns are targets; true: every token of each document after its '
+              'first (prompts and user turns too)'))
+    chat_template: str | None = spec(None, shown='null',
+        help=("the tokenizer's own; or a Jinja file (or a template given inline) used to render `messages` and saved "
+              'with the model. A base model without one is refused before launch, naming this key'))
+    eval_size: float | None = spec(0.0, low=0, high=0.5, shown='0',
+        help='fraction of `dataset` held out for an eval loss (0 or null: none)')
+    max_seq_length: int = spec(512, low=8, shown='512',
+        help=("tokens per row; longer examples are truncated (counted in the start-up log); past the model's "
+              '`max_position_embeddings`, `plan` and `run` say so and name `rope_scaling`'))
+    rope_scaling: RopeScaling | None = spec(None, shown='null',
+        help=('RoPE stretched past the positions the model was trained on, written into its config as it loads (the '
+              "saved and exported model carry it; the start-up line says it): `rope_scaling.rope_type` `yarn` (TRL's "
+              '1M-token example), `linear` or `dynamic`; `rope_scaling.factor` (null: max_seq_length / the original '
+              "positions); `rope_scaling.original_max_position_embeddings` (null: the model's "
+              '`max_position_embeddings`)'))
+    packing: bool = spec(True, shown='true',
+        help=('whole documents packed into rows of `max_seq_length`, each with its own positions, none attending across'
+              ' another; false: one padded example per row'))
     # batch and schedule
-    per_device_train_batch_size: int = spec(4, low=1)
-    gradient_accumulation_steps: int = spec(1, low=1)
-    num_train_epochs: float = spec(1.0, low=0, low_open=True)
-    max_steps: int | None = spec(None, low=1)  # overrides num_train_epochs
-    learning_rate: float = spec(2e-4, low=0, low_open=True, high=1.0)
-    lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = spec(0, low=0)
-    warmup_ratio: float = spec(0.0, low=0, high=1)
-    weight_decay: float = spec(0.0, low=0)
-    max_grad_norm: float | None = spec(1.0, low=0, low_open=True)  # null: no clipping
-    seed: int = spec(42, low=0)
+    per_device_train_batch_size: int = spec(4, low=1, help='the micro batch per process', shown='4')
+    gradient_accumulation_steps: int = spec(1, low=1, shown='1',
+        help="micro batches per optimizer step (exact: the loss is divided by the window's target tokens)")
+    num_train_epochs: float = spec(1.0, low=0, low_open=True, help='epochs, unless `max_steps` is set', shown='1')
+    max_steps: int | None = spec(None, low=1, shown='null',
+        help='optimizer steps; overrides `num_train_epochs`')  # overrides num_train_epochs
+    learning_rate: float = spec(2e-4, low=0, low_open=True, high=1.0, shown='2e-4',
+        help=('peak learning rate (the shipped recipes: 2e-4 with LoRA, 2e-5 for a full fine-tune; under `run dpo`, '
+              '`dpo.learning_rate`)'))
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = spec("cosine", shown='`cosine`',
+        help='`cosine`, `linear`, `constant`')
+    warmup_steps: int = spec(0, low=0, shown='0 / 0', keys='`warmup_steps` / `warmup_ratio`',
+        help='linear warm-up, in steps or as a share of all steps (one of them)')
+    warmup_ratio: float = spec(0.0, low=0, high=1, row=False)
+    weight_decay: float = spec(0.0, low=0, shown='0',
+        help="AdamW's decoupled decay, on weight matrices (embeddings included), never on biases or norms")
+    max_grad_norm: float | None = spec(1.0, low=0, low_open=True, shown='1.0',
+        help='gradient clipping; null: none')  # null: no clipping
+    seed: int = spec(42, low=0, help='model init, data order, mixture draws, dropout', shown='42')
     # memory techniques
-    optim: OptimizerName = "adamw_torch"  # the table in planning/optimizers.py
-    optim_args: OptimArgs = field(default_factory=OptimArgs)
-    # the weight matrices apollo_adamw projects: module names, or all-linear (every nn.Linear, lm_head included)
-    optim_target_modules: tuple[str, ...] | Literal["all-linear"] = "all-linear"
+    optim: OptimizerName = spec("adamw_torch", shown='`adamw_torch`',
+        help=('`adamw_torch`, `adamw_bnb_8bit`, `paged_adamw_8bit` (bitsandbytes), `adamw_torch_8bit` (torchao), '
+              '`apollo_adamw`'))  # the table in planning/optimizers.py
+    optim_args: OptimArgs = spec(OptimArgs(), shown='section',
+        help=('`rank` (128), `proj` (random), `scale_type` (channel), `update_proj_gap` (200), `scale` (1.0), '
+              "`proj_type` (std) for APOLLO; `bf16_stochastic_round` (true) for torchao's 8-bit AdamW on bf16 weights"))
+    optim_target_modules: tuple[str, ...] | Literal["all-linear"] = spec("all-linear", shown='`all-linear`',
+        help='the matrices APOLLO projects: module names, or every linear layer (lm_head included)')
     # each parameter's update runs as soon as its gradient is complete, which is then freed (one
     # parameter's gradient is held, not the model's); no accumulation, clipping or fp16 loss scaling
-    optimizer_in_backward: bool = False
+    optimizer_in_backward: bool = spec(False, shown='false',
+        help=('each parameter steps as its gradient completes, and the gradient is freed (one process, no accumulation '
+              'or clipping)'))
     # a full fine-tune's trained weights: fp32 (master weights, autocast computes in 16 bits) or bf16 (no
     # master copy: 2 bytes/param, and updates below half a bf16 step need stochastic rounding)
-    weight_dtype: Literal["fp32", "bf16"] = "fp32"
-    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
+    weight_dtype: Literal["fp32", "bf16"] = spec("fp32", shown='`fp32`',
+        help="a full fine-tune's weights: fp32 masters, or bf16 with no master copy")
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = spec("auto", shown='`auto`',
+        help='`auto` (bf16 where supported, else fp16), `bf16`, `fp16`, `no`')
     # true: each decoder layer keeps only its input and is recomputed in backward; selective: it keeps its matmuls'
     # and attention's outputs too and recomputes only the cheap ops (more memory, less recompute)
-    gradient_checkpointing: bool | Literal["selective"] = False
-    activation_offload: bool = False  # checkpointed layers' saved inputs wait in host memory
+    gradient_checkpointing: bool | Literal["selective"] = spec(False, shown='false',
+        help=("`true`: keep each decoder layer's input only, recompute the rest in backward; `selective`: keep its "
+              "matmuls' and attention's outputs too and recompute only the cheap ops (more memory, less recompute; "
+              'dense models)'))
+    activation_offload: bool = spec(False, shown='false',
+        help=('the checkpointed inputs wait in host RAM (needs `gradient_checkpointing`)'))
     # each layer's MLP runs a tile of tokens at a time, recomputed in backward: its [tokens x intermediate] tensors
     # exist one tile at a time (true: tiles of about hidden_size tokens; or a number of tiles), for one more MLP forward
-    tiled_mlp: bool | int = spec(False, low=2)
+    tiled_mlp: bool | int = spec(False, low=2, shown='false',
+        help=("each decoder layer's MLP runs a tile of tokens at a time, recomputed in backward (`true`: tiles of about"
+              ' `hidden_size` tokens; or a number >= 2): its [tokens x intermediate] tensors exist one tile at a time; '
+              "one process, or DeepSpeed on any number (told to reduce a weight's gradient after its last tile, every "
+              'process running the same count of tiles); not FSDP, DDP on several, `optimizer_in_backward`, '
+              '`torch_compile`; dense MLPs only'))
     # each RMSNorm keeps its input instead of an fp32 copy and runs its backward a tile of tokens at a time (fp32
     # buffers over the whole sequence otherwise): gradients equal to rounding, for one more pass over the input
-    lean_norms: bool = False
-    fused_loss: bool = True  # LM head + cross-entropy chunk by chunk, recomputed in backward: no full logits
-    # target tokens per chunk of the fused loss: fewer hold less ([tokens x vocab] in fp32) but re-read the head more
-    loss_chunk_tokens: int = spec(LOSS_CHUNK_TOKENS, low=1)
+    lean_norms: bool = spec(False, shown='false',
+        help=("each RMSNorm (Llama's and the models that copy it) keeps its input as it comes instead of an fp32 copy, "
+              'and its backward works a tile of `hidden_size` tokens at a time (`training/norms.py`): the same output '
+              'bit for bit, gradients equal to rounding, for one more pass over its input in backward; any engine (not '
+              '`torch_compile`, not tensor parallelism)'))
+    fused_loss: bool = spec(True, shown='true',
+        help=('the LM head and the cross-entropy run chunk by chunk over the target positions, recomputed in backward: '
+              'the [tokens x vocab] logits are never held'))
+    loss_chunk_tokens: int = spec(LOSS_CHUNK_TOKENS, low=1, shown='512',
+        help=('target tokens per chunk of the fused loss: one chunk holds 8 bytes x tokens x vocabulary (0.5 GiB at 512'
+              ' x 128k); smaller chunks hold less but re-read the head\'s weights more often (docs/memory.md, "The fused'
+              ' loss\'s chunk")'))
     # each decoder layer compiled in place (one graph serves them all): faster steps after a compile on the
     # first step (tens of seconds); batches are padded to a multiple of 64 tokens to bound recompiles
-    torch_compile: bool = False
-    lora: Lora | None = None  # null: full fine-tune
-    quantization: Quantization | None = None  # null: the base in the compute dtype; needs lora
-    fsdp: Fsdp | None = None
-    deepspeed: DeepSpeed | None = None
-    parallelism: Parallelism | None = None  # null: neither tensor nor sequence parallelism
-    dpo: Dpo | None = None  # preference tuning's keys (memrecipe run dpo); null under run sft
+    torch_compile: bool = spec(False, shown='false',
+        help=('each decoder layer compiled in place (one graph serves them all; checkpointing wraps it); batches padded'
+              ' to a multiple of 64 tokens; the first step compiles (its time is logged). One process or DDP'))
+    lora: Lora | None = spec(None, shown='null',
+        help='LoRA adapters on a frozen base (below); null: a full fine-tune')  # null: full fine-tune
+    quantization: Quantization | None = spec(None, shown='null',
+        help=('the frozen base in 4/8 bits as bitsandbytes loads it: `bits` (4), `quant_type` (nf4), `double_quant` '
+              "(true), `compute_dtype` (auto), `quant_storage` (bf16), `upcast_unquantized` (false: PEFT's k-bit "
+              'preparation off)'))  # null: the base in the compute dtype; needs lora
+    fsdp: Fsdp | None = spec(None, shown='null',
+        help=('`version` (2), `reshard_after_forward` (true), `activation_checkpointing` (false), `offload_params` '
+              '(false), `cpu_ram_efficient_loading` (true), `state_dict_type` (FULL_STATE_DICT), '
+              "`transformer_layer_cls_to_wrap` (null: the model's own layer classes), `use_orig_params` (true; FSDP1 "
+              'only)'))
+    deepspeed: DeepSpeed | None = spec(None, shown='null',
+        help=('`zero_stage` (3), `offload_optimizer` / `offload_param` (none, cpu), `pin_memory`, `overlap_comm`, '
+              '`contiguous_gradients`, `reduce_bucket_size`, `sub_group_size`, `stage3_prefetch_bucket_size`, '
+              '`stage3_param_persistence_threshold`, `stage3_max_live_parameters`, `stage3_max_reuse_distance` '
+              "(DeepSpeed's defaults), `zero3_init` (true), `zero3_save_16bit_model` (true)"))
+    parallelism: Parallelism | None = spec(None, shown='null',
+        help=("through accelerate's ParallelismConfig: `tp_size` (1): tensor parallelism, FSDP2 over the rest (the tp "
+              'recipe: 2); `sp_size` (1): Ulysses sequence parallelism on DeepSpeed, each sequence split this many ways'
+              ' (null: all the processes; the zero3-ulysses recipe), data parallelism over the rest; `cp_size` (1): '
+              "ring attention on FSDP2, CUDA only (torch's context_parallel; `fsdp` or `fsdp-lora` with `packing: "
+              'false`, sdpa). One of the three'))  # null: neither tensor nor sequence parallelism
+    dpo: Dpo | None = spec(None, shown='null',
+        help=("preference tuning's keys, under TRL's names: `beta` (0.1), `loss_type` (`sigmoid`; `ipo`, `hinge`, "
+              '`robust`, the reference-free `simpo` and `orpo`, `sft`, or a list of them), `loss_weights` (one per '
+              'loss; null: 1 each), `label_smoothing` (0; read by `robust` and `simpo`, refused for the others), '
+              '`simpo_gamma` (null: 0.5 under `simpo`; refused for the others), `precompute_ref_log_probs` (null: yes '
+              'for a full fine-tune, no under LoRA; false on a full fine-tune: a frozen copy of the model beside it, '
+              'sharded under FSDP and ZeRO-3), `max_length` (tokens per sequence, the start kept; null: half of '
+              "`max_seq_length`; a pair's two sequences share a row, so 2 x `max_length` above `max_seq_length` is "
+              "refused), `learning_rate` (run dpo's peak rate; null: 5e-6 with LoRA, 5e-7 for a full fine-tune, as "
+              "alignment-handbook's Zephyr DPO recipes; a `learning_rate=` word under `run dpo` sets it). Read by `run "
+              'dpo` (docs/dpo.md), which gives a recipe without the section these defaults; `run sft` refuses it'))
     # logging and saving
-    logging_steps: int = spec(1, low=1)
-    eval_steps: int | None = spec(None, low=1)
-    save_steps: int | None = spec(None, low=1)
-    save_total_limit: int | None = spec(2, low=1)
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"
+    logging_steps: int = spec(1, low=1, help='a log line every N steps (the progress bar shows every step)', shown='1')
+    eval_steps: int | None = spec(None, low=1, shown='null',
+        help='an eval loss every N steps (and at the end when there is eval data)')
+    save_steps: int | None = spec(None, low=1, shown='null',
+        help='a checkpoint every N steps (and at the last); null: only the final save')
+    save_total_limit: int | None = spec(2, low=1, help='checkpoints kept', shown='2')
+    report_to: Literal["none", "tensorboard", "wandb"] = spec("none", shown='`none`',
+        help="`none`, `tensorboard`, `wandb` (through accelerate's trackers)")
     # true: when the model is memrecipe's embedded tiny one, its own settings (registry.EMBEDDED_SETTINGS: the
     # learning rates that make random weights learn in seconds, 256-token rows, 3 epochs) replace the recipe's, which
     # are a real model's; key=value overrides still win. A run folder's resolved recipe says false: applied already
-    embedded_settings: bool = True
-    # keys of your own for a copied loop script (read as recipe.extra["my_key"]; set with extra.my_key=VALUE):
-    # any YAML, checked by nothing but the script that reads it
-    extra: dict = field(default_factory=dict)
+    embedded_settings: bool = spec(True, shown='true',
+        help=("when the model is memrecipe's embedded tiny Llama (`model_name_or_path: null`), its own settings replace"
+              " the recipe's real-model numbers: learning_rate 5e-3 with LoRA, 1e-3 full (also under `run dpo`), "
+              '`max_seq_length` 256, `num_train_epochs` 3, what makes random weights learn in seconds; `key=value` '
+              "overrides still win, and the start-up line says so. A run folder's resolved recipe says false (applied "
+              "already); a recipe `memrecipe config --output-dir` writes keeps the recipe's own numbers and true (false"
+              ' where a word set one of those keys); false in your recipe keeps its numbers for the tiny model too'))
+    extra: dict = spec({}, shown='`{}`',
+        help=('keys of your own for a copied loop script: any YAML, checked by nothing but the script that reads '
+              '`recipe.extra["key"]`; set from the command line as `extra.key=VALUE`'))
 
     @property
     def checkpoints(self) -> bool:

@@ -6,6 +6,7 @@ what is allowed, and a did-you-mean for near-miss keys and choices.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -15,12 +16,21 @@ from typing import Any, Literal, Union
 from ..errors import RecipeError, did_you_mean
 
 
-def spec(default=dataclasses.MISSING, *, low=None, high=None, low_open=False, help=""):
-    """A dataclass field with an allowed range: low <= value (< if low_open) and value <= high."""
-    meta = {"low": low, "high": high, "low_open": low_open, "help": help}
+def spec(default=dataclasses.MISSING, *, low=None, high=None, low_open=False, help="", shown="", keys=None,
+         row=True):
+    """A dataclass field with an allowed range (low <= value, < if low_open, and value <= high) and its help: `help`
+    (what the key does, for docs/configs.md and `memrecipe show --keys`), `shown` (its default as the table says it),
+    `keys` (the table's key cell where one row describes several keys); row=False: described in another key's row."""
+    meta = {"low": low, "high": high, "low_open": low_open, "help": help, "shown": shown, "keys": keys, "row": row}
     if isinstance(default, (list, dict, tuple)) or dataclasses.is_dataclass(default):
-        return field(default_factory=lambda: default, metadata=meta)
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def key_rows(cls) -> list[tuple[str, str, str]]:
+    """(keys, default, what it does) for each row of a section's key table, from its fields' help."""
+    return [(f.metadata.get("keys") or f"`{f.name}`", f.metadata.get("shown", ""), f.metadata.get("help", ""))
+            for f in dataclasses.fields(cls) if f.metadata.get("row", True)]
 
 
 def build(cls, data: Any, path: str = ""):

@@ -90,3 +90,17 @@ def test_docs_configs_names_every_recipe_key():
                 schema.Quantization, schema.Fsdp, schema.DeepSpeed, schema.Parallelism, schema.Dpo)
     missing = [f"{cls.__name__}.{f.name}" for cls in sections for f in dataclasses.fields(cls) if f"`{f.name}`" not in text]
     assert not missing
+
+
+def test_the_key_tables_in_docs_configs_are_the_fields_help():
+    """Each top-level and lora: key's help lives once, in its field's metadata: docs/configs.md's two key tables are
+    those rows, in the fields' order (`memrecipe show --keys` prints them)."""
+    from helpers import REPO
+    from memrecipe.planning.recipe import Lora, Recipe
+    from memrecipe.planning.schema import key_rows
+
+    text = (REPO / "docs" / "configs.md").read_text()
+    for heading, cls in (("### Top-level keys", Recipe), ("### `lora:`", Lora)):
+        table = next(block for block in text[text.index(heading):].split("\n\n") if block.startswith("| key")).splitlines()
+        assert table[2:] == [f"| {keys} | {default} | {help} |" for keys, default, help in key_rows(cls)], heading
+    assert all(help for cls in (Recipe, Lora) for _, _, help in key_rows(cls))
