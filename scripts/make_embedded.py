@@ -1,7 +1,7 @@
 """Regenerate memrecipe's embedded default: a small chat dataset, a BPE tokenizer trained on it,
 and the tiny Llama config the loop builds its model from (random weights, fixed seed).
 
-    python scripts/make_embedded.py      # writes cli/data/
+    python scripts/make_embedded.py      # writes cli/memrecipe/data/
 """
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-OUT = Path(__file__).resolve().parent.parent / "cli" / "data"
+OUT = Path(__file__).resolve().parent.parent / "cli" / "memrecipe" / "data"
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -2,7 +2,7 @@
 `chosen`, a plausible wrong one `rejected` (another sum, another capital or color, another day, the words in
 another order), in TRL's conversational preference format (prompt / chosen / rejected as message lists).
 
-    python scripts/make_preferences.py      # reads cli/data/chat.jsonl, writes cli/data/preferences.jsonl
+    python scripts/make_preferences.py      # reads cli/memrecipe/data/chat.jsonl, writes cli/memrecipe/data/preferences.jsonl
 """
 
 import json
@@ -10,7 +10,7 @@ import random
 import re
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent / "cli" / "data"
+DATA = Path(__file__).resolve().parent.parent / "cli" / "memrecipe" / "data"
 
 
 def wrong(question: str, answer: str, rng: random.Random, answers: list[str]) -> str:

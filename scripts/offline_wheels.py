@@ -90,7 +90,7 @@ def slim(wheel: Path, cuda: str) -> None:
 
 def install(wheels: Path, site: Path) -> None:
     """Every wheel of `wheels` into `site`, then memrecipe's packages from this repository over its wheel's (the
-    folders pyproject.toml maps them from: cli/ is `memrecipe`, recipes/ is `memrecipe.recipes`...)."""
+    folders pyproject.toml maps them from: cli/memrecipe/, its recipes/ and accelerate_configs/ links...)."""
     import tomllib  # (Python 3.11: the box has 3.12)
 
     if not any(wheels.glob("memrecipe-*.whl")):

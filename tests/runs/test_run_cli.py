@@ -59,11 +59,11 @@ def _bad_runs(tmp_path):
     (not_causal / "config.json").write_text(json.dumps({"model_type": "vit"}))
     no_tokenizer = tmp_path / "no-tokenizer"
     no_tokenizer.mkdir()  # a Llama config and nothing else: the tokenizer would fail only after launch
-    (no_tokenizer / "config.json").write_text((REPO / "cli" / "data" / "tiny-llama" / "config.json").read_text())
+    (no_tokenizer / "config.json").write_text((REPO / "cli" / "memrecipe" / "data" / "tiny-llama" / "config.json").read_text())
     no_template = tmp_path / "no-template"  # a base model: its tokenizer has no chat template, the data is chat
     no_template.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (no_template / name).write_text((REPO / "cli" / "data" / "tiny-llama" / name).read_text())
+        (no_template / name).write_text((REPO / "cli" / "memrecipe" / "data" / "tiny-llama" / name).read_text())
     for folder in (remote, not_causal, no_tokenizer, no_template):  # (their weights pass: what is checked is later)
         stub_weights(folder)
     existing = tmp_path / "existing"

@@ -6,10 +6,11 @@ has no reader for on the meta device (training/meta.py), which reads the archite
 (docs/architecture.md). Functions a reader can hold; a unit test file for every module."""
 
 import ast
+from pathlib import Path
 
 from conftest import REPO
 
-PACKAGE = REPO / "cli"  # the import package memrecipe
+PACKAGE = REPO / "cli" / "memrecipe"  # the import package memrecipe
 ALLOWED_CIRCLES = [{"planning.architecture", "training.meta"}]
 
 
@@ -96,7 +97,7 @@ LONG = {("commands/plan.py", "command"), ("report.py", "card"), ("report.py", "b
 
 
 def test_functions_a_reader_can_hold():
-    """No function in cli/ or recipes/*.py over 80 lines, counted from `def` to its last line (docstring and nested
+    """No function in cli/memrecipe/ or recipes/*.py over 80 lines, counted from `def` to its last line (docstring and nested
     functions included), and none over 60 but the named exceptions."""
     lengths = {}
     for path in [*PACKAGE.rglob("*.py"), *(REPO / "recipes").glob("*.py")]:
@@ -119,3 +120,15 @@ def test_every_module_has_a_unit_test_file_of_its_name():
         if not (REPO / "tests" / "unit" / relative.parent / f"test_{relative.name}").is_file():
             untested.append(str(relative))
     assert not untested, f"modules without a unit test file of their name: {untested}"
+
+
+def test_the_package_is_found_on_a_path_entry_editors_follow():
+    """One source folder named as the package (cli/memrecipe/, pyproject's package-dir): an editable install adds
+    cli/ to sys.path, which pyright and editors read, so `from memrecipe.loop import ...` in recipes/sft.py resolves
+    for them. (A package mapped from a folder of another name, cli/ as `memrecipe`, was installed as an import hook
+    that no static tool follows: this finder then found nothing.)"""
+    from importlib.machinery import PathFinder
+
+    spec = PathFinder.find_spec("memrecipe")
+    assert spec is not None and Path(spec.origin).parent.resolve() == PACKAGE.resolve()
+    assert (PACKAGE / "recipes").resolve() == REPO / "recipes" and (PACKAGE / "recipes" / "sft.py").is_file()

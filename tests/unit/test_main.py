@@ -60,7 +60,7 @@ def test_the_planning_and_launching_sides_import_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     reached = []
-    for path in sorted((REPO / "cli" / "planning").glob("*.py")):
+    for path in sorted((REPO / "cli" / "memrecipe" / "planning").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

@@ -74,8 +74,8 @@ def test_the_box_runs_the_working_trees_memrecipe_whatever_the_wheels_age(tmp_pa
                            "--install", str(site)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert (site / "memrecipe-0.1.0.dist-info").is_dir()  # the wheel was installed (its metadata stays)
-    for installed, ours in [("memrecipe/__init__.py", "cli/__init__.py"), ("memrecipe/recipes/sft.py", "recipes/sft.py"),
-                            ("memrecipe/accelerate_configs", "accelerate_configs"), ("memrecipe/data", "cli/data")]:
+    for installed, ours in [("memrecipe/__init__.py", "cli/memrecipe/__init__.py"), ("memrecipe/recipes/sft.py", "recipes/sft.py"),
+                            ("memrecipe/accelerate_configs", "accelerate_configs"), ("memrecipe/data", "cli/memrecipe/data")]:
         mine, theirs = site / installed, REPO / ours
         if theirs.is_dir():
             assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in theirs.iterdir()

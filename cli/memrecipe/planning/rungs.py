@@ -7,11 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .recipe import Recipe
-    from .topology import Topology
+# (the Recipe and the Topology go unnamed here: recipe.py reads this table, and an import back would be a circle)
 
 
 @dataclass(frozen=True)
@@ -20,21 +17,22 @@ class Technique:
     entry (with its rules in rules.py, its planner term in activations.py and its training module)."""
 
     name: str
-    on: Callable[[Recipe, int | None], bool]  # whether a recipe uses it (on this many processes, where known)
-    # whether a recipe below climbs to it (on `topo`, where known), and the words that do, given the rung below's
-    offered: Callable[[Recipe, Topology | None], bool]
-    words: Callable[[Recipe, Topology | None, tuple[str, ...]], tuple[str, ...]]
-    said: Callable[[Recipe], str | None] = lambda r: None  # its words among a recipe's techniques (`memrecipe ls`)
+    on: Callable[..., bool]  # (recipe, processes or None): whether a recipe uses it
+    # (recipe, topology or None): whether a recipe below climbs to it; (recipe, topology, the rung below's words):
+    # the words that do
+    offered: Callable[..., bool]
+    words: Callable[..., tuple[str, ...]]
+    said: Callable[..., str | None] = lambda r: None  # (recipe): its words among a recipe's techniques (`memrecipe ls`)
 
 
-def _offload_words(r: Recipe, topo, below) -> tuple[str, ...]:
+def _offload_words(r, topo, below) -> tuple[str, ...]:
     """The loop's own checkpointing (FSDP's wrapper keeps its inputs on the GPU), its inputs in host RAM."""
     ours = () if r.gradient_checkpointing is True else ("gradient_checkpointing=true",)
     fsdp = ("fsdp.activation_checkpointing=false",) if r.fsdp and r.fsdp.activation_checkpointing else ()
     return (*ours, *fsdp, "activation_offload=true")
 
 
-def _split_words(r: Recipe, topo, below) -> tuple[str, ...]:
+def _split_words(r, topo, below) -> tuple[str, ...]:
     unpacked = ("packing=false",) if r.packing and r.attn_implementation != "flash_attention_2" else ()
     return (*below, *unpacked, f"parallelism.sp_size={topo.num_processes}")
 

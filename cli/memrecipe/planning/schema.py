@@ -16,8 +16,8 @@ from typing import Any, Literal, Union
 from ..errors import RecipeError, did_you_mean
 
 
-def spec(default=dataclasses.MISSING, *, low=None, high=None, low_open=False, help="", shown="", keys=None,
-         row=True):
+def spec(default: Any = dataclasses.MISSING, *, low=None, high=None, low_open=False, help="", shown="", keys=None,
+         row=True) -> Any:
     """A dataclass field with an allowed range (low <= value, < if low_open, and value <= high) and its help: `help`
     (what the key does, for docs/configs.md and `memrecipe show --keys`), `shown` (its default as the table says it),
     `keys` (the table's key cell where one row describes several keys); row=False: described in another key's row."""

@@ -16,7 +16,7 @@ from .recipe import Recipe
 from .rules import for_script, make_recipe
 from .saved_adapter import trained_on
 
-PACKAGE = Path(__file__).resolve().parents[1]  # memrecipe/ (cli/ in a checkout)
+PACKAGE = Path(__file__).resolve().parents[1]  # memrecipe/ (cli/memrecipe/ in a checkout)
 # the embedded default: a tiny Llama (config and tokenizer; weights built from a seed) and a chat set
 EMBEDDED_MODEL = PACKAGE / "data" / "tiny-llama"
 EMBEDDED_DATASET = PACKAGE / "data" / "chat.jsonl"
@@ -46,10 +46,11 @@ def is_embedded(model: str | None) -> bool:
 
 
 def data_dir(name: str) -> Path:
-    """recipes/ or accelerate_configs/: inside the installed package, or beside cli/ in a checkout."""
-    for candidate in (PACKAGE / name, PACKAGE.parent / name):
-        if candidate.is_dir():
-            return candidate
+    """recipes/ or accelerate_configs/ inside the installed package (in a checkout, links to the top-level folders:
+    the paths printed are those folders')."""
+    candidate = PACKAGE / name
+    if candidate.is_dir():
+        return candidate.resolve()
     raise FileNotFoundError(f"memrecipe's {name}/ folder is missing from {PACKAGE}: reinstall memrecipe")
 
 
