@@ -13,6 +13,7 @@ run torch's kernels (the `.out` forms, left registered)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import warnings
 
@@ -48,9 +49,19 @@ def active() -> bool:
     return bool(_LIBRARIES)
 
 
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """numpy's view of a 2-byte tensor's memory, by address: Tensor.numpy() would mark the storage unresizable for
+    good, and FSDP2 frees each gathered weight by resizing its storage to 0."""
+    if t.numel() == 0:
+        return np.empty(tuple(t.shape), dtype=np.uint16)
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    memory = (ctypes.c_uint16 * extent).from_address(t.data_ptr())
+    return np.ndarray(tuple(t.shape), dtype=np.uint16, buffer=memory, strides=[2 * s for s in t.stride()])
+
+
 def _wide(t: torch.Tensor) -> np.ndarray:
     """A bf16 tensor's values as numpy's float32 (exact: a bf16 is an fp32's upper half)."""
-    return (t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return (_bits(t).astype(np.uint32) << 16).view(np.float32)
 
 
 def _narrow(x: np.ndarray) -> torch.Tensor:
@@ -61,7 +72,7 @@ def _narrow(x: np.ndarray) -> torch.Tensor:
     rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
     rounded[np.isnan(x)] = 0x7FC0
     out = torch.empty(x.shape, dtype=torch.bfloat16)
-    out.view(torch.int16).numpy()[...] = rounded.view(np.int16)
+    _bits(out)[...] = rounded
     return out
 
 

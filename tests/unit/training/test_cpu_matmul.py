@@ -128,3 +128,13 @@ def test_the_profilers_memory_timeline_is_the_native_kernels(installed):
     with torchs_own_kernels():
         expected = profiled()
     assert profiled() == expected
+
+
+def test_the_operands_storages_stay_resizable(installed):
+    """FSDP2 frees each gathered weight by resizing its storage to 0 after its layer (free_storage): reading an
+    operand through Tensor.numpy() marked its storage unresizable for good, and every FSDP run on CPU crashed."""
+    weight, x = bf16(64, 32, seed=0), bf16(8, 64, seed=1)
+    out = x @ weight[:, 3:20]  # (a view with an offset and strides of its own)
+    torch.testing.assert_close(out, native("mm", x, weight[:, 3:20]), rtol=2 ** -7, atol=1e-6)
+    for tensor in (weight, x, out):
+        tensor.untyped_storage().resize_(0)
