@@ -219,8 +219,10 @@ def test_fsdp_shards_over_two_processes_and_saves_the_full_model(runs):
     log = (folder / "train.log").read_text()
     assert "step 20/20" in log
     assert f"run folder {folder.resolve()}: final/" in log.strip().splitlines()[-1]  # the last line says where
-    # FSDP2 computed with bf16-cast parameters, the reload with bf16 autocast: equal to ~0.05%
-    assert_full_model_saved(folder, tolerance=2e-3)
+    # FSDP2 computed every op in bf16 (param_dtype), the reload under bf16 autocast keeps norms and softmax in fp32:
+    # about one bf16 step apart (2^-8 = 0.4%: 0.05% measured on AVX-512 CPUs, 0.42% on AVX2 ones, whose CPU kernels
+    # round differently); a wrong or untrained save is ~50% off (the loss falls from 6.8 to 3.4)
+    assert_full_model_saved(folder, tolerance=1e-2)
 
 
 def test_zero3_offload_partitions_offloads_and_gathers_16bit_weights(runs):
