@@ -34,7 +34,7 @@ import torch
 from memrecipe.planning.recipe import Dpo
 from memrecipe.planning.registry import EMBEDDED_PREFERENCES
 from memrecipe.training.loss import fuse_head
-from memrecipe.training.measure import allocation_peak
+from memrecipe.training.probes import allocation_peak
 from memrecipe.training.loading import embedded_model
 from memrecipe.training.tokenizer import load_tokenizer
 from memrecipe.training.preference import (PairCollator, pack_pairs, preference_sums, reference_store,

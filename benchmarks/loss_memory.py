@@ -30,7 +30,7 @@ from helpers import loop_model  # noqa: E402
 from model_configs import LLAMA_8B  # noqa: E402
 from memrecipe.training.data import Collator, prepare_datasets
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss
-from memrecipe.training.measure import LossMemory
+from memrecipe.training.probes import LossMemory
 from memrecipe.training.loading import embedded_model
 from memrecipe.training.tokenizer import load_tokenizer
 from memrecipe.planning.architecture import structure

@@ -23,7 +23,7 @@ from sft import accumulate_window  # noqa: E402
 
 from helpers import loop_model  # noqa: E402
 from memrecipe.training.data import Collator, prepare_datasets  # noqa: E402
-from memrecipe.training.measure import held_bytes, optimizer_state_dtypes, peak_memory  # noqa: E402
+from memrecipe.training.probes import held_bytes, optimizer_state_dtypes, peak_memory  # noqa: E402
 from memrecipe.training.accelerator import make_accelerator  # noqa: E402
 from memrecipe.training.loading import embedded_model
 from memrecipe.training.tokenizer import load_tokenizer

@@ -25,41 +25,44 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 # first: importing memrecipe quiets library notices that say nothing about the run
-from memrecipe.loop import (Checkpoints, Collator, Meter, RecipeError, add_lora, compile_layers,  # isort: skip
-                            count_targets, embedded_model, enable_checkpointing, flag_overrides, fuse_head,
-                            keep_initial_adapter, lean_norms, lm_loss, load_pretrained, load_recipe, load_tokenizer,
-                            make_accelerator, make_optimizer, open_run, prepare, prepare_datasets, save_final,
-                            Ring, row_multiple, skip_batches, tensor_parallel, tile_mlps, wrap_first, write_report)
+from memrecipe.loop import (Checkpoints, Collator, Meter, Recipe, RecipeError, RunFolder, add_lora,  # isort: skip
+                            apply_rungs, compile_layers, count_targets, embedded_model, flag_overrides, fuse_head,
+                            keep_initial_adapter, lm_loss, load_pretrained, load_recipe, load_tokenizer,
+                            make_accelerator, make_optimizer, open_run, prepare, prepare_datasets, save_final, Ring,
+                            skip_batches, tensor_parallel, wrap_first, write_report)
 import torch
+from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_scheduler
+from transformers import PreTrainedTokenizerBase, get_scheduler
 
 
 @dataclass
 class Run:
     """One run's parts, built by main's setup steps in order; `train` and `finish` take it whole."""
     args: argparse.Namespace
-    recipe: object  # memrecipe's Recipe
-    accelerator: object
-    folder: object  # the run folder (open_run): path, final, initial_adapter, resume_hint()
-    say: Callable
-    tokenizer: object = None
-    model_path: str = ""
-    model: object = None
-    initial_adapter: object = None  # PiSSA/OLoRA's adapter as initialized, to convert the final one back
-    optimizer: object = None
-    scheduler: object = None
-    train_loader: object = None
-    eval_loader: object = None
-    total_steps: int = 0
-    checkpoints: object = None
-    meter: object = None
-    objective: object = None
+    recipe: Recipe
+    accelerator: Accelerator
+    folder: RunFolder  # the run folder (open_run): path, final, initial_adapter, resume_hint()
+    say: Callable[..., None]
+    tokenizer: PreTrainedTokenizerBase
+    model_path: str  # a hub id, a local folder, or the embedded tiny model's
+    model: torch.nn.Module  # prepared: DDP / FSDP / DeepSpeed's engine
+    initial_adapter: Path | None  # PiSSA/OLoRA's adapter as initialized, to convert the final one back
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    train_loader: DataLoader
+    eval_loader: DataLoader | None
+    total_steps: int
+    checkpoints: Checkpoints
+    meter: Meter
+    objective: "Objective"
 
 
 def parse_args(argv=None):
@@ -204,10 +207,9 @@ def setup_model(recipe, model_path, accelerator, run, say):
             f"positions, to {model.config.get_text_config().max_position_embeddings:,}")
     if recipe.tensor_parallel > 1:  # tensor parallel: each linear split over the mesh's "tp" dimension
         tensor_parallel(model, recipe.tensor_parallel, accelerator.torch_device_mesh)
-    offload = None
-    if recipe.gradient_checkpointing:  # recompute each layer in backward (+ its saved input in host memory)
-        offload = enable_checkpointing(model, recipe.activation_offload, recipe.gradient_checkpointing == "selective",
-                                       stop_early=recipe.tiled_mlp is False or recipe.deepspeed is not None)
+    # the activation ladder's rungs the recipe stands on (planning/rungs.py), each its module's apply: here
+    # checkpointing (each layer recomputed in backward) and its offload (the saved inputs in host memory)
+    offload = apply_rungs(model, recipe, accelerator, after_adapters=False).get("layers")
     if recipe.lora:  # peft, configured by the recipe's lora: section, or a saved adapter trained on (lora.adapter)
         # (under DPO, a saved adapter is also kept frozen beside it: the reference, as TRL's ref_adapter_name)
         model = add_lora(model, recipe.lora, reference=recipe.dpo is not None and not recipe.dpo.reference_free,
@@ -215,10 +217,9 @@ def setup_model(recipe, model_path, accelerator, run, say):
                          compiled=recipe.torch_compile)  # (and redraw their dropout in backward, uncompiled)
         if recipe.lora.adapter:
             say(f"lora: trains on the saved adapter {recipe.lora.adapter} (r {recipe.lora.r})")
-    if recipe.tiled_mlp is not False:  # each MLP a tile of tokens at a time, recomputed in backward
-        tile_mlps(model, recipe.tiled_mlp, deepspeed=accelerator.distributed_type.value == "DEEPSPEED")
-    if recipe.lean_norms:  # each RMSNorm keeps its input (no fp32 copy), its backward a tile of tokens at a time
-        lean_norms(model)
+    # ... and those that wrap the adapted layers: the tiled MLP (each MLP a tile of tokens at a time, recomputed in
+    # backward) and lean norms (each RMSNorm keeps its input, its backward a tile of tokens at a time)
+    apply_rungs(model, recipe, accelerator, after_adapters=True)
     if recipe.torch_compile:
         compile_layers(model)  # each decoder layer in place: names, hooks and checkpoints unchanged
     # PiSSA/OLoRA rewrite the base: the adapter as initialized is kept, to convert the final one back
@@ -237,7 +238,7 @@ def setup_data(recipe, tokenizer, accelerator, say):
     with accelerator.main_process_first():
         train_set, eval_set = prepare_datasets(recipe, tokenizer, say)  # logs what the loss will learn from
     # compiled: few shapes; under Ulysses: rows of a multiple of sp tokens, each with its position_ids
-    collate = Collator(tokenizer.pad_token_id, 64 if recipe.torch_compile else 1, sequence_parallel=row_multiple(accelerator))
+    collate = Collator(tokenizer.pad_token_id, 64 if recipe.torch_compile else 1, sequence_parallel=Ring(accelerator).row_multiple)
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_train_batch_size, collate_fn=collate) \
         if eval_set is not None else None
     return train_loader(recipe, train_set, collate), eval_loader
@@ -291,25 +292,25 @@ def main(argv=None, script="sft", setup_data=setup_data, objective=Objective):
     recipe = load_recipe(args.recipe, args.overrides, script=script)  # (sft refuses a dpo: section)
     # (the embedded default model is built first: under ZeRO-3 the Accelerator makes every model a collective)
     model_path = recipe.model_name_or_path or embedded_model()
-    run = Run(args, recipe, *setup_run(args, recipe), model_path=model_path)
-    run.tokenizer = load_tokenizer(model_path, recipe.trust_remote_code, recipe.chat_template)  # + the chat template
-    model, offload, run.initial_adapter = setup_model(recipe, model_path, run.accelerator, run.folder, run.say)
-    train_loader, eval_loader = setup_data(recipe, run.tokenizer, run.accelerator, run.say)
-    model, optimizer = setup_optimizer(recipe, run.accelerator, model)
+    accelerator, folder, say = setup_run(args, recipe)
+    tokenizer = load_tokenizer(model_path, recipe.trust_remote_code, recipe.chat_template)  # + the chat template
+    model, offload, initial_adapter = setup_model(recipe, model_path, accelerator, folder, say)
+    train_loader, eval_loader = setup_data(recipe, tokenizer, accelerator, say)
+    model, optimizer = setup_optimizer(recipe, accelerator, model)
     # wraps the model (DDP / FSDP / DeepSpeed engine) and the optimizer, shards the data
-    run.model, run.optimizer, run.train_loader, run.eval_loader = prepare(run.accelerator, recipe, model, optimizer,
-                                                                          train_loader, eval_loader)
-    run.scheduler, run.total_steps, steps_per_epoch = setup_schedule(recipe, run.optimizer, run.train_loader,
-                                                                     run.accelerator)
+    model, optimizer, train_loader, eval_loader = prepare(accelerator, recipe, model, optimizer, train_loader,
+                                                          eval_loader)
+    scheduler, total_steps, steps_per_epoch = setup_schedule(recipe, optimizer, train_loader, accelerator)
     # one folder of checkpoints, or one per machine
-    run.checkpoints = Checkpoints(run.accelerator, run.model, run.folder.path, recipe.save_total_limit)
-    run.meter = Meter(run.accelerator, recipe, run.folder.path, run.model, run.optimizer, offload, args.memory_snapshot)
+    checkpoints = Checkpoints(accelerator, model, folder.path, recipe.save_total_limit)
+    meter = Meter(accelerator, recipe, folder.path, model, optimizer, offload, args.memory_snapshot)
+    run = Run(args, recipe, accelerator, folder, say, tokenizer, model_path, model, initial_adapter, optimizer,
+              scheduler, train_loader, eval_loader, total_steps, checkpoints, meter, objective(recipe))
     say_setup(run, steps_per_epoch)
-    run.objective = objective(recipe)
-    if run.objective.describe():
-        run.say(run.objective.describe())
-    run.objective.start(run.model, run.train_loader, run.eval_loader, run.accelerator, run.folder, run.say)
-    run.meter.hold(*run.objective.held)  # their parameters count as held, beside the model's
+    if described := run.objective.describe():
+        say(described)
+    run.objective.start(model, train_loader, eval_loader, accelerator, folder, say)
+    meter.hold(*run.objective.held)  # their parameters count as held, beside the model's
     train(run)
     finish(run)
 
@@ -318,15 +319,15 @@ def say_setup(run, steps_per_epoch):
     """The start-up lines: what runs where, the batch arithmetic, what the data leaves out."""
     recipe, accelerator, setup, say = run.recipe, run.accelerator, run.meter.setup, run.say
     world, accumulation = accelerator.num_processes, accelerator.gradient_accumulation_steps
-    sp, ring = setup["sequence_parallel"], setup["context_parallel"]
+    sp, ring = setup.sequence_parallel, setup.context_parallel
     data_parallel = world // (recipe.tensor_parallel * sp * ring)  # a TP group or ring shares a batch, an SP group a sequence
-    say(f"memrecipe {'dpo' if recipe.dpo else 'sft'}: recipe {recipe.name} | {world} process(es), {setup['engine']} on "
+    say(f"memrecipe {'dpo' if recipe.dpo else 'sft'}: recipe {recipe.name} | {world} process(es), {setup.engine} on "
         f"{accelerator.device.type} | {accelerator.mixed_precision}"
-        + (" (matmuls as fp32 GEMMs rounded to bf16: this CPU has no bf16 GEMM)" if setup["bf16_matmuls_in_fp32"] else "")
-        + f" | {setup['trainable_params']:,} of "
-        f"{setup['params']:,} parameters train")
-    if setup["embedded_model"]:
-        say(f"model: memrecipe's embedded tiny Llama (random weights), {setup['embedded_settings']}")
+        + (" (matmuls as fp32 GEMMs rounded to bf16: this CPU has no bf16 GEMM)" if setup.bf16_matmuls_in_fp32 else "")
+        + f" | {setup.trainable_params:,} of "
+        f"{setup.params:,} parameters train")
+    if setup.embedded_model:
+        say(f"model: memrecipe's embedded tiny Llama (random weights), {setup.embedded_settings}")
     say(f"batch: {recipe.per_device_train_batch_size} sequences x {accumulation} accumulation x {data_parallel} "
         f"data-parallel process(es) per step | {run.total_steps} steps ({steps_per_epoch} per epoch)")
     if sp > 1:
@@ -343,23 +344,13 @@ def say_setup(run, steps_per_epoch):
     if run.checkpoints.machines > 1:
         say(f"{run.checkpoints.machines} machines " + ("share the run folder: machine 0 writes the checkpoints" if
             run.checkpoints.shared else "each keep their own run folder and write whole checkpoints into it"))
-    say(f"attention: {setup['attention']}" + (f" ({setup['attention_why']})" if setup["attention_why"] else ""))
-    say("activations: " + {"selective": "selective checkpointing (each layer keeps its matmuls' and attention's "
-                           "outputs)", True: "full checkpointing (each layer keeps its input)" + (
-                           ", in host RAM" if recipe.activation_offload else ""), False: "every one kept"}.get(
-                           setup["gradient_checkpointing"], "checkpointed by the engine")
-        + (f"; {setup['tiled_mlps']} MLPs run in tiles of tokens, recomputed in backward" if setup["tiled_mlps"] else "")
-        + (f"; {setup['lean_norms']} RMSNorms keep their inputs, not fp32 copies" if setup["lean_norms"] else
-           "; lean_norms: none of this model's norms is Llama's RMSNorm, each left as it is" if recipe.lean_norms else "")
-        + (f"; {setup['lora_shared_inputs']} LoRA layers' adapters share their inputs" if setup["lora_shared_inputs"]
-           else "")
-        + (f", {setup['lora_recomputed_dropout']} redraw their dropout in backward" if setup["lora_recomputed_dropout"]
-           else ""))
-    if setup["bf16_update_rounding"]:  # the optimizer's choice, said: never a silent fallback
-        say(f"weights: bf16, no fp32 master; optim {recipe.optim} rounds each update {setup['bf16_update_rounding']}")
-    if setup["optimizer_first_use"]:
-        say(f"optim {recipe.optim}: {setup['optimizer_first_use']}" + (
-            f" (in {setup['optimizer_compile_seconds']:.0f} s)" if setup["optimizer_compile_seconds"] else ""))
+    say(f"attention: {setup.attention}" + (f" ({setup.attention_why})" if setup.attention_why else ""))
+    say(f"activations: {setup.activations(recipe)}")  # each rung the recipe stands on (planning/rungs.py)
+    if setup.bf16_update_rounding:  # the optimizer's choice, said: never a silent fallback
+        say(f"weights: bf16, no fp32 master; optim {recipe.optim} rounds each update {setup.bf16_update_rounding}")
+    if setup.optimizer_first_use:
+        say(f"optim {recipe.optim}: {setup.optimizer_first_use}" + (
+            f" (in {setup.optimizer_compile_seconds:.0f} s)" if setup.optimizer_compile_seconds else ""))
     if recipe.torch_compile:
         say("torch_compile: the decoder layers compile during the first step (tens of seconds; again if a batch "
             "brings a new shape), batches are padded to a multiple of 64 tokens")

@@ -14,6 +14,7 @@ from .launching.run_folder import RunFolder
 from .layout import RECIPE
 from .plots import peak_key, plot_loss
 from .table import table
+from .training.facts import SetupFacts
 from .units import GiB
 
 REQUIRED = ("recipe", "topology", "plan", "processes", "throughput", "history", "final_train_loss", "wall_seconds")
@@ -61,7 +62,7 @@ GATHERED = {"parameters": "params", "gradients": "grads"}  # plan keys of what a
 
 def card(report: dict) -> str:
     """The report card as text: memory predicted vs measured, throughput, MFU, loss, advice."""
-    plan, procs, setup = report.get("plan") or {}, report["processes"], report.get("setup", {})
+    plan, procs, setup = report.get("plan") or {}, report["processes"], SetupFacts.from_dict(report.get("setup", {}))
     lines = [f"memrecipe report: {report['recipe']['name']} on {report['topology']['describe']}, "
              f"{report['steps']} steps in {report['wall_seconds']:.1f} s"]
     peak = peak_key(procs[0])
@@ -95,30 +96,30 @@ def card(report: dict) -> str:
     gathered = [(name, plan.get(f"gathered_{key}") or 0) for name, key in (("parameters", "params"),
                                                                             ("gradients", "grads"))]
     if any(size for _, size in gathered):
-        what = "ZeRO-3's largest layer" if setup.get("distributed_type") == "DEEPSPEED" else \
+        what = "ZeRO-3's largest layer" if setup.distributed_type == "DEEPSPEED" else \
             "FSDP's running and prefetched unit"
         lines.append("(" + " and ".join(f"{name} {_gib(size)}" for name, size in gathered if size) + " GiB of the plan "
                      f"are gathered only while a layer computes ({what}); held bytes are read after the step, when "
                      "they are sharded again: MEASURED - PLANNED leaves them out)")
-    offloaded = setup.get("offloaded_bytes_per_micro_batch")
+    offloaded = setup.offloaded_bytes_per_micro_batch
     if offloaded is not None:
         planned = (plan.get("host_offload") or 0) / 2**20
         lines.append(f"activation offload: {offloaded / 2**20:,.2f} MiB of checkpointed inputs per micro batch waited "
                      f"in host memory (planned at full sequence length: {planned:,.2f} MiB per machine)")
-    if setup.get("allocator_expandable_segments") is not None:  # what the allocator applied, read off its segments
-        lines.append("CUDA allocator: expandable segments " + ("applied" if setup["allocator_expandable_segments"] else
-                     "NOT applied") + f" (environment: {setup.get('allocator_conf') or 'none set'})")
-    if setup.get("attention"):
-        lines.append(f"attention: {setup['attention']}" + (f" ({setup['attention_why']})" if setup.get("attention_why")
+    if setup.allocator_expandable_segments is not None:  # what the allocator applied, read off its segments
+        lines.append("CUDA allocator: expandable segments " + ("applied" if setup.allocator_expandable_segments else
+                     "NOT applied") + f" (environment: {setup.allocator_conf or 'none set'})")
+    if setup.attention:
+        lines.append(f"attention: {setup.attention}" + (f" ({setup.attention_why})" if setup.attention_why
                                                           else ""))
-    if setup.get("bf16_update_rounding"):
-        lines.append(f"bf16 weights: {setup.get('optimizer_class', 'the optimizer')} rounded each update "
-                     f"{setup['bf16_update_rounding']}")
-    if setup.get("optimizer_compile_seconds"):
-        lines.append(f"optimizer: its step compiled before step 1, in {setup['optimizer_compile_seconds']:.1f} s (not in "
+    if setup.bf16_update_rounding:
+        lines.append(f"bf16 weights: {setup.optimizer_class or 'the optimizer'} rounded each update "
+                     f"{setup.bf16_update_rounding}")
+    if setup.optimizer_compile_seconds:
+        lines.append(f"optimizer: its step compiled before step 1, in {setup.optimizer_compile_seconds:.1f} s (not in "
                      "the steps' times)")
-    if setup.get("zero_offload_optimizer") and setup.get("cpu_threads"):
-        lines.append(f"DeepSpeed's CPU Adam: {setup['cpu_threads']} CPU thread(s) per process (OMP_NUM_THREADS)")
+    if setup.zero_offload_optimizer and setup.cpu_threads:
+        lines.append(f"DeepSpeed's CPU Adam: {setup.cpu_threads} CPU thread(s) per process (OMP_NUM_THREADS)")
     tput = report["throughput"]
     mfu = f"{tput['mfu']:.1%}" if tput.get("mfu") is not None else "n/a (" + tput.get("mfu_note", "") + ")"
     padding = f", padding {tput['padding_fraction']:.0%} of the batches" if "padding_fraction" in tput else ""
@@ -174,7 +175,7 @@ def _gib(n) -> str:
 
 
 def build(out, recipe, accelerator, model_path, measured) -> dict:
-    """report.json's content, from what the loop measured (training.measure.Measured) and what the planner
+    """report.json's content, from what the loop measured (training.meter.Measured) and what the planner
     predicts."""
     import importlib.metadata as md
 
@@ -191,8 +192,8 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
     name = torch.cuda.get_device_name(accelerator.device) if cuda else "cpu"
     topo = launched_topology(accelerator.num_processes, cpu=not cuda)
     machines = topo.num_machines
-    plan = estimate(recipe, shape, topo, attention=setup.get("attention"))  # the kernel that ran, not a guess
-    this_session = [r for r in history if r["step"] > setup.get("resumed_at_step", 0)]  # what `wall` timed
+    plan = estimate(recipe, shape, topo, attention=setup.attention)  # the kernel that ran, not a guess
+    this_session = [r for r in history if r["step"] > setup.resumed_at_step]  # what `wall` timed
     tokens = sum(r["tokens"] for r in this_session)
     slots = sum(r.get("slots", r["tokens"]) for r in this_session)  # rows x their padded width
     steps = len(history)
@@ -200,7 +201,7 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
     timed = this_session[1:] or this_session
     speed = sum(r["tokens"] for r in timed) / max(sum(r["seconds"] for r in timed), 1e-9)
     per_process = speed / accelerator.num_processes
-    fpt = flops_per_token(shape.active_params, setup["trainable_params"], shape.layers, shape.hidden,
+    fpt = flops_per_token(shape.active_params, setup.trainable_params, shape.layers, shape.hidden,
                           recipe.max_seq_length)
     peak = bf16_peak(name) if cuda else None
     throughput = {"tokens_per_second": speed, "tokens_per_second_per_process": per_process,
@@ -227,7 +228,7 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
                             "state_dict_type": str(plugin.state_dict_type),
                             "activation_checkpointing": plugin.activation_checkpointing}
     report = {"recipe": recipe.to_dict(), "model": model_path, "output_dir": str(Path(out).resolve()), "versions": versions,
-              "resolved_config": resolved, "setup": setup, "device": name,
+              "resolved_config": resolved, "setup": setup.to_dict(), "device": name,
               "topology": {"processes": accelerator.num_processes, "machines": machines, "describe": topo.describe(),
                            "gpu_memory": gpu_memory},
               "plan": plan.as_dict(), "processes": measured.processes, "throughput": throughput, "steps": steps,

@@ -19,7 +19,7 @@ from memrecipe.planning.activations import activation_bytes, activation_mode
 from memrecipe.planning.registry import load_recipe
 from memrecipe.training.cpu_matmul import bf16_matmuls_in_fp32
 from memrecipe.training.loss import fuse_head, lm_loss
-from memrecipe.training.measure import LossMemory
+from memrecipe.training.probes import LossMemory
 
 RECIPES = {"lora": ("single-gpu-lora", []), "mixed": ("single-gpu-full", ["weight_dtype=fp32"]),
            "half": ("single-gpu-full", ["weight_dtype=bf16", "mixed_precision=no"]),

@@ -44,7 +44,7 @@ from accelerate.data_loader import prepare_data_loader  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from memrecipe.training.data import Collator  # noqa: E402
-from memrecipe.training.measure import window_counts  # noqa: E402
+from memrecipe.training.meter import window_counts  # noqa: E402
 
 PartialState(cpu=True)
 rows = [{"input_ids": list(range(1, 3 + i)), "labels": list(range(1, 3 + i))} for i in range(8)]  # 2..9 tokens

@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..errors import RecipeError
 from .optimizers import OPTIMIZERS
 from .recipe import DPO_LEARNING_RATE, PREFERENCE_LOSSES, Dpo, Recipe, losses_reading, losses_with
+from .rungs import checks
 from .schema import build
 
 
@@ -20,9 +21,10 @@ def make_recipe(data: dict) -> Recipe:
 
 def check_combinations(r: Recipe) -> None:
     """Refuse technique combinations that fail, or silently do the wrong thing (each group of rules, in turn)."""
-    for check in (check_preference, check_sections, check_activations, check_quantization, check_parallelism,
-                  check_fsdp, check_optimizer, check_lora, check_data, check_deepspeed):
+    for check in (check_preference, check_sections, check_quantization, check_parallelism, check_fsdp,
+                  check_optimizer, check_lora, check_data, check_deepspeed):
         check(r)
+    checks(r)  # the activation ladder's: each rung's own, in its entry of rungs.py
 
 
 def check_preference(r: Recipe) -> None:
@@ -54,30 +56,6 @@ def check_sections(r: Recipe) -> None:
         raise RecipeError(f"supports.max_processes ({s.max_processes}) is below supports.min_processes ({s.min_processes})")
     if r.warmup_steps and r.warmup_ratio:
         raise RecipeError("set warmup_steps or warmup_ratio, not both")
-
-
-def check_activations(r: Recipe) -> None:
-    if r.activation_offload and not r.gradient_checkpointing:  # (the fix comes first: plan's table cuts at the colon)
-        fsdp = ", fsdp.activation_checkpointing=false" if r.fsdp and r.fsdp.activation_checkpointing else ""
-        cannot = "; FSDP's own checkpointing cannot" if fsdp else ""
-        raise RecipeError(f"activation_offload works with gradient_checkpointing=true{fsdp} (it moves the inputs that "
-                          f"checkpointing keeps to host RAM{cannot}): set gradient_checkpointing=true"
-                          f"{fsdp.replace(',', '')}")
-    if r.tiled_mlp is not False and r.distributed_type == "fsdp":
-        raise RecipeError("tiled_mlp runs on one process or under DeepSpeed (told to wait for a weight's last tile): "
-                          "FSDP syncs each weight's gradient once, and the tiles give it in parts: set tiled_mlp=false")
-    if r.tiled_mlp is not False and (r.optimizer_in_backward or r.torch_compile):
-        raise RecipeError("tiled_mlp gives each weight its gradient in parts, tile by tile: optimizer_in_backward "
-                          "steps at the first, and torch_compile traces a layer whole: set tiled_mlp=false or "
-                          f"{'optimizer_in_backward' if r.optimizer_in_backward else 'torch_compile'}=false")
-    if r.lean_norms and (r.torch_compile or r.tensor_parallel > 1):
-        raise RecipeError("lean_norms replaces each RMSNorm's forward: torch_compile fuses the norm its own way, and "
-                          "under tensor parallelism it is not checked yet: set lean_norms=false or "
-                          f"{'torch_compile=false' if r.torch_compile else 'parallelism=null'}")
-    if r.activation_offload and r.gradient_checkpointing == "selective":
-        raise RecipeError("activation_offload moves the layer inputs that full checkpointing keeps to host RAM, and "
-                          "gradient_checkpointing: selective keeps more on the GPU to recompute less: use "
-                          "gradient_checkpointing=true with the offload, or selective without it")
 
 
 def check_quantization(r: Recipe) -> None:
@@ -242,9 +220,9 @@ def for_script(r: Recipe, script: str) -> Recipe:
         raise RecipeError("run sft does not read the dpo: section (preference tuning's keys): remove it (dpo=null)")
     if script != "dpo":
         return r
-    r = r if r.dpo is not None else replace(r, dpo=Dpo())
-    rate = r.dpo.learning_rate or (DPO_LEARNING_RATE["lora"] if r.lora else DPO_LEARNING_RATE["full"])
-    r = replace(r, learning_rate=rate, dpo=replace(r.dpo, learning_rate=rate))  # the rate the loop reads, said once
+    dpo = r.dpo or Dpo()
+    rate = dpo.learning_rate or (DPO_LEARNING_RATE["lora"] if r.lora else DPO_LEARNING_RATE["full"])
+    r = replace(r, learning_rate=rate, dpo=replace(dpo, learning_rate=rate))  # the rate the loop reads, said once
     if r.tensor_parallel > 1:
         raise RecipeError("run dpo does not run tensor parallelism in this release: use fsdp-lora or fsdp for a model "
                           "that one GPU cannot hold")

@@ -132,7 +132,7 @@ def enable_checkpointing(model, offload: bool, selective: bool = False, stop_ear
     # NULL", the first GPU run of the top rung), so the loop turns it off there (nothing after that save but a residual
     # add). Under ZeRO-3 it stays on: a whole recompute meets parameters ZeRO has released again (shape [0]) where the
     # forward saved activations, and torch's check of the recomputed tensors fails (measured on CPU, LoRA + dropout).
-    kwargs = {"use_reentrant": False, "early_stop": stop_early}
+    kwargs: dict[str, object] = {"use_reentrant": False, "early_stop": stop_early}
     if selective:
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -185,3 +185,13 @@ def compile_layers(model) -> int:
     for layer in layers:
         layer.compile()
     return len(layers)
+
+
+def apply(model, recipe, accelerator) -> HostOffload | None:
+    """The checkpointing rungs (selective, full, the offload to host: planning/rungs.py): the loop's own checkpointing
+    as the recipe asks (fsdp.activation_checkpointing is the engine's wrapper, applied in prepare). Returns the
+    offload's hooks, or None."""
+    if not recipe.gradient_checkpointing:
+        return None
+    return enable_checkpointing(model, recipe.activation_offload, recipe.gradient_checkpointing == "selective",
+                                stop_early=recipe.tiled_mlp is False or recipe.deepspeed is not None)

@@ -69,8 +69,13 @@ def is_llama_norm(module: nn.Module) -> bool:
 
 def lean_norms(model: nn.Module) -> int:
     """Every Llama-style RMSNorm of the model runs as LeanRMSNorm, in tiles of hidden_size tokens; returns how many."""
-    hidden = model.config.get_text_config().hidden_size
+    hidden = model.config.get_text_config().hidden_size  # pyright: ignore[reportCallIssue, reportAttributeAccessIssue]  (a PreTrainedModel's)
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and is_llama_norm(m)]
     for norm in norms:
         norm.forward = functools.partial(lean_forward, norm, hidden)
     return len(norms)
+
+
+def apply(model, recipe, accelerator) -> int:
+    """The lean norms rung (planning/rungs.py): every Llama-style RMSNorm lean; returns how many."""
+    return lean_norms(model)

@@ -20,12 +20,19 @@ from .sequence import sp_size
 
 
 class Ring:
-    """The launch config's ring (size 1: none) and each micro batch's slices."""
+    """The launch config's ring (size 1: none), each micro batch's slices, and the rows' length multiple."""
 
     def __init__(self, accelerator):
         config = getattr(accelerator, "parallelism_config", None)
         self.accelerator = accelerator
         self.size = config.cp_size if config is not None and config.cp_enabled else 1
+
+    @property
+    def row_multiple(self) -> int:
+        """What each row's length is padded to a multiple of when its sequence is split (the Collator also gives such
+        rows their positions): ring attention's 2 x cp (torch's load balancer cuts 2 x cp equal chunks), Ulysses' sp
+        (equal slices); 1: no split."""
+        return 2 * self.size if self.size > 1 else sp_size(self.accelerator)
 
     @contextlib.contextmanager
     def shards(self, batch: dict):
@@ -56,11 +63,3 @@ def check_ring(accelerator, recipe) -> int:
                           "replaces SDPA's CUDA kernels (flash, efficient, cudnn) and no CPU one, so each process would "
                           "attend within its own slice; zero3-ulysses splits sequences on CPU")
     return cp
-
-
-def row_multiple(accelerator) -> int:
-    """What each row's length is padded to a multiple of when its sequence is split (the Collator also gives such rows
-    their positions): Ulysses' sp (equal slices), ring attention's 2 x cp (torch's load balancer cuts 2 x cp equal
-    chunks); 1: no split."""
-    ring = Ring(accelerator).size
-    return 2 * ring if ring > 1 else sp_size(accelerator)

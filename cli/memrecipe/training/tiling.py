@@ -99,3 +99,8 @@ def tile_mlps(model, tiles: bool | int, deepspeed: bool = False) -> int:
         params = [p for p in mlp.parameters() if p.requires_grad] if deepspeed else None
         mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles, params=params, agree=several)
     return len(dense)
+
+
+def apply(model, recipe, accelerator) -> int:
+    """The tiled MLP rung (planning/rungs.py): every dense MLP in tiles of tokens; returns how many."""
+    return tile_mlps(model, recipe.tiled_mlp, deepspeed=accelerator.distributed_type.value == "DEEPSPEED")

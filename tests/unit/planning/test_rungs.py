@@ -35,3 +35,62 @@ def test_the_rungs_are_climbed_in_the_tables_order():
     names = [rung.name for rung, _ in climbs(load_recipe("ddp", ["gradient_checkpointing=false"]), Topology(1))]
     order = [technique.name for technique in LADDER]
     assert names == sorted(names, key=order.index) and len(names) >= 5
+
+
+def reached_by(name):
+    """A function of planning/activations.py and every one it calls there, transitively (read off its source)."""
+    import ast
+    import inspect
+
+    from memrecipe.planning import activations
+
+    tree = ast.parse(inspect.getsource(activations))
+    bodies = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in bodies:
+            continue
+        seen.add(current)
+        todo += [n.func.id for n in ast.walk(bodies[current]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    return seen
+
+
+def test_every_rung_has_all_its_parts():
+    """Its planner term is one the plan counts (activation_bytes reaches it), its loop hook a module of
+    memrecipe.training with an apply (or why none is needed), and its words in the start-up line when a run stands
+    on it (the facts a run reads off its model)."""
+    import importlib
+
+    from memrecipe.training.facts import SetupFacts
+
+    counted = reached_by("activation_bytes")
+    on_every_rung = SetupFacts(gradient_checkpointing=True, tiled_mlps=2, lean_norms=5, sequence_parallel=2)
+    top = load_recipe("zero3-ulysses", ["activation_offload=true", "lean_norms=true", "tiled_mlp=true"])
+    for technique in LADDER:
+        assert technique.term in counted, technique.name
+        if technique.hook:
+            assert callable(importlib.import_module(f"memrecipe.training.{technique.hook}").apply), technique.name
+        else:
+            assert technique.why, technique.name
+        stands_on = SetupFacts() if technique is LADDER[0] else on_every_rung
+        if technique.name == "selective checkpointing":
+            stands_on = SetupFacts(gradient_checkpointing="selective")
+        assert technique.phrase(stands_on, top if technique is not LADDER[0] else bottom_recipe()), technique.name
+
+
+def bottom_recipe():
+    return load_recipe("ddp", ["gradient_checkpointing=false"])
+
+
+def test_each_rungs_rules_are_the_recipes():
+    """rules.py runs every rung's own check: a recipe that breaks one is refused with its message."""
+    import pytest
+
+    from memrecipe.errors import RecipeError
+
+    for words, message in ((["tiled_mlp=true", "torch_compile=true"], "tiled_mlp gives each weight its gradient"),
+                           (["lean_norms=true", "torch_compile=true"], "lean_norms replaces each RMSNorm"),
+                           (["activation_offload=true", "gradient_checkpointing=false"], "activation_offload works with")):
+        with pytest.raises(RecipeError, match=message):
+            load_recipe("single-gpu-lora", words)

@@ -12,7 +12,7 @@ from helpers import loop_model
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.training.checkpoint import save_final
 from memrecipe.errors import RecipeError
-from memrecipe.training.measure import held_bytes
+from memrecipe.training.probes import held_bytes
 from memrecipe.planning.registry import EMBEDDED_MODEL
 from memrecipe.training.adapters import rewrites_base, save_initial_adapter
 from memrecipe.training.optimizers import make_optimizer
@@ -147,7 +147,7 @@ def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs():
     from helpers import loop_model
     from memrecipe.planning.registry import load_recipe
     from memrecipe.training.loading import embedded_model
-    from memrecipe.training.measure import describe_setup
+    from memrecipe.training.facts import describe_setup
 
     accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value="NO"), num_processes=1, process_index=0,
                                   device="cpu", mixed_precision="bf16", unwrap_model=lambda m: m)
@@ -155,7 +155,7 @@ def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs():
     for words in (["lora.dropout=0.0"], ["lora.dropout=0.05"], ["lora.dropout=0.05", "torch_compile=true"]):
         model, _ = loop_model(load_recipe("single-gpu-lora", words), embedded_model(), "bf16")
         setup = describe_setup(accelerator, model, None)
-        counted[" ".join(words)] = setup["lora_shared_inputs"], setup["lora_recomputed_dropout"]
+        counted[" ".join(words)] = setup.lora_shared_inputs, setup.lora_recomputed_dropout
     layers = sum(1 for name, _ in model.named_modules() if name.endswith(("q_proj", "down_proj")))  # 2 a decoder layer
     linears = 7 * layers // 2  # every linear of every layer
     assert counted == {"lora.dropout=0.0": (linears, 0), "lora.dropout=0.05": (linears, linears),

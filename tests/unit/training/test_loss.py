@@ -16,7 +16,7 @@ from memrecipe.planning.activations import activation_bytes, activation_mode
 from memrecipe.planning.registry import load_recipe
 from memrecipe.training.data import Collator
 from memrecipe.training.loss import count_targets, fuse_head, lm_loss, output_head, token_loss
-from memrecipe.training.measure import LossMemory
+from memrecipe.training.probes import LossMemory
 
 
 def batch():

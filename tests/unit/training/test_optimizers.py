@@ -14,7 +14,7 @@ from memrecipe.planning.planner import estimate
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology
 from memrecipe.training.loading import embedded_model
-from memrecipe.training.measure import held_bytes
+from memrecipe.training.probes import held_bytes
 from memrecipe.training.optimizers import StepInBackward, make_optimizer
 
 CPU = SimpleNamespace(device=torch.device("cpu"))

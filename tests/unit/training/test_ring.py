@@ -14,7 +14,7 @@ from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology, check_supported
 from memrecipe.training.data import IGNORE
 from memrecipe.training.loss import RING_SLICE, model_inputs
-from memrecipe.training.ring import Ring, check_ring, row_multiple
+from memrecipe.training.ring import Ring, check_ring
 
 RING = ["parallelism.cp_size=2", "packing=false"]
 
@@ -102,7 +102,7 @@ def test_each_process_computes_on_the_ids_positions_and_targets_shifted_before_t
     assert all(b is not batch[k] for b, k in zip(call["buffers"], ("input_ids", "position_ids")))
     with Ring(stand_in(1)).shards(batch) as whole:
         assert whole is batch
-    assert row_multiple(stand_in(2)) == 4 and row_multiple(stand_in(1)) == 1  # torch cuts 2 x cp equal chunks
+    assert Ring(stand_in(2)).row_multiple == 4 and Ring(stand_in(1)).row_multiple == 1  # torch cuts 2 x cp equal chunks
 
 
 def test_the_worker_refuses_a_ring_on_cpu_and_a_launch_config_that_disagrees(cli):

@@ -1,9 +1,9 @@
-"""training/measure.py: what a process really holds and what a step counted, read off the tensors themselves
-(each storage once, a tied weight once, views and a model kept beside counted as they are held)."""
+"""training/probes.py: what a process really holds, read off the tensors themselves (each storage once, a tied weight
+once, views and a model kept beside counted as they are held), and its peaks."""
 
 import torch
 
-from memrecipe.training.measure import held_bytes, window_counts
+from memrecipe.training.probes import held_bytes
 
 
 class Tied(torch.nn.Module):
@@ -28,15 +28,6 @@ def test_each_storage_is_counted_once_and_a_model_beside_adds_its_own():
     assert held_bytes(model, optimizer, beside=[frozen])["parameters"] == params + 8 * 8 * 2
     # a model beside that shares the policy's weights (DPO's adapters-off reference) holds nothing more
     assert held_bytes(model, optimizer, beside=[model.embed])["parameters"] == params
-
-
-def test_a_windows_counts_are_summed_over_processes_and_each_tensor_parallel_batch_once():
-    window = [{"input_ids": torch.zeros(2, 6), "attention_mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2])},
-              {"input_ids": torch.zeros(1, 4), "attention_mask": torch.ones(1, 4)}]
-    counts, local = window_counts(window, targets=24, reduce=lambda t: 2 * t)  # two processes, the same batches
-    assert local == 14 and counts == {"targets": 24, "tokens": 28, "slots": 32}
-    shared, _ = window_counts(window, targets=24, reduce=lambda t: 2 * t, tp_size=2)  # one tp group of 2 ranks
-    assert shared == {"targets": 12, "tokens": 14, "slots": 16}
 
 
 def test_ddps_gradient_buckets_are_held_gradients_too():
@@ -74,21 +65,8 @@ def test_paged_optimizer_state_is_counted_and_said_apart():
     assert held["paged"] == 400_000 and held["optimizer_state"] == 400_040
 
 
-def test_the_allocators_expandable_segments_are_read_off_its_segments(monkeypatch):
-    """What the CUDA allocator applied, not the environment variable: its segments say (planted snapshots here)."""
-    from types import SimpleNamespace
-
-    from memrecipe.training import measure
-
-    cuda = SimpleNamespace(type="cuda")
-    for segments, applied in (([{"is_expandable": True}], True), ([{"is_expandable": False}], False), ([], None)):
-        monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda segments=segments: segments)
-        assert measure._expandable_segments(cuda) is applied
-    assert measure._expandable_segments(torch.device("cpu")) is None
-
-
 def test_the_device_sampler_keeps_the_most_in_use_and_samples_nothing_off_cuda():
-    from memrecipe.training.measure import DeviceSampler
+    from memrecipe.training.probes import DeviceSampler
 
     readings = iter([10, 30, 20] + [5] * 10_000)
     sampler = DeviceSampler(torch.device("cuda"), every=0.001, read=lambda: next(readings))
