@@ -141,7 +141,7 @@ class Preference(sft.Objective):
         the rows gathered (gather_for_metrics drops the rows that even out the last batch across processes)."""
         names = ("loss", "sft", "chosen_targets", *METRICS)
         model.eval()
-        totals = 0
+        totals = torch.zeros(len(names) + 1, device=accelerator.device)
         for batch in dataloader:
             values = pair_values(sequence_logps(model, batch), self.reference(model, batch, accelerator), batch,
                                  self.dpo)

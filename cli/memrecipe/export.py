@@ -72,7 +72,7 @@ def checkpoint_state_dict(path: Path) -> dict:
         quiet_deepspeed()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(path), tag="pytorch_model")
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag="pytorch_model") or {})
     raise RecipeError(f"{path} holds no model state memrecipe knows (model.safetensors, pytorch_model_fsdp*, "
                       "or a DeepSpeed pytorch_model/ folder)")
 
@@ -125,8 +125,8 @@ def export(run: Path, output: Path, checkpoint: str | None = None, merge: bool =
             model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32,
                                                          config=model_config(recipe, base_path))
             model.load_state_dict(checkpoint_state_dict(source))
-    model = model.to(torch_dtype)
-    model.save_pretrained(output, safe_serialization=True)
+    model = model.to(torch_dtype)  # pyright: ignore[reportArgumentType]  (transformers' stub: to() is generate's)
+    model.save_pretrained(str(output), safe_serialization=True)  # pyright: ignore[reportCallIssue]  (the same stub)
     tokenizer.save_pretrained(output)
     readable_files(output)
     (output / "memrecipe_export.json").write_text(json.dumps({"run": str(run.resolve()), "source": source.name,

@@ -79,7 +79,7 @@ def plot_loss(report: dict, path) -> str | None:
     lr.plot(steps, [h["lr"] for h in history], label="learning rate", color="#999999", linestyle="--")
     lr.set_ylabel("learning rate")
     handles = ax.get_legend_handles_labels()[0] + lr.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], loc="upper right")
+    ax.legend(handles, [str(h.get_label()) for h in handles], loc="upper right")
     ax.set_title(f"{report['recipe']['name']}: {report['topology']['describe']}")
     return save(plt, fig, path)
 

@@ -218,7 +218,7 @@ def check_whole(checkpoints: list[Path]) -> None:
                       + (f" (and {len(lost) - 1} more of its files)" if len(lost) > 1 else "") + f"; {after}")
 
 
-def lookup(recipe: dict, dotted: str):
+def lookup(recipe: dict | None, dotted: str):
     for part in dotted.split("."):
         recipe = (recipe or {}).get(part)
     return recipe
@@ -236,13 +236,16 @@ def differences(before: dict, after: dict, path: str = ""):
 
 def check_accelerate_config(path: Path) -> str:
     """Load with accelerate's own loader; nested keys must be `accelerate launch` options. Returns a summary."""
-    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
     from accelerate.commands.launch import launch_command_parser
 
     try:
         cfg = load_config_from_file(str(path))
     except (ValueError, TypeError) as e:
         raise RecipeError(f"{path}: accelerate refuses it: {' '.join(str(e).split())}") from None
+    if not isinstance(cfg, ClusterConfig):
+        raise RecipeError(f"{path}: a SageMaker config (compute_environment AMAZON_SAGEMAKER): memrecipe writes and "
+                          "checks LOCAL_MACHINE configs (memrecipe config)")
     options = {a.dest for a in launch_command_parser()._actions}
     for section, prefix in (("fsdp_config", "fsdp_"), ("deepspeed_config", "")):
         for key in getattr(cfg, section) or {}:

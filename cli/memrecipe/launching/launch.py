@@ -139,7 +139,7 @@ def stream(command: list[str], cwd: Path, env: dict, log: Path) -> tuple[int, in
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             # the pipe closes when the last process of the launch (worker included) has exited
-            while chunk := proc.stdout.read1(65536):
+            while chunk := proc.stdout.read1(65536):  # pyright: ignore[reportAttributeAccessIssue]  (a BufferedReader)
                 shown, lines = output.feed(chunk)
                 sys.stdout.buffer.write(shown)
                 sys.stdout.buffer.flush()

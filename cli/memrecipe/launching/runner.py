@@ -93,7 +93,7 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
         notes = []
     notes += unchecked
     if not resume:  # (said when the run started; a resumed folder's paths are its own, relative to it)
-        notes += [note for note in [method_rate_note(recipe_ref, words),
+        notes += [note for note in [method_rate_note(str(recipe_ref), words),
                                     positions_note(r, read_config(r.model_name_or_path))] if note]
     try:
         verdict = check_fits(r, topo, machine, words, force)

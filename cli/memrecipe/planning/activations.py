@@ -56,7 +56,7 @@ def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str
     kept_dropout = bool(recipe.lora.dropout) and recipe.torch_compile
     mask = dropout_bytes(cuda) if kept_dropout else 0
     shared = mode == "lora" and not kept_dropout
-    kept, read = 0, {"o_proj"} if attention in ("sdpa", "flash_attention_2") else set()
+    kept, read = 0, set[str | frozenset[str]]({"o_proj"} if attention in ("sdpa", "flash_attention_2") else ())
     for lin in linears:
         tensor = next((frozenset(group) for group in SIBLINGS if lin.name in group), lin.name)
         if not (shared and tensor in read):
@@ -143,7 +143,7 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
     if mode in ("lora", "qlora"):  # ... and of the fp32 adapters
         total += 2 * sum(recipe.lora.r * (lin.in_features + lin.out_features) for lin in targets)
         # (what trains on them: peft's own shapes, read off the meta model, as states.trainable_tensors does)
-        on_experts = [t for t in lora_tensors_on_meta(s.config, recipe.lora) if ".experts." in t.name
+        on_experts = [t for t in lora_tensors_on_meta(s.config or {}, recipe.lora) if ".experts." in t.name
                       and f".layers.{s.first}." in t.name] if moe else []
         if on_experts:  # peft's ParamWrapper runs the experts on W + BA: that merged weight is saved, in
             total += 2 * s.expert_params + 2 * sum(t.numel for t in on_experts)  # 16 bits, with its factors' casts

@@ -154,7 +154,7 @@ def accelerate_config(recipe: Recipe, topo: Topology, deepspeed_config_file: str
         cfg["parallelism_config"] = parallelism_section(n // cp, tp_size=1, cp_size=cp, cp_backend="torch",
                                                         cp_comm_strategy="allgather")
     if recipe.deepspeed is not None:
-        section = {"deepspeed_config_file": deepspeed_config_file or f"{config_name(recipe, topo)}.json"}
+        section: dict[str, object] = {"deepspeed_config_file": deepspeed_config_file or f"{config_name(recipe, topo)}.json"}
         if recipe.deepspeed.zero_stage == 3:
             section["zero3_init_flag"] = recipe.deepspeed.zero3_init
         if topo.num_machines > 1:

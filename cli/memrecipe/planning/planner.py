@@ -214,7 +214,7 @@ class Verdict:
         spare = {"GPU": None if self.device_capacity is None else self.device_capacity - self.estimate.total,
                  "host": None if self.host_capacity is None else self.host_capacity - self.estimate.host_total()}
         known = {name: bytes_ for name, bytes_ in spare.items() if bytes_ is not None}
-        return min(known, key=known.get) if known else None
+        return min(known, key=lambda name: known[name]) if known else None
 
 
 def judge(est: Estimate, gpu_memory: int | None, host_memory: int | None) -> Verdict:

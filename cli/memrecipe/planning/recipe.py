@@ -9,7 +9,7 @@ machines) is the Topology's business, and the generator joins the two.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 
@@ -17,7 +17,11 @@ from .optimizers import OPTIMIZERS
 from .rungs import LADDER
 from .schema import spec, to_dict
 
-OptimizerName = Literal[tuple(OPTIMIZERS)]  # the table's names: the schema's choices
+# The tables' names as Literals, the schema's choices (made at run time: to pyright they are str)
+if TYPE_CHECKING:
+    OptimizerName = str
+else:
+    OptimizerName = Literal[tuple(OPTIMIZERS)]
 
 
 # The fused loss's target tokens per chunk (docs/memory.md, "The fused loss's chunk"): each chunk reads the head's
@@ -39,7 +43,10 @@ class Supports:
 FORMAT_COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 
 
-DatasetFormat = Literal[("auto", *FORMAT_COLUMNS)]  # auto: detected from the columns
+if TYPE_CHECKING:
+    DatasetFormat = str
+else:
+    DatasetFormat = Literal[("auto", *FORMAT_COLUMNS)]  # auto: detected from the columns
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,10 @@ PREFERENCE_LOSSES = {
 }
 
 
-DpoLoss = Literal[tuple(PREFERENCE_LOSSES)]  # type: ignore[valid-type]  (the names above)
+if TYPE_CHECKING:
+    DpoLoss = str
+else:
+    DpoLoss = Literal[tuple(PREFERENCE_LOSSES)]  # (the names above)
 
 
 def losses_reading(key: str) -> list[str]:

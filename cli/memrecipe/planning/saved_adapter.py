@@ -21,7 +21,7 @@ def trained_on(recipe: Recipe) -> Recipe:
             raise RecipeError(f"lora.adapter {named} is no saved adapter's folder (adapter_config.json, e.g. "
                               "runs/<run>/final)")
         return recipe
-    return on_adapter(recipe, named or recipe.model_name_or_path, config)
+    return on_adapter(recipe, str(named or recipe.model_name_or_path), config)
 
 
 def on_adapter(r: Recipe, path: str, config: dict) -> Recipe:

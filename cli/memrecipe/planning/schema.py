@@ -87,7 +87,7 @@ def _coerce(hint, value, key, meta):
         if value in choices and type(value) is type(choices[choices.index(value)]):
             return value
         listed = ", ".join(str(c) for c in choices)
-        raise RecipeError(f"{key} must be one of {listed}, got {_show(value)}{did_you_mean(value, choices)}")
+        raise RecipeError(f"{key} must be one of {listed}, got {_show(value)}{did_you_mean(str(value), choices)}")
     if origin is tuple:
         (item,) = typing.get_args(hint)[:1]
         if not isinstance(value, (list, tuple)):
@@ -183,4 +183,4 @@ def to_dict(obj) -> dict:
             return {k: plain(x) for k, x in v.items()}
         return v
 
-    return plain(dataclasses.asdict(obj))
+    return typing.cast(dict, plain(dataclasses.asdict(obj)))

@@ -156,7 +156,7 @@ def trainable_tensors(recipe: Recipe, s: Structure) -> list[Tensor]:
     if lora is None:
         return s.tensors()
     if s.experts:  # peft adapts fused experts and routers in shapes of its own: read them off peft
-        return lora_tensors_on_meta(s.config, lora)
+        return lora_tensors_on_meta(s.config or {}, lora)
     adapters = []
     for g in s.groups():
         r, targets = lora.r, g.lora_linears(lora.target_modules)

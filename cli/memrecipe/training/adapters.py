@@ -16,7 +16,7 @@ def lora_config(lora):
 
     listed = lambda names: names if isinstance(names, str) or names is None else list(names)  # noqa: E731
     return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=listed(lora.target_modules), modules_to_save=listed(lora.modules_to_save),
+                      target_modules=listed(lora.target_modules), modules_to_save=listed(lora.modules_to_save),  # pyright: ignore[reportArgumentType]  (peft takes a str too)
                       use_dora=lora.use_dora, use_rslora=lora.use_rslora, init_lora_weights=lora.init_lora_weights,
                       bias=lora.bias, task_type="CAUSAL_LM")
 
@@ -58,7 +58,7 @@ def share_inputs(model, redraw: bool = True) -> None:
     of their own (recompute_dropout): the same masks from the same random state, nothing kept but the shared input.
     The same values reach every matmul: loss and gradients are bitwise peft's (tests/unit/training/test_adapters.py).
     Only for a forward under autocast (the fp32 adapters' matmul needs it); the run's setup counts the layers and
-    adapters changed (measure.describe_setup: lora_shared_inputs, lora_recomputed_dropout)."""
+    adapters changed (facts.describe_setup: lora_shared_inputs, lora_recomputed_dropout)."""
     from peft.tuners.lora import LoraLayer
 
     layers = layer_casts()

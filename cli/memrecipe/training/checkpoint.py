@@ -64,7 +64,7 @@ def _fsdp_adapters(accelerator, model) -> bool:
     """FSDP over a PEFT model: accelerate's and torch's adapter-only state dicts apply."""
     from accelerate.utils import is_peft_model
 
-    return accelerator.distributed_type.value == "FSDP" and is_peft_model(accelerator.unwrap_model(model))
+    return accelerator.distributed_type.value == "FSDP" and bool(is_peft_model(accelerator.unwrap_model(model)))
 
 
 def _keep_trained(models, weights, output_dir):
@@ -188,7 +188,7 @@ def folder_sharing(accelerator, out) -> tuple[int, bool]:
     return sharing_verdict(everyone, out)
 
 
-def sharing_verdict(seen: list[tuple[int, frozenset]], out) -> tuple[int, bool]:
+def sharing_verdict(seen: list[tuple[int, frozenset[int]]], out) -> tuple[int, bool]:
     """(machines, shared) from each process's (its machine's first rank, the machines whose probes it sees)."""
     machines = {m for m, _ in seen}
     if all(sees == machines for _, sees in seen):
@@ -197,7 +197,7 @@ def sharing_verdict(seen: list[tuple[int, frozenset]], out) -> tuple[int, bool]:
         return len(machines), False
     groups = sorted({tuple(sorted(sees)) for _, sees in seen})
     raise RecipeError(f"the machines see {len(groups)} different run folders {out} ("
-                      + "; ".join(f"first ranks {list(g)} share one" if len(g) > 1 else f"{g[0]} has its own"
+                      + "; ".join(f"first ranks {list(g)} share one" if len(g) > 1 else f"{''.join(map(str, g))} has its own"
                                   for g in groups)
                       + "): give all machines one shared folder, or each its own")
 

@@ -55,7 +55,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     if t.numel() == 0:
         return np.empty(tuple(t.shape), dtype=np.uint16)
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    memory = (ctypes.c_uint16 * extent).from_address(t.data_ptr())
+    memory = memoryview((ctypes.c_uint16 * extent).from_address(t.data_ptr()))
     return np.ndarray(tuple(t.shape), dtype=np.uint16, buffer=memory, strides=[2 * s for s in t.stride()])
 
 

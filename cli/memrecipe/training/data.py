@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import RecipeError, did_you_mean
 from ..planning.paths import FILE_BUILDERS
 from ..planning.recipe import FORMAT_COLUMNS
 from ..planning.registry import EMBEDDED_DATASET
 from ..planning.rules import template_fields
+
+if TYPE_CHECKING:
+    from datasets import Dataset  # (imported where it loads: datasets is slow to import)
+    from torch.utils.data import Dataset as TorchDataset
 
 IGNORE = -100  # label of tokens that are not targets (prompt, user turns, padding)
 NO_TEMPLATE = ("the dataset has 'messages' but the tokenizer has no chat template: set chat_template to a Jinja "
@@ -40,7 +45,7 @@ def load_any(source: str | None, split: str = "train"):
             return datasets.load_dataset(str(path), split=split)
         if source.startswith((".", "/", "~")):
             raise RecipeError(f"dataset {source} does not exist")
-        return datasets.load_dataset(source, split=split)
+        return datasets.load_dataset(str(source), split=split)
     except RecipeError:
         raise
     except Exception as e:  # the hub and the builders raise many kinds; the user needs one line
@@ -134,7 +139,7 @@ def sources(spec, dataset_format: str = "auto") -> list:
     from ..planning.recipe import DataSource
 
     if spec is None or isinstance(spec, str):
-        return [DataSource(path=spec, format=dataset_format)]
+        return [DataSource(path=spec, format=dataset_format)]  # pyright: ignore[reportArgumentType]  (None: the embedded)
     return [replace(s, format=dataset_format) if s.format == "auto" else s for s in spec]
 
 
@@ -159,7 +164,7 @@ def _map_columns(row: dict, mapping: dict) -> dict:
     return {key: spec.format_map(values) if "{" in spec else row[spec] for key, spec in mapping.items()}
 
 
-def map_columns(raw, columns, where: str = ""):
+def map_columns(raw, columns, where: str = "") -> Dataset:
     """A source's rows with its `columns:` applied (each field from a column of another name, or a template over
     the row's columns); unchanged where none is set."""
     from dataclasses import asdict
@@ -349,7 +354,7 @@ def mixture(spec, recipe, tokenizer, say, name: str):
     for source, raw, fmt, total in load_sources(spec, recipe, name):
         options = {"tokenizer": tokenizer, "fmt": fmt, "max_seq_length": recipe.max_seq_length,
                    "train_on_inputs": recipe.train_on_inputs}
-        part = raw.map(tokenize, fn_kwargs=options, remove_columns=raw.column_names,
+        part = raw.map(tokenize, fn_kwargs=options, remove_columns=list(raw.column_names),
                        new_fingerprint=fingerprint(raw, options))
         parts.append(part)
         formats.append(fmt)
@@ -374,7 +379,7 @@ def held_out(train, recipe):
     return split["train"], split["test"]
 
 
-def prepare_datasets(recipe, tokenizer, say=None):
+def prepare_datasets(recipe, tokenizer, say=None) -> tuple[TorchDataset, TorchDataset | None]:
     """(train, eval or None): tokenized datasets of input_ids/labels, as the recipe asks. `say` gets one
     line per split: the format, examples kept and dropped (and why), the share of tokens that are targets
     (and one per source of a mixture)."""
@@ -407,7 +412,8 @@ def prepare_datasets(recipe, tokenizer, say=None):
             + (" (train_on_inputs)" if recipe.train_on_inputs else "") + shape)
         return packed if packed is not None else ds
 
-    return finish(train, "train", formats), finish(eval_set, "eval", eval_formats) if eval_set is not None else None
+    # (datasets.Dataset is map-style, what a DataLoader reads, though not a torch Dataset subclass)
+    return finish(train, "train", formats), finish(eval_set, "eval", eval_formats) if eval_set is not None else None  # pyright: ignore[reportReturnType]
 
 
 class Collator:

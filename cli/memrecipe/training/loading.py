@@ -124,7 +124,7 @@ def flash_import_error() -> str | None:
     """Why flash-attn, found by transformers' package check, does not import here (a wheel built for another torch:
     undefined symbols), or None when it does."""
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn  # noqa: F401  # pyright: ignore[reportMissingImports]  (CUDA boxes only)
     except Exception as e:  # ImportError, OSError: whatever the broken build raises
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     return None
@@ -164,7 +164,7 @@ def load_pretrained(recipe, name_or_path: str, precision: str, device=None, own_
     else:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=kernel.name,
                                                      trust_remote_code=recipe.trust_remote_code, config=config, **extra)
-    model.memrecipe_attention = kernel  # why this kernel, for the start-up log and the report (measure.describe_setup)
+    model.memrecipe_attention = kernel  # pyright: ignore[reportArgumentType]  (a plain attribute, not a submodule): why this kernel, for the start-up log and the report (facts.describe_setup)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if q is not None and q.upcast_unquantized:
         from peft import prepare_model_for_kbit_training
@@ -179,7 +179,7 @@ def load_pretrained(recipe, name_or_path: str, precision: str, device=None, own_
         # training would go on with inference-packed weights. Keep the training layout.
         for module in model.modules():
             if hasattr(module, "support_avx512bf16_for_cpu"):
-                module.support_avx512bf16_for_cpu = False
+                module.support_avx512bf16_for_cpu = False  # pyright: ignore[reportArgumentType]  (a flag)
     return model
 
 

@@ -19,6 +19,7 @@ The model then returns one fp32 loss per target token where it would return logi
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal, overload
 
 import torch
 from torch.nn import functional as F
@@ -49,7 +50,11 @@ def next_tokens(batch: dict) -> torch.Tensor:
     return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
 
 
-def count_targets(batch: dict, per_sequence: bool = False):
+@overload
+def count_targets(batch: dict, per_sequence: Literal[False] = False) -> int: ...
+@overload
+def count_targets(batch: dict, per_sequence: Literal[True]) -> torch.Tensor: ...
+def count_targets(batch: dict, per_sequence: bool = False) -> int | torch.Tensor:
     """A batch's target tokens (those the loss counts): one int, or a tensor with one count per sequence."""
     mask = next_tokens(batch) != IGNORE
     return mask.sum(-1) if per_sequence else int(mask.sum())
@@ -190,12 +195,12 @@ class HeadLoss(torch.autograd.Function):
                     if wants_weight:
                         block += d.t() @ h
                     if wants_bias:
-                        block_bias += d.float().sum(0)
+                        block_bias += d.float().sum(0)  # pyright: ignore[reportOperatorIssue]  (wants_bias: made)
                     del d  # before the next tile's logits
                 if wants_weight:
-                    grad_weight[first:last] = block
+                    grad_weight[first:last] = block  # pyright: ignore[reportArgumentType]  (wants_weight: made)
                 if wants_bias:
-                    grad_bias[first:last] = block_bias
+                    grad_bias[first:last] = block_bias  # pyright: ignore[reportArgumentType]  (wants_bias: made)
         return (None if grad_hidden is None else grad_hidden.to(hidden.dtype), None, None, grad_weight, grad_bias)
 
 

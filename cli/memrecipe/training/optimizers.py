@@ -77,7 +77,7 @@ def make_optimizer(recipe, model, accelerator):
     build = optimizer_factory(recipe, accelerator.device)
     optimizer = StepInBackward(groups, build) if recipe.optimizer_in_backward else build(groups)
     # torchao's compiled step: compiled here, before step 1, its seconds kept for the report
-    optimizer.compile_seconds = compile_ahead(optimizer)
+    optimizer.compile_seconds = compile_ahead(optimizer)  # pyright: ignore[reportAttributeAccessIssue]  (ours, read by facts)
     return optimizer
 
 
@@ -156,7 +156,7 @@ def bnb_adamw8bit(paged: bool):
 
     base = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
 
-    class AdamW8bit(base):
+    class AdamW8bit(base):  # pyright: ignore[reportGeneralTypeIssues]  (one of two bitsandbytes classes)
         def get_config(self, gindex, pindex, group):
             config = super().get_config(gindex, pindex, group)
             if "optim_bits" in group:
@@ -291,7 +291,7 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _share(self):
         self.param_groups = [g for o in self.optimizers.values() for g in o.param_groups]
-        self.state = {p: o.state[p] for p, o in self.optimizers.items()}
+        self.state = {p: o.state[p] for p, o in self.optimizers.items()}  # pyright: ignore[reportAttributeAccessIssue]
 
     def _step(self, p):
         if self._measuring:

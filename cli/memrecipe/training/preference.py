@@ -14,6 +14,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import Dataset as TorchDataset
 
 from ..planning.recipe import PREFERENCE_LOSSES
 from .data import IGNORE, bins
@@ -65,7 +66,7 @@ def load_pairs(spec, recipe, name: str):
                           or isinstance(value, (str, list)) and len(value) == 0), None)
             if empty is not None:
                 raise RecipeError(f"{where}row {empty + 1} has no {column}: every pair needs chosen and rejected")
-        if len(raw) and all(r["chosen"] == r["rejected"] for r in raw):
+        if len(raw) and all(c == r for c, r in zip(raw["chosen"], raw["rejected"])):
             raise RecipeError(f"{where}chosen equals rejected in every row: nothing to prefer")
         check_pairs(raw, where)
         if source.fraction < 1:
@@ -74,7 +75,7 @@ def load_pairs(spec, recipe, name: str):
     return parts[0] if len(parts) == 1 else concatenate_datasets(parts).shuffle(seed=recipe.seed)
 
 
-def prepare_pairs(recipe, tokenizer, say=None):
+def prepare_pairs(recipe, tokenizer, say=None) -> tuple[TorchDataset, TorchDataset | None]:
     """(train, eval or None): tokenized pairs packed into rows (pack_pairs), as the recipe asks. `say` gets a line
     per split: pairs kept, dropped (the completions cut away by max_length), truncated, tokens, rows."""
     from ..errors import RecipeError
@@ -107,7 +108,7 @@ def prepare_pairs(recipe, tokenizer, say=None):
 
     train_rows = finish(train, "train")
     pairs = sum(len(index) for index in train_rows["index"])
-    return train_rows, finish(eval_raw, "eval", pairs) if eval_raw is not None else None
+    return train_rows, finish(eval_raw, "eval", pairs) if eval_raw is not None else None  # pyright: ignore[reportReturnType]  (map-style)
 
 
 REFERENCE_STORE = "reference_logps.pt"  # in the run folder: the reference's log-probs, one [chosen, rejected] per pair
