@@ -98,3 +98,15 @@ def test_a_long_run_on_a_kernel_that_keeps_s_by_s_tensors_is_refused_naming_the_
     short = estimate(load_recipe("single-gpu-lora", ["max_seq_length=4096", "attn_implementation=sdpa"]),
                      structure(LLAMA_8B), Topology(1))
     assert not [n for n in (*flex.notes, *short.notes) if "keeps" in n and n.startswith("attention:")]
+
+
+def test_a_sagemaker_accelerate_config_is_refused_in_one_line(tmp_path):
+    """accelerate loads it as a SageMakerConfig, which has no num_processes: a traceback before, one line now."""
+    from memrecipe.launching.checks import check_accelerate_config
+
+    path = tmp_path / "sagemaker.yaml"
+    path.write_text("compute_environment: AMAZON_SAGEMAKER\ndistributed_type: NO\nmixed_precision: bf16\n"
+                    "ec2_instance_type: ml.p3.2xlarge\niam_role_name: role\nprofile: default\nregion: us-east-1\n"
+                    "num_machines: 1\nbase_job_name: x\nuse_cpu: false\ndebug: false\n")
+    with pytest.raises(RecipeError, match="a SageMaker config .* memrecipe writes and checks LOCAL_MACHINE configs"):
+        check_accelerate_config(path)
