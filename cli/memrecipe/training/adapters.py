@@ -46,7 +46,23 @@ def add_lora(model, lora, reference: bool = False, autocast: bool = False, compi
             p.data = p.data.float()
     if autocast:
         share_inputs(model, redraw=not compiled)
+    drop_input_grads(model)
     return model
+
+
+def drop_input_grads(model) -> int:
+    """Remove the forward hooks that mark the input embedding's output as requiring grad; returns how many.
+    transformers' checkpointing (activation_checkpointing_enable) and peft (PeftModel's and k-bit preparation) add them
+    for reentrant checkpointing, which needs an input that requires grad. The loop's checkpointing is non-reentrant
+    (and so is FSDP's wrapper, as accelerate applies it), which needs none; a frozen embedding's output made to require
+    grad is a leaf autograd holds to the end of backward, one [tokens x hidden] past what the activation offload
+    moves to host memory (4.4 GiB of an 8B at 565K tokens). peft's call replaces transformers' list of its hooks, so
+    the hooks are found on the module. A trained embedding's output requires grad anyway."""
+    hooks = model.get_input_embeddings()._forward_hooks
+    marking = [key for key, hook in hooks.items() if getattr(hook, "__name__", "").startswith("make_inputs_require_grad")]
+    for key in marking:
+        del hooks[key]
+    return len(marking)
 
 
 def share_inputs(model, redraw: bool = True) -> None:

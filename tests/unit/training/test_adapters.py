@@ -160,3 +160,39 @@ def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs():
     linears = 7 * layers // 2  # every linear of every layer
     assert counted == {"lora.dropout=0.0": (linears, 0), "lora.dropout=0.05": (linears, linears),
                        "lora.dropout=0.05 torch_compile=true": (0, 0)}  # compiled layers keep peft's dropout
+
+
+def test_a_frozen_embeddings_output_is_not_held_to_the_end_of_backward():
+    """Under LoRA with the activation offload, the embedding's output goes to host memory with the first layer's
+    checkpoint: nothing keeps the tensor itself (transformers' and peft's hooks made it a leaf that requires grad,
+    which autograd held until backward ended). The adapters' gradients are the same without those hooks."""
+    import gc
+    import weakref
+
+    from helpers import loop_model
+    from measuring import batch
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.training.adapters import drop_input_grads
+    from memrecipe.training.loading import embedded_model
+    from memrecipe.training.loss import lm_loss
+
+    recipe = load_recipe("single-gpu-lora", ["activation_offload=true", "lora.dropout=0.0"])
+    grads = {}
+    for dropped in (True, False):
+        torch.manual_seed(0)
+        model, offload = loop_model(recipe, embedded_model(), "bf16")
+        offload.copy_on_cpu = True  # a separate host copy, as on CUDA
+        assert drop_input_grads(model) == 0  # add_lora removed them
+        if not dropped:  # the hook transformers' checkpointing and peft add, put back
+            model.get_base_model().enable_input_require_grads()
+        outputs = []
+        model.get_input_embeddings().register_forward_hook(lambda m, i, o, outputs=outputs: outputs.append(weakref.ref(o)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(model, batch(model.config.vocab_size))
+        gc.collect()
+        assert (outputs[0]() is None) is dropped  # held to the end of backward only with the hooks
+        loss.backward()
+        grads[dropped] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads[True].keys() == grads[False].keys() and len(grads[True]) > 0
+    for name, grad in grads[True].items():
+        assert torch.equal(grad, grads[False][name]), name
