@@ -232,8 +232,11 @@ def row(name: str, shape: str, processes: int, report: dict, busy: int | None = 
                                   plan.get("overhead") or 0, peak_key)
     if shared:
         why += f"; device used not judged: {busy / GiB:.2g} GiB was in use on the device before the run (not its own)"
-    host = {"host_planned": plan.get("host_offload"),  # pinned: the activation offload's blocks, as torch holds them
-            "host_pinned_peak": max((p.get("cuda_host_allocated_bytes_peak") or 0 for p in procs), default=0) or None}
+    # pinned: the activation offload's block (registered host memory, layers.HostArena) and what torch's pinned
+    # allocator holds beside it (DeepSpeed's offload buffers, the loader's batches), per process
+    host = {"host_planned": plan.get("host_offload"),
+            "host_pinned_peak": max(((p.get("offload_host_bytes") or 0) + (p.get("cuda_host_allocated_bytes_peak") or 0)
+                                     for p in procs), default=0) or None}
     return {"recipe": name, "shape": shape, "processes": processes, "status": "ran", **host,
             "memory_verdict": verdict, "memory_why": why,
             "attention": report["setup"].get("attention"),

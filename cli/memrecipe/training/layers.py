@@ -35,6 +35,61 @@ class CopyStreams:
     def done(event) -> bool:
         return event.query()
 
+    def finish(self):  # every copy issued so far has run
+        self.side.synchronize()
+
+
+class HostArena:
+    """The offload's host memory: one block, sliced per saved tensor in the order forward saves them, sized to the
+    most one forward saved: the bytes the tensors hold. torch's pinned allocator (torch.empty(pin_memory=True), its
+    CachingHostAllocator) rounds each block up to a power of two (aten/src/ATen/core/CachingHostAllocator.h:
+    PowerOf2Ceil up to pinned_max_round_threshold_mb, unset by default): a layer input of 4.74 GB took 8 GiB, and the
+    offload of an 8B at 565K tokens 256 GiB where it holds 141. On CUDA the block is a plain host tensor pinned by
+    registering it (cudaHostRegister, as torch's checkpoint stager pins: torch/cuda/_pin_memory_utils.py). A forward
+    that saves more than the block holds (the first; a longer batch) puts the rest in pageable tensors of their own,
+    and the next forward's block holds it all."""
+
+    ALIGN = 512  # each slice starts aligned: a view of any dtype, and the copy engine's alignment
+
+    def __init__(self):
+        self.block: torch.Tensor | None = None
+        self.pinned = False
+        self.wanted = 0  # bytes this forward's tensors take, slices aligned
+
+    @property
+    def size(self) -> int:
+        return 0 if self.block is None else self.block.numel()
+
+    def restart(self, finish=None) -> None:
+        """A new forward: nothing in the block waits for backward any more. The block grows to what the last forward
+        saved, after `finish()` (the copies still reading the old one)."""
+        if self.wanted > self.size:
+            if finish is not None:
+                finish()
+            self.release()
+            self.block = torch.empty(self.wanted, dtype=torch.uint8)
+        self.wanted = 0
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An empty host tensor of `tensor`'s shape and dtype: a slice of the block where it fits, pinned on CUDA."""
+        nbytes = tensor.numel() * tensor.element_size()
+        start, self.wanted = self.wanted, self.wanted + -(-nbytes // self.ALIGN) * self.ALIGN
+        if self.block is None or self.wanted > self.size:
+            return torch.empty(tensor.shape, dtype=tensor.dtype)  # pageable, this forward only
+        if tensor.device.type == "cuda" and not self.pinned:
+            from torch.cuda._pin_memory_utils import pin_memory
+
+            pin_memory(self.block.data_ptr(), self.size)
+            self.pinned = True
+        return self.block[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
+
+    def release(self) -> None:
+        if self.pinned and self.block is not None:
+            from torch.cuda._pin_memory_utils import unpin_memory
+
+            unpin_memory(self.block.data_ptr())
+        self.block, self.pinned = None, False
+
 
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     """Tensors saved for backward inside this context wait in pinned host memory and come back to their device in
@@ -49,6 +104,7 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         self.copy_on_cpu, self.streams = copy_on_cpu, streams
         self.key = 0
         self.host, self.alive, self.back = {}, {}, {}  # key -> host copy; -> (device tensor, event); -> fetched
+        self.arena = HostArena()  # where the host copies live: exact bytes, pinned on CUDA
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor):
@@ -65,10 +121,11 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             self.copied += 1
             return tensor.device, tensor.detach().clone()  # a separate host tensor, as on CUDA
         self._release_copied()
+        if not self.host and not self.back:  # a new forward: backward took every copy of the last one
+            self.arena.restart(streams.finish)
         streams.side_waits_compute()
         with streams.on_side():
-            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
-                               pin_memory=tensor.device.type == "cuda")
+            host = self.arena.take(tensor)
             host.copy_(tensor, non_blocking=True)
             event = streams.record()
         self.copied += 1

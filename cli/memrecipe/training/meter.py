@@ -160,6 +160,8 @@ class Meter:
                                     # CUDA: the allocator's peak before the loss's window reset it (loading's own)
                                     "cuda_peak_before_training_bytes": getattr(self.loss_memory, "before_peak", None),
                                     "cuda_device_used_peak_bytes": self.device_use.stop(),
+                                    # the activation offload's host block (pinned on CUDA: not in the host allocator's stats)
+                                    "offload_host_bytes": self.offload.arena.size if self.offload is not None else None,
                                     **peak_memory(self.accelerator.device)}])
         if self.snapshot is not None and not self.snapshot.saved:
             self.snapshot.save()

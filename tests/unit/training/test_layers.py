@@ -98,6 +98,9 @@ class RecordedStreams:
     def done(self, event):
         return event in self.finished
 
+    def finish(self):
+        self.log.append("finish")
+
 
 def test_the_side_stream_copies_keep_their_order_and_the_gradients():
     """The CUDA path's order of issue, wait and keep-alive, with recorded streams: forward's copies wait for the
@@ -221,3 +224,39 @@ def test_the_recompute_runs_each_layer_to_its_end_never_stopping_inside_the_tile
     with torch.autocast("cpu", dtype=torch.bfloat16):
         token_loss(model(input_ids=ids).logits, ids).backward()
     assert [completed.count(layer.mlp) for layer in layers] == [2] * len(layers)  # the forward, and the recompute
+
+
+def test_the_host_copies_live_in_one_block_of_the_bytes_they_hold():
+    """The CUDA path's host memory (HostArena), with recorded streams: the first forward's copies are pageable tensors
+    of their own; from the next on, each is a slice of one block of exactly the bytes a forward saves (torch's pinned
+    allocator would round each layer's up to a power of two); a longer batch grows it. The gradients are exact."""
+    _, plain, _ = step(offload=False)
+    recipe = load_recipe("single-gpu-lora", ["lora.dropout=0", "activation_offload=true"])
+    torch.manual_seed(0)
+    model, hooks = loop_model(recipe, embedded_model(), "bf16")
+    hooks.streams = RecordedStreams()
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    model.train()
+
+    def backward(length, seed=1):
+        ids = torch.randint(0, model.config.vocab_size, (B, length), generator=torch.Generator().manual_seed(seed))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = token_loss(model(input_ids=ids).logits, ids)
+        in_block = [host.untyped_storage().data_ptr() == hooks.arena.block.untyped_storage().data_ptr()
+                    if hooks.arena.block is not None else False for _, host in hooks.host.values()]
+        model.zero_grad()
+        loss.backward()
+        return in_block
+
+    def exact(length):  # what a forward saves: each layer's bf16 input, its slice aligned
+        return layers * -(-B * length * hidden * 2 // 512) * 512
+
+    assert backward(S) == [False] * layers and hooks.arena.size == 0  # the first forward: pageable copies
+    assert backward(S) == [True] * layers and hooks.arena.size == exact(S)  # not layers x a power of two
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, plain[name], rtol=0, atol=0)
+    assert backward(2 * S) == [True] * (layers // 2) + [False] * (layers - layers // 2)  # longer: the rest pageable
+    assert backward(2 * S) == [True] * layers and hooks.arena.size == exact(2 * S)
+    assert backward(S) == [True] * layers and hooks.arena.size == exact(2 * S)  # a shorter one fits as it is
+    assert "finish" in hooks.streams.log  # the copies reading the old block ran before it was let go
