@@ -161,15 +161,20 @@ def lean_norm_saving(mode: str, h: int) -> int:
 def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool) -> int:
     """What the attention kernel's backward allocates beside the layer's saved tensors (the MLP's freed by then): the
     gradients of q, k and v, K and V at every query head (the CPU kernel gets them repeated; flash-attn expands them
-    under GQA, then sums them into K's and V's heads), and its working buffers: on a GPU flash's fp32 dq accumulator
-    and row sums (flash-attn's csrc/flash_attn/flash_api.cpp, mha_varlen_bwd: dq_accum, softmax_d, dk_expanded); on
-    CPU grad_out made contiguous and each thread's fp32 and 16-bit blocks of scores
-    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: 256 x 512 from 768 tokens)."""
+    under GQA, then sums them into K's and V's heads), the gradient of the attention's output (`dout`, o_proj's input
+    gradient: an argument of the kernel's backward, alive throughout it), and its working buffers: on a GPU flash's
+    fp32 dq accumulator and row sums (flash-attn's csrc/flash_attn/flash_api.cpp, mha_varlen_bwd(dout, ...):
+    dq_accum, softmax_d, dk_expanded; torch's sdpa, _scaled_dot_product_flash_attention_backward(grad_out, ...)); on
+    CPU grad_out made contiguous, which stands for dout, and each thread's fp32 and 16-bit blocks of scores
+    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: 256 x 512 from 768 tokens). dout on a GPU was the one of two
+    [tokens x hidden] terms the third lease's H200 rows found missing under sdpa (docs/gpu.md); the other, the
+    embedding's output kept as a leaf, the loop no longer keeps (training.adapters.drop_input_grads)."""
     cb = compute_bytes(mode)
     per_head = s.heads * s.head_dim
     grads = tokens * 3 * cb * per_head
     if cuda:
-        return grads + tokens * (2 * cb * s.kv_dim + 4 * (per_head + s.heads))
+        dout = tokens * cb * per_head
+        return grads + dout + tokens * (2 * cb * s.kv_dim + 4 * (per_head + s.heads))
     block = (256 if tokens >= 768 else 64 if tokens >= 192 else 32) * min(512, tokens)
     return grads + tokens * cb * per_head + usable_cores() * block * (8 + (4 if cb == 2 else 0))
 
