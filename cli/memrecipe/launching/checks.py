@@ -128,6 +128,8 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
     shape = shape or structure(read_config(recipe.model_name_or_path))
     check_heads(recipe.sequence_group(topo.num_processes), shape.heads, shape.kv_heads)
     verdict = judge(estimate(recipe, shape, topo), machine.gpu_memory, machine.host_memory or None)
+    if verdict.estimate.refused:  # wrong results, not too little memory: --force does not launch it
+        raise RecipeError(f"recipe {recipe.name}: {verdict.estimate.refused}")
     if verdict.fits or force:
         return verdict
     est = verdict.estimate

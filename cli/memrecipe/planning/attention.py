@@ -62,10 +62,36 @@ def flash_installed() -> bool:
     return known[key]
 
 
+def offset_limit(heads: int, head_dim: int) -> int:
+    """The most tokens one call may hold (a micro batch: flash-attn's varlen rows flattened, or sdpa's rows one after
+    another) for flash-attn 2's backward to address right, in every release to 2.8.3.post1 and in torch's own copy of
+    its kernel, which sdpa runs on CUDA: the fp32 dq accumulator's offset, a token's index x heads x the head dim
+    rounded up (to 32; to 64 past 128), is computed in 32-bit int (flash_bwd_kernel.h, row_offset_dq_accum: int
+    factors, and block_info.h's q_offset deduced as int from them; upstream's fix, flash-attn #2260, is not released)
+    and past 2^31 it wraps: writes out of bounds, not an error. 524,288 tokens at 32 heads x 128. flex_attention's
+    Triton kernels switch to 64-bit indexing (inductor's select_algorithm)."""
+    step = 32 if head_dim <= 128 else 64
+    return 2**31 // (heads * (-(-head_dim // step) * step))
+
+
+def offsets_note(name: str, tokens: int, heads: int, head_dim: int) -> str | None:
+    """One line when `tokens` in one call of `name` on CUDA pass offset_limit (`heads`: those one process attends
+    to): the run is refused, naming the kernel that is safe."""
+    limit = offset_limit(heads, head_dim)
+    if name not in ("flash_attention_2", "sdpa") or tokens <= limit:
+        return None
+    return (f"attention: {name}'s backward addresses its dq accumulator with 32-bit offsets, which wrap past "
+            f"{limit:,} tokens a micro batch at {heads} heads x {head_dim} (flash-attn <= 2.8.3.post1, and torch's "
+            f"copy of its kernel under sdpa): {tokens:,} would write out of bounds: use "
+            "attn_implementation=flex_attention (64-bit offsets) or fewer tokens a micro batch")
+
+
 def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, flash: bool, flex: bool,
-                   flash_error: str | None = None, sequence_parallel: bool = False, ring: bool = False) -> Attention:
+                   flash_error: str | None = None, sequence_parallel: bool = False, ring: bool = False,
+                   past_offsets: bool = False) -> Attention:
     """`auto`: flash-attn's varlen kernel where it can run (CUDA, 16-bit compute, installed and importing), else
-    flex_attention's block-sparse mask for packed rows on CUDA, else sdpa. Any other choice is taken as asked.
+    flex_attention's block-sparse mask for packed rows on CUDA, else sdpa; flex_attention past the 32-bit offsets
+    of flash's and sdpa's backward (`past_offsets`: offset_limit). Any other choice is taken as asked.
     `flash_error`: why an installed flash-attn does not import. Under sequence parallelism `auto` is sdpa: the launch
     config names the kernel Ulysses wraps (configs.sp_attention) before any machine is seen; under ring attention
     too: torch's context_parallel replaces SDPA's kernels only."""
@@ -76,6 +102,9 @@ def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, fla
     if sequence_parallel:
         return Attention("sdpa", "auto under sequence parallelism: the kernel the launch config names for Ulysses "
                                  "(flash_attention_2 only where the recipe names it)")
+    if cuda and half and flex and past_offsets:
+        return Attention("flex_attention", "auto: past the 32-bit offsets of flash-attn's and sdpa's backward "
+                                           "(planning.attention.offset_limit), flex_attention indexes in 64 bits")
     if cuda and half and flash:
         return Attention("flash_attention_2", "auto: flash-attn is installed; packed documents run as varlen sequences")
     why = "flash-attn needs CUDA and 16-bit compute" if not (cuda and half) else (

@@ -14,7 +14,7 @@ from ..errors import RecipeError
 from ..units import GiB
 from .activations import activation_bytes, activation_mode
 from .architecture import Structure
-from .attention import flash_installed, pick_attention, square_bytes, square_note
+from .attention import flash_installed, offset_limit, offsets_note, pick_attention, square_bytes, square_note
 from .optimizers import OPTIMIZERS
 from .recipe import METHODS, Recipe, method
 from .states import (Sizes, add_reference, engine_states, loading_bytes, optimizer_state_bytes, step_temporaries,
@@ -55,6 +55,7 @@ class Estimate:
     # ZeRO-3's largest layer, gathered whole; a unit's full gradients before the reduce-scatter), resharded after it
     gathered_params: int = 0
     gathered_grads: int = 0
+    refused: str | None = None  # why it cannot run whatever the memory (the attention kernel's 32-bit offsets)
 
     @property
     def total(self) -> int:
@@ -75,7 +76,7 @@ class Estimate:
         out = {k: getattr(self, k) for k in ("recipe", "processes", "machines", "micro_batch", "seq_length",
                                              *CATEGORIES, "host_offload", "host_load", "cpu", "speed_cost", "saved_peak",
                                              "working", "step", "attention", "gathered_params",
-                                             "gathered_grads")}
+                                             "gathered_grads", "refused")}
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
 
 
@@ -149,13 +150,19 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")
     # the kernel a launch here would run: with flash-attn installed here, its varlen kernel; on a GPU without it,
     # flex_attention over packed rows (planning.attention)
+    heads = s.heads // sp  # Ulysses: each process attends to whole sequences for 1/sp of the heads
+    tokens = batch * seq // recipe.context_parallel
     if attention is None:
         picked = pick_attention(recipe.attn_implementation, cuda=not topo.cpu, half=compute_bytes == 2,
                                 packing=recipe.packing, flash=flash_installed(), flex=True, sequence_parallel=sp > 1,
-                                ring=recipe.context_parallel > 1)
+                                ring=recipe.context_parallel > 1,
+                                past_offsets=tokens > offset_limit(heads, s.head_dim))
         attention = picked.name
         if attention != recipe.attn_implementation:
             notes.append(f"attention: {attention} ({picked.why})")
+    wraps = None if topo.cpu else offsets_note(attention, tokens, heads, s.head_dim)
+    if wraps:  # refused: not a matter of bytes
+        notes.append(wraps)
     act = activation_bytes(recipe, s, activation_mode(recipe, compute_bytes), batch, seq, attention, cuda=not topo.cpu,
                            sp=sp)  # (Ulysses: each process holds seq / sp of it)
     square = square_note(attention, square_bytes(attention, recipe.packing, batch, seq, s.heads, compute_bytes == 4), seq)
@@ -176,7 +183,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         activations=int(act["activations"]), logits=int(act["logits"]),
         overhead=CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, host_offload=int(states.host), cpu=topo.cpu,
         speed_cost=speed_cost(recipe, precision), saved_peak=int(act["saved_peak"]), working=int(working),
-        host_load=int(load), notes=tuple(notes), step=int(step), attention=attention,
+        host_load=int(load), notes=tuple(notes), step=int(step), attention=attention, refused=wraps,
         gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads))
 
 
@@ -188,7 +195,8 @@ class Verdict:
 
     @property
     def device_fits(self) -> bool:
-        return self.device_capacity is None or self.estimate.total <= self.device_capacity
+        return self.estimate.refused is None and (self.device_capacity is None or
+                                                  self.estimate.total <= self.device_capacity)
 
     @property
     def host_fits(self) -> bool:

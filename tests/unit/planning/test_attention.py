@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import loop_model
+from memrecipe.errors import RecipeError
 from memrecipe.planning.activations import activation_bytes, activation_mode
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.planning.attention import pick_attention
@@ -194,3 +195,53 @@ def test_a_flash_attn_that_is_found_but_does_not_import_is_not_picked(monkeypatc
     sys.modules.pop("flash_attn", None)
     planning_attention.flash_installed.cache_clear()
     assert len(json.loads((tmp_path / "cache" / "memrecipe" / "flash_attn_imports.json").read_text())) == 2
+
+
+def test_flash_and_sdpa_are_refused_past_their_32_bit_offsets_and_auto_takes_flex():
+    """flash-attn 2's backward (to 2.8.3.post1) and torch's copy of its kernel compute the dq accumulator's offset in
+    32-bit int: 2^31 / (heads x head dim rounded up to 32) tokens a call. Past it the plan and the run refuse the
+    kernel (--force or not: the writes wrap silently), auto takes flex_attention (64-bit offsets), and under Ulysses a
+    process attends to 1/sp of the heads, so its call may hold sp times more."""
+    from memrecipe.launching.checks import check_fits
+    from memrecipe.planning.attention import offset_limit, offsets_note
+    from memrecipe.planning.hardware import Machine
+    from memrecipe.planning.planner import judge
+    from model_configs import LLAMA_8B
+
+    assert offset_limit(32, 128) == 524_288 and offset_limit(4, 128) == 4_194_304
+    assert offset_limit(32, 80) == offset_limit(32, 96) and offset_limit(8, 192) == 2**31 // (8 * 192)
+    assert offsets_note("flex_attention", 10**7, 32, 128) is None and offsets_note("sdpa", 524_288, 32, 128) is None
+    s, one = structure(LLAMA_8B), ["per_device_train_batch_size=1"]
+    for kernel in ("sdpa", "flash_attention_2"):
+        past = estimate(load_recipe("single-gpu-lora", [*one, "max_seq_length=525000", f"attn_implementation={kernel}"]),
+                        s, Topology(1))
+        assert "wrap past 524,288 tokens a micro batch at 32 heads x 128" in past.refused
+        assert not judge(past, 10**15, None).fits  # not a matter of memory
+    auto = estimate(load_recipe("single-gpu-lora", [*one, "max_seq_length=525000"]), s, Topology(1))
+    assert (auto.attention, auto.refused) == ("flex_attention", None)
+    below = estimate(load_recipe("single-gpu-lora", [*one, "max_seq_length=524288", "attn_implementation=sdpa"]),
+                     s, Topology(1))
+    assert below.refused is None and estimate(load_recipe("single-gpu-lora", [*one, "max_seq_length=525000",
+                                              "attn_implementation=sdpa"]), s, Topology(1, cpu=True)).refused is None
+    ulysses = load_recipe("zero3-ulysses", ["model_name_or_path=org/model", *one])
+    assert estimate(ulysses, s, Topology(8), seq_length=4_194_304).refused is None
+    assert "at 4 heads x 128" in estimate(ulysses, s, Topology(8), seq_length=4_195_328).refused
+    gpu = Machine(gpus=1, gpu_memory=10**15, bf16=True, cores=16, host_memory=2**50)
+    words = [*one, "max_seq_length=600000", "attn_implementation=sdpa"]
+    with pytest.raises(RecipeError, match="recipe single-gpu-lora: attention: sdpa's backward addresses its dq "
+                                          "accumulator with 32-bit offsets.*use attn_implementation=flex_attention"):
+        check_fits(load_recipe("single-gpu-lora", words), Topology(1), gpu, words, force=True, shape=s)
+
+
+def test_the_loop_refuses_a_kernel_past_its_offsets_and_auto_takes_flex(monkeypatch):
+    """What a plain accelerate launch meets on the GPU box (memrecipe run refused it before): the embedded model's
+    4 heads x 32 wrap past 2^31 / 128 = 16,777,216 tokens a micro batch."""
+    cuda_facts(monkeypatch, flash=True, triton=True)
+    words = ["per_device_train_batch_size=2", "max_seq_length=8388609"]
+    with pytest.raises(RecipeError, match="flash_attention_2's backward addresses its dq accumulator with 32-bit offsets"):
+        attention(load_recipe("single-gpu-lora", [*words, "attn_implementation=flash_attention_2"]), embedded_model(),
+                  "bf16", torch.device("cuda"))
+    assert attention(load_recipe("single-gpu-lora", words), embedded_model(), "bf16", torch.device("cuda")).name == \
+        "flex_attention"
+    assert attention(load_recipe("single-gpu-lora", words[:1]), embedded_model(), "bf16", torch.device("cuda")).name == \
+        "flash_attention_2"
