@@ -6,6 +6,7 @@ import click
 from ..errors import RecipeError
 from ..options import overrides_argument
 from ..planning.architecture import read_config, structure
+from ..planning.gpus import gpu_named
 from ..planning.positions import known_positions, positions_note
 from ..planning.hardware import Machine
 from ..planning.ladder import Rung, climb, longest_per_recipe, tokens, with_words
@@ -25,7 +26,9 @@ SAID_NOTES = ("attention:", "lean_norms:")  # the plan's notes printed under its
 @click.option("--recipe", default=None, help="Plan one recipe (default: all of them, with a recommendation).")
 @click.option("--num-processes", type=int, default=None, help="Total processes = GPUs (default: this machine's, or 1).")
 @click.option("--num-machines", type=int, default=1, show_default=True)
-@click.option("--gpu-memory", default=None, help="Per GPU, e.g. 24GiB or 80GB (default: the detected GPU).")
+@click.option("--gpu", default=None, help="The GPU by name, e.g. H100, H200, A100-40GB, L40S, RTX-4090: its memory as "
+              "CUDA shows it (memrecipe's GPU table; --gpu-memory for any other).")
+@click.option("--gpu-memory", default=None, help="Per GPU, e.g. 24GiB or 80GB (default: --gpu's, or the detected GPU).")
 @click.option("--host-memory", default=None,
               help="Per machine, e.g. 512GiB (default: this machine's, unless --gpu-memory names other GPUs).")
 @click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step: find micro batch x accumulation.")
@@ -37,18 +40,23 @@ SAID_NOTES = ("attention:", "lean_norms:")  # the plan's notes printed under its
 @click.option("--json", "as_json", is_flag=True, help="Print the estimates as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a stacked bar chart (PNG).")
 @overrides_argument
-def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory, global_batch, only, cpu, longest,
-            as_json, plot, overrides):
+def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_memory, global_batch, only, cpu,
+            longest, as_json, plot, overrides):
     """Estimate the memory of each recipe before launch, and pick one.
 
     \b
     memrecipe plan --model meta-llama/Llama-3.1-8B --gpu-memory 24GiB
     memrecipe plan --model ./my-model --num-processes 8 --gpu-memory 80GB --global-batch 256 max_seq_length=4096
     memrecipe plan --recipe zero3-offload --gpu-memory 24GiB --host-memory 256GiB --plot plan.png
-    memrecipe plan --model meta-llama/Llama-3.1-8B --gpu-memory 80GB --longest --method qlora lora.r=32
+    memrecipe plan --model meta-llama/Llama-3.1-8B --gpu H100 --longest --method qlora lora.r=32
     """
     machine = Machine.from_nvidia_smi()
-    gpu, host = memories(machine, gpu_memory, host_memory, cpu)
+    if gpu is not None and gpu_memory is not None:
+        raise RecipeError(f"give --gpu {gpu} or --gpu-memory {gpu_memory}, not both: --gpu names a GPU of "
+                          "memrecipe's table, --gpu-memory any size")
+    gpu_name = gpu_named(gpu).name if gpu else None
+    named_size = gpu_named(gpu).memory if gpu else parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None
+    gpu, host = memories(machine, named_size, host_memory, cpu)
     if global_batch is not None and global_batch < 1:
         raise RecipeError(f"--global-batch must be >= 1, got {global_batch}")
     n = num_processes if num_processes is not None else (machine.gpus * num_machines if machine.gpus and not cpu
@@ -87,7 +95,7 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
     commands = {m: run_line(p.how, best.estimate.recipe, asked, model, n, num_machines)
                 for m, (best, _) in picks.items() if best}
     if as_json:
-        click.echo(json.dumps({"model": model, "processes": n, "machines": num_machines, "gpu_memory": gpu,
+        click.echo(json.dumps({"model": model, "processes": n, "machines": num_machines, "gpu": gpu_name, "gpu_memory": gpu,
                                "host_memory": host, "estimates": [v.estimate.as_dict() | {"fits": v.fits,
                                "headroom": v.headroom, "batch": note, "method": method(r),
                                "rung": p.how[r.name][1].name if r.name in p.how else None,
@@ -98,7 +106,7 @@ def command(model, recipe, num_processes, num_machines, gpu_memory, host_memory,
                                                        "command": commands.get(m)}
                                                    for m, (best, why) in picks.items()}}, indent=2))
     else:
-        echo_table(p.rows, gpu, host, topo, global_batch, shapes)
+        echo_table(p.rows, gpu, host, topo, global_batch, shapes, gpu_name)
         for name, why in skipped:
             click.echo(f"  {name}: {why}")
         for line in p.said:
@@ -162,18 +170,19 @@ def run_line(how, planned, overrides, model, processes, machines) -> str:
                      *(["--num-machines", str(machines)] if machines > 1 else []), *overrides, *added])
 
 
-def memories(machine, gpu_memory, host_memory, cpu) -> tuple[int | None, int | None]:
-    """The GPU memory and host RAM to plan for: the flags', else this machine's. This machine's RAM is the host's
-    only when the GPUs planned for are this machine's (or in CPU mode): for other machines' GPUs an unknown host is
-    not judged, and the output says so."""
-    gpu = parse_size(gpu_memory, "--gpu-memory") if gpu_memory else machine.gpu_memory
+def memories(machine, gpu_memory: int | None, host_memory, cpu) -> tuple[int | None, int | None]:
+    """The GPU memory (bytes: --gpu's or --gpu-memory's) and host RAM to plan for: the flags', else this machine's.
+    This machine's RAM is the host's only when the GPUs planned for are this machine's (or in CPU mode): for other
+    machines' GPUs an unknown host is not judged, and the output says so."""
+    gpu = gpu_memory or machine.gpu_memory
     elsewhere = gpu_memory is not None and not cpu and gpu != machine.gpu_memory
     if host_memory:
         host = parse_size(host_memory, "--host-memory")
     else:
         host = None if elsewhere else machine.host_memory or None
     if gpu is None and not cpu:
-        raise RecipeError("no GPU found here: give --gpu-memory (e.g. 24GiB or 80GB), or --cpu to plan the smoke test")
+        raise RecipeError("no GPU found here: give --gpu (e.g. H100) or --gpu-memory (e.g. 24GiB), or --cpu to plan "
+                          "the smoke test")
     return gpu, host
 
 
@@ -264,12 +273,13 @@ def climbed_recipes(named, shapes, topo, gpu, host, words=()):
     return recipes, how, said
 
 
-def echo_table(rows, gpu, host, topo, global_batch, shapes):
+def echo_table(rows, gpu, host, topo, global_batch, shapes, gpu_name=None):
     where = "CPU process" if topo.cpu else "GPU"
     for s in shapes.values():
         click.echo(f"model: {s.model_type}, {s.params / 1e9:.3f}B parameters, {s.layers} layers, hidden {s.hidden}"
                    + (f" ({', '.join(s.notes)})" if s.notes else ""))
-    cap = f"{gpu / GiB:.1f} GiB per GPU" if gpu and not topo.cpu else "host RAM only"
+    cap = f"{gpu / GiB:.1f} GiB per GPU" + (f" ({gpu_name}, as CUDA shows it)" if gpu_name else "") \
+        if gpu and not topo.cpu else "host RAM only"
     click.echo(f"topology: {topo.describe()}, {cap}" + (f", {host / GiB:.0f} GiB host RAM per machine" if host else
                                                          ", host RAM not given (--host-memory): HOST is not checked")
                + "\n")

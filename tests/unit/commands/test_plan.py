@@ -42,10 +42,12 @@ def test_plan_recommends_and_finds_micro_batch_and_accumulation(cli, tmp_path):
     (["--model", "someone/not-here", "--gpu-memory", "24GiB"], "cannot read config.json"),
     (["--gpu-memory", "lots"], "'lots' is not a size"),
     (["--gpu-memory", "24GiB", "--host-memory", "24"], "'24' is not a size"),
-    ([], "no GPU found here: give --gpu-memory"),
+    ([], "no GPU found here: give --gpu (e.g. H100) or --gpu-memory"),
     (["--gpu-memory", "1GiB", "per_device_train_batch_size=64"], "nothing fits"),
     (["--gpu-memory", "24GiB", "lora.r=0"], "lora.r must be >= 1"),
     (["--gpu-memory", "24GiB", "--num-processes", "0"], "--num-processes must be >= 1, got 0"),
+    (["--gpu", "B300"], "--gpu B300 is not in memrecipe's GPU table: one of H100, H100-PCIe"),
+    (["--gpu", "H100", "--gpu-memory", "80GB"], "give --gpu H100 or --gpu-memory 80GB, not both"),
 ])
 def test_plan_bad_input_is_one_line_exit_2(cli, args, words, tmp_path):
     done = cli("plan", *args)
@@ -247,3 +249,11 @@ def test_longest_says_what_no_dropout_reaches_only_where_it_reaches_further_and_
     monkeypatch.setattr(plan, "longest_per_recipe", further)
     out = CliRunner().invoke(plan.command, ["--model", model, "--gpu-memory", "80GB", "--longest", "--method", "lora"])
     assert "single-gpu-lora: lora.dropout=0 reaches 1,130K" in out.output, out.output
+
+
+def test_a_gpu_named_is_planned_at_what_cuda_shows_of_it(cli):
+    """--gpu H100: 79.2 GiB (CUDA's total_memory on the leased H100), not 80e9 bytes; said in the table and --json."""
+    done = cli("plan", "--recipe", "single-gpu-lora", "--gpu", "h100")
+    assert done.returncode == 0 and "79.2 GiB per GPU (H100, as CUDA shows it)" in done.stdout, done.stderr
+    data = json.loads(cli("plan", "--recipe", "single-gpu-lora", "--gpu", "A100 40GB", "--json").stdout)
+    assert (data["gpu"], data["gpu_memory"]) == ("A100-40GB", 40_960 * 2**20)
