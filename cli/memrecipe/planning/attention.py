@@ -17,13 +17,6 @@ transformers 5.23 and torch 2.13:
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import NamedTuple
 
 CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
@@ -32,34 +25,6 @@ CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 class Attention(NamedTuple):
     name: str  # what transformers runs (its attn_implementation)
     why: str  # one line: why this one
-
-
-@functools.lru_cache(maxsize=None)
-def flash_installed() -> bool:
-    """flash-attn imports here. Found is not enough: a wheel built for another torch is found and dies on import
-    (undefined symbols), and `auto` would pick it. Imported in a subprocess, so that `plan` stays torch-free, and
-    the answer cached per installed file (~/.cache/memrecipe/flash_attn_imports.json): one import a machine."""
-    spec = importlib.util.find_spec("flash_attn")
-    if spec is None or not spec.origin:
-        return False
-    key = f"{spec.origin}:{os.path.getmtime(spec.origin)}:{sys.executable}"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memrecipe" / "flash_attn_imports.json"
-    try:
-        known = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key not in known:
-        try:
-            done = subprocess.run([sys.executable, "-c", "import flash_attn"], capture_output=True, timeout=300)
-            known[key] = done.returncode == 0
-        except subprocess.TimeoutExpired:
-            known[key] = False
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(known))
-        except OSError:  # a read-only home: asked again next time
-            pass
-    return known[key]
 
 
 def offset_limit(heads: int, head_dim: int) -> int:

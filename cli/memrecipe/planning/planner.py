@@ -14,7 +14,7 @@ from ..errors import RecipeError
 from ..units import GiB
 from .activations import activation_bytes, activation_mode
 from .architecture import Structure
-from .attention import flash_installed, offset_limit, offsets_note, pick_attention, square_bytes, square_note
+from .attention import offset_limit, offsets_note, pick_attention, square_bytes, square_note
 from .optimizers import OPTIMIZERS
 from .recipe import METHODS, Recipe, method
 from .states import (Sizes, add_reference, engine_states, loading_bytes, optimizer_state_bytes, step_temporaries,
@@ -148,23 +148,28 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     step = step_temporaries(recipe, train, weights)  # (the model states' side: asked here, with the rest of them)
     if load and not topo.cpu:
         notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")
-    # the kernel a launch here would run: with flash-attn installed here, its varlen kernel; on a GPU without it,
-    # flex_attention over packed rows (planning.attention)
     heads = s.heads // sp  # Ulysses: each process attends to whole sequences for 1/sp of the heads
     tokens = batch * seq // recipe.context_parallel
-    if attention is None:
-        picked = pick_attention(recipe.attn_implementation, cuda=not topo.cpu, half=compute_bytes == 2,
-                                packing=recipe.packing, flash=flash_installed(), flex=True, sequence_parallel=sp > 1,
-                                ring=recipe.context_parallel > 1,
-                                past_offsets=tokens > offset_limit(heads, s.head_dim))
-        attention = picked.name
+    mode = activation_mode(recipe, compute_bytes)
+    if attention is None:  # the kernel a launch will run on the box that runs it, not on this one: the worst of them
+        picks = {picked.name: picked for picked in (
+            pick_attention(recipe.attn_implementation, cuda=not topo.cpu, half=compute_bytes == 2,
+                           packing=recipe.packing, flash=flash, flex=True, sequence_parallel=sp > 1,
+                           ring=recipe.context_parallel > 1, past_offsets=tokens > offset_limit(heads, s.head_dim))
+            for flash in (True, False))}  # (a GPU box with flash-attn installed, and one without)
+        kernels = {name: activation_bytes(recipe, s, mode, batch, seq, name, cuda=not topo.cpu, sp=sp) for name in picks}
+        attention = max(kernels, key=lambda name: kernels[name]["working"])
         if attention != recipe.attn_implementation:
-            notes.append(f"attention: {attention} ({picked.why})")
+            others = [name for name in kernels if name != attention]
+            notes.append(f"attention: {attention} ({picks[attention].why})" + (
+                f"; the worst of what auto takes on a GPU box with flash-attn installed or not ({others[0]} holds "
+                f"less; attn_implementation={others[0]} plans it)" if others else ""))
+        act = kernels[attention]
+    else:
+        act = activation_bytes(recipe, s, mode, batch, seq, attention, cuda=not topo.cpu, sp=sp)
     wraps = None if topo.cpu else offsets_note(attention, tokens, heads, s.head_dim)
     if wraps:  # refused: not a matter of bytes
         notes.append(wraps)
-    act = activation_bytes(recipe, s, activation_mode(recipe, compute_bytes), batch, seq, attention, cuda=not topo.cpu,
-                           sp=sp)  # (Ulysses: each process holds seq / sp of it)
     square = square_note(attention, square_bytes(attention, recipe.packing, batch, seq, s.heads, compute_bytes == 4), seq)
     if square:  # long context on a kernel that keeps [S x S] tensors: say which kernels keep none
         notes.append(square)
