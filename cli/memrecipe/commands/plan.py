@@ -51,11 +51,7 @@ def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_me
     memrecipe plan --model meta-llama/Llama-3.1-8B --gpu H100 --longest --method qlora lora.r=32
     """
     machine = Machine.from_nvidia_smi()
-    if gpu is not None and gpu_memory is not None:
-        raise RecipeError(f"give --gpu {gpu} or --gpu-memory {gpu_memory}, not both: --gpu names a GPU of "
-                          "memrecipe's table, --gpu-memory any size")
-    gpu_name = gpu_named(gpu).name if gpu else None
-    named_size = gpu_named(gpu).memory if gpu else parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None
+    gpu_name, named_size = gpu_flags(gpu, gpu_memory)
     gpu, host = memories(machine, named_size, host_memory, cpu)
     if global_batch is not None and global_batch < 1:
         raise RecipeError(f"--global-batch must be >= 1, got {global_batch}")
@@ -168,6 +164,16 @@ def run_line(how, planned, overrides, model, processes, machines) -> str:
     return " ".join(["memrecipe run sft --recipe", name, *(["--model", model] if model else []),
                      *(["--num-processes", str(processes)] if processes > 1 else []),
                      *(["--num-machines", str(machines)] if machines > 1 else []), *overrides, *added])
+
+
+def gpu_flags(gpu: str | None, gpu_memory: str | None) -> tuple[str | None, int | None]:
+    """(the GPU table's name or None, bytes per GPU or None): --gpu NAME at what CUDA shows of it, or --gpu-memory."""
+    if gpu is not None and gpu_memory is not None:
+        raise RecipeError(f"give --gpu {gpu} or --gpu-memory {gpu_memory}, not both: --gpu names a GPU of "
+                          "memrecipe's table, --gpu-memory any size")
+    if gpu is not None:
+        return gpu_named(gpu).name, gpu_named(gpu).memory
+    return None, parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None
 
 
 def memories(machine, gpu_memory: int | None, host_memory, cpu) -> tuple[int | None, int | None]:

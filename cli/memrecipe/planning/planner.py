@@ -148,28 +148,8 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     step = step_temporaries(recipe, train, weights)  # (the model states' side: asked here, with the rest of them)
     if load and not topo.cpu:
         notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")
-    heads = s.heads // sp  # Ulysses: each process attends to whole sequences for 1/sp of the heads
-    tokens = batch * seq // recipe.context_parallel
-    mode = activation_mode(recipe, compute_bytes)
-    if attention is None:  # the kernel a launch will run on the box that runs it, not on this one: the worst of them
-        picks = {picked.name: picked for picked in (
-            pick_attention(recipe.attn_implementation, cuda=not topo.cpu, half=compute_bytes == 2,
-                           packing=recipe.packing, flash=flash, flex=True, sequence_parallel=sp > 1,
-                           ring=recipe.context_parallel > 1, past_offsets=tokens > offset_limit(heads, s.head_dim))
-            for flash in (True, False))}  # (a GPU box with flash-attn installed, and one without)
-        kernels = {name: activation_bytes(recipe, s, mode, batch, seq, name, cuda=not topo.cpu, sp=sp) for name in picks}
-        attention = max(kernels, key=lambda name: kernels[name]["working"])
-        if attention != recipe.attn_implementation:
-            others = [name for name in kernels if name != attention]
-            notes.append(f"attention: {attention} ({picks[attention].why})" + (
-                f"; the worst of what auto takes on a GPU box with flash-attn installed or not ({others[0]} holds "
-                f"less; attn_implementation={others[0]} plans it)" if others else ""))
-        act = kernels[attention]
-    else:
-        act = activation_bytes(recipe, s, mode, batch, seq, attention, cuda=not topo.cpu, sp=sp)
-    wraps = None if topo.cpu else offsets_note(attention, tokens, heads, s.head_dim)
-    if wraps:  # refused: not a matter of bytes
-        notes.append(wraps)
+    attention, act, wraps = plan_attention(recipe, s, activation_mode(recipe, compute_bytes), compute_bytes == 2,
+                                           batch, seq, sp, topo.cpu, attention, notes)
     square = square_note(attention, square_bytes(attention, recipe.packing, batch, seq, s.heads, compute_bytes == 4), seq)
     if square:  # long context on a kernel that keeps [S x S] tensors: say which kernels keep none
         notes.append(square)
@@ -190,6 +170,36 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         speed_cost=speed_cost(recipe, precision), saved_peak=int(act["saved_peak"]), working=int(working),
         host_load=int(load), notes=tuple(notes), step=int(step), attention=attention, refused=wraps,
         gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads))
+
+
+def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: int, seq: int, sp: int, cpu: bool,
+                   attention: str | None, notes: list[str]) -> tuple[str, dict, str | None]:
+    """(the kernel planned, its activations, why it cannot run or None), its notes added. `attention`: the kernel that
+    ran (a report's); None: the one a launch will run on the box that runs it, not on this one: the worst of what
+    auto takes on a GPU box with flash-attn installed and without. Past flash's and sdpa's 32-bit offsets
+    (attention.offset_limit) auto takes flex_attention, and a kernel named there is refused."""
+    heads = max(1, s.heads // sp)  # Ulysses: each process attends to whole sequences for 1/sp of the heads
+    tokens = batch * seq // recipe.context_parallel
+    if attention is None:
+        picks = {picked.name: picked for picked in (
+            pick_attention(recipe.attn_implementation, cuda=not cpu, half=half, packing=recipe.packing,
+                           flash=flash, flex=True, sequence_parallel=sp > 1, ring=recipe.context_parallel > 1,
+                           past_offsets=tokens > offset_limit(heads, s.head_dim))
+            for flash in (True, False))}  # (a GPU box with flash-attn installed, and one without)
+        kernels = {name: activation_bytes(recipe, s, mode, batch, seq, name, cuda=not cpu, sp=sp) for name in picks}
+        attention = max(kernels, key=lambda name: kernels[name]["working"])
+        if attention != recipe.attn_implementation:
+            others = [name for name in kernels if name != attention]
+            notes.append(f"attention: {attention} ({picks[attention].why})" + (
+                f"; the worst of what auto takes on a GPU box with flash-attn installed or not ({others[0]} holds "
+                f"less; attn_implementation={others[0]} plans it)" if others else ""))
+        act = kernels[attention]
+    else:
+        act = activation_bytes(recipe, s, mode, batch, seq, attention, cuda=not cpu, sp=sp)
+    wraps = None if cpu else offsets_note(attention, tokens, heads, s.head_dim)
+    if wraps:  # refused: not a matter of bytes
+        notes.append(wraps)
+    return attention, act, wraps
 
 
 @dataclass(frozen=True)

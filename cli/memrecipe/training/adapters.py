@@ -46,7 +46,8 @@ def add_lora(model, lora, reference: bool = False, autocast: bool = False, compi
             p.data = p.data.float()
     if autocast:
         share_inputs(model, redraw=not compiled)
-    drop_input_grads(model)
+    if not compiled:  # (compiled, every layer's input requires grad, the first's too: one graph serves them all)
+        drop_input_grads(model)
     return model
 
 
@@ -57,7 +58,8 @@ def drop_input_grads(model) -> int:
     (and so is FSDP's wrapper, as accelerate applies it), which needs none; a frozen embedding's output made to require
     grad is a leaf autograd holds to the end of backward, one [tokens x hidden] past what the activation offload
     moves to host memory (4.4 GiB of an 8B at 565K tokens). peft's call replaces transformers' list of its hooks, so
-    the hooks are found on the module. A trained embedding's output requires grad anyway."""
+    the hooks are found on the module. A trained embedding's output requires grad anyway. (Kept when the layers will
+    be compiled: with the first layer's input requiring grad as the others' do, one graph serves every layer.)"""
     hooks = model.get_input_embeddings()._forward_hooks
     marking = [key for key, hook in hooks.items() if getattr(hook, "__name__", "").startswith("make_inputs_require_grad")]
     for key in marking:

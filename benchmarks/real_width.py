@@ -1,0 +1,84 @@
+"""The plan at a real model's widths, on CPU: Llama-3.1-8B's layer (hidden 4096, intermediate 14336, 32 query and 8
+key/value heads of 128; a small vocabulary, so the embedding does not dominate), one layer, on the top rung
+(checkpointing, lean norms, tiled MLP; LoRA r16 on every linear, no dropout), at two lengths. For each attention
+kernel, the step's allocation peak (the CPU profiler's timeline, as tests/measuring.py reads it) beside the plan's
+working bytes, and the per-token slope of each: small widths hide terms that grow with the width.
+
+    python benchmarks/real_width.py [--lengths 1024 2048]
+
+Kernels: torch's CPU flash attention (planned as CPU: cuda=False), and flash-attn 2's CUDA kernels stood in for by
+what they allocate (tests/standins.py; planned as a GPU: cuda=True). ~1-2 minutes a length on 2 cores.
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import memrecipe  # noqa: F401  (first: quiets library notices)
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loop's own model setup
+
+import standins  # noqa: E402
+from helpers import loop_model  # noqa: E402
+from measuring import step_peak  # noqa: E402
+from memrecipe.planning.activations import activation_bytes, activation_mode  # noqa: E402
+from memrecipe.planning.architecture import read_config, structure  # noqa: E402
+from memrecipe.planning.registry import load_recipe  # noqa: E402
+
+EIGHT_B_LAYER = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 1, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 1024, "max_position_embeddings": 131072}
+TOP = ["gradient_checkpointing=true", "lean_norms=true", "tiled_mlp=true", "lora.dropout=0",
+       "lora.target_modules=all-linear", "lora.r=16", "packing=false", "per_device_train_batch_size=1",
+       "optimizer_in_backward=false"]
+KERNELS = {"cpu flash (sdpa)": (None, False), "flash-attn 2 stand-in": ("standin_flash_attention_2", True)}
+
+
+def model(folder: Path) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memrecipe.training.loading import embedded_model
+
+    config = AutoConfig.from_pretrained(embedded_model())
+    config.update(EIGHT_B_LAYER)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    return str(folder)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs=2, default=[1024, 2048])
+    args = parser.parse_args()
+    path = model(Path(tempfile.mkdtemp(prefix="memrecipe-real-width-")))
+    s = structure(read_config(path))
+    print("| kernel | tokens | measured peak MiB | planned MiB | planned / measured | slope measured B/token | "
+          "slope planned B/token | slope ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (standin, cuda) in KERNELS.items():
+        peaks, plans = {}, {}
+        for length in args.lengths:
+            r = load_recipe("single-gpu-lora", [*TOP, f"max_seq_length={length}"])
+            m, _ = loop_model(r, path, "bf16")
+            if standin:
+                standins.use(m, standin)
+            m.train()
+            ids = torch.randint(0, s.vocab, (1, length), generator=torch.Generator().manual_seed(0))
+            batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids),
+                     "position_ids": torch.arange(length)[None]}
+            peaks[length] = step_peak(m, batch, autocast=True)
+            plans[length] = activation_bytes(r, s, activation_mode(r, 2), 1, length,
+                                             attention="flash_attention_2" if cuda else "sdpa", cuda=cuda)["working"]
+            del m
+        short, long = args.lengths
+        slope = (peaks[long] - peaks[short]) / (long - short)
+        planned = (plans[long] - plans[short]) / (long - short)
+        for length in args.lengths:
+            print(f"| {name} | {length:,} | {peaks[length] / 2**20:,.1f} | {plans[length] / 2**20:,.1f} | "
+                  f"{plans[length] / peaks[length]:.3f} | {slope:,.0f} | {planned:,.0f} | {planned / slope:.3f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
