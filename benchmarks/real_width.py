@@ -7,7 +7,9 @@ working bytes, and the per-token slope of each: small widths hide terms that gro
     python benchmarks/real_width.py [--lengths 1024 2048]
 
 Kernels: torch's CPU flash attention (planned as CPU: cuda=False), and flash-attn 2's CUDA kernels stood in for by
-what they allocate (tests/standins.py; planned as a GPU: cuda=True). ~1-2 minutes a length on 2 cores.
+what they allocate (tests/standins.py; planned as a GPU: cuda=True). Slow on a CPU without a bf16 GEMM: on the
+2-core AVX2 machine (2026-11-28) 10 minutes gave no row yet (the CPU flash kernel's backward runs its bf16 GEMMs in a
+scalar loop); run it where torch has a bf16 GEMM (torch.ops.mkldnn._is_mkldnn_bf16_supported()), or on a GPU box.
 """
 
 import argparse
