@@ -4,7 +4,7 @@ Llama-family layers, measured on CPU), at each checkpointing mode, and the loss'
 from __future__ import annotations
 
 from .architecture import Structure, lora_tensors_on_meta
-from .attention import pick_attention, square_bytes
+from .attention import offset_limit, offsets_note, pick_attention, square_bytes
 from .hardware import usable_cores
 from .recipe import Recipe
 
@@ -371,3 +371,33 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     working = max(working, small + embedding_end)
     return {"activations": acts, "logits": logits, "saved_peak": saved_peak, "forward_saved": forward_saved,
             "layer": layer, "host": host, "working": working}
+
+
+def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: int, seq: int, sp: int, cpu: bool,
+                   attention: str | None, notes: list[str]) -> tuple[str, dict, str | None]:
+    """(the kernel planned, its activations, why it cannot run or None), its notes added. `attention`: the kernel that
+    ran (a report's); None: the one a launch will run on the box that runs it, not on this one: the worst of what
+    auto takes on a GPU box with flash-attn installed and without. Past flash's and sdpa's 32-bit offsets
+    (attention.offset_limit) auto takes flex_attention, and a kernel named there is refused."""
+    heads = max(1, s.heads // sp)  # Ulysses: each process attends to whole sequences for 1/sp of the heads
+    tokens = batch * seq // recipe.context_parallel
+    if attention is None:
+        picks = {picked.name: picked for picked in (
+            pick_attention(recipe.attn_implementation, cuda=not cpu, half=half, packing=recipe.packing,
+                           flash=flash, flex=True, sequence_parallel=sp > 1, ring=recipe.context_parallel > 1,
+                           past_offsets=tokens > offset_limit(heads, s.head_dim))
+            for flash in (True, False))}  # (a GPU box with flash-attn installed, and one without)
+        kernels = {name: activation_bytes(recipe, s, mode, batch, seq, name, cuda=not cpu, sp=sp) for name in picks}
+        attention = max(kernels, key=lambda name: kernels[name]["working"])
+        if attention != recipe.attn_implementation:
+            others = [name for name in kernels if name != attention]
+            notes.append(f"attention: {attention} ({picks[attention].why})" + (
+                f"; the worst of what auto takes on a GPU box with flash-attn installed or not ({others[0]} holds "
+                f"less; attn_implementation={others[0]} plans it)" if others else ""))
+        act = kernels[attention]
+    else:
+        act = activation_bytes(recipe, s, mode, batch, seq, attention, cuda=not cpu, sp=sp)
+    wraps = None if cpu else offsets_note(attention, tokens, heads, s.head_dim)
+    if wraps:  # refused: not a matter of bytes
+        notes.append(wraps)
+    return attention, act, wraps
