@@ -117,7 +117,7 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
             and not getattr(config, "attention_dropout", 0))
     text = config.get_text_config()
     # Ulysses: each process attends to 1/sp of the heads (sp null: every process of the launch)
-    heads = text.num_attention_heads // recipe.sequence_group(int(os.environ.get("WORLD_SIZE", "1")))
+    heads = max(1, text.num_attention_heads // recipe.sequence_group(int(os.environ.get("WORLD_SIZE", "1"))))
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     tokens = recipe.per_device_train_batch_size * recipe.max_seq_length // recipe.context_parallel
     picked = pick_attention(recipe.attn_implementation, cuda=cuda, half=precision in ("bf16", "fp16"),
