@@ -6,6 +6,21 @@ nothing else. Registered as transformers attention functions (`use(model, name)`
 import torch
 
 
+def saved_output(ctx, q, k, v):
+    """The attention's output [b, L, h, d] and its fp32 logsumexp [b, h, L], kept with q, k and v (q [b, h, L, d], k
+    and v [b, kv, L, d], as transformers hands them over)."""
+    b, h, length, d = q.shape
+    out = q.new_zeros(b, length, h, d)
+    ctx.save_for_backward(q, k, v, out, torch.zeros(b, h, length, dtype=torch.float32))
+    return out
+
+
+def gradients(q, k):
+    """dq at the query's heads, dk and dv at K's and V's own, each [b, L, heads, d] in memory."""
+    b, h, length, d = q.shape
+    return q.new_zeros(b, length, h, d), k.new_zeros(b, length, k.shape[1], d), k.new_zeros(b, length, k.shape[1], d)
+
+
 class FlashAttention2(torch.autograd.Function):
     """flash-attn 2 (csrc/flash_attn/flash_api.cpp). mha_fwd returns out [b, L, h, d] and softmax_lse fp32 [b, h, L],
     and the autograd function keeps q, k, v, out and softmax_lse. mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv)
@@ -14,20 +29,15 @@ class FlashAttention2(torch.autograd.Function):
     and softmax_d fp32 [b, h, L], runs the kernel, then sums the expanded gradients into dk and dv (at::sum_out)."""
 
     @staticmethod
-    def forward(ctx, q, k, v):  # q [b, h, L, d], k and v [b, kv, L, d], as transformers hands them over
-        b, h, length, d = q.shape
-        out = q.new_zeros(b, length, h, d)
-        lse = torch.zeros(b, h, length, dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
+    def forward(ctx, q, k, v):
+        return saved_output(ctx, q, k, v)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors  # (flash_attn_interface: every saved tensor held to the end)
         b, h, length, d = q.shape
         kv = k.shape[1]
-        dq = q.new_zeros(b, length, h, d)
-        dk, dv = k.new_zeros(b, length, kv, d), v.new_zeros(b, length, kv, d)
+        dq, dk, dv = gradients(q, k)
         expanded = [k.new_zeros(b, length, h, d), v.new_zeros(b, length, h, d)] if kv != h else []
         rounded = -(-length // 128) * 128
         dq_accum = torch.zeros(b, rounded, h, d, dtype=torch.float32)
@@ -39,12 +49,67 @@ class FlashAttention2(torch.autograd.Function):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+class FlexAttention(torch.autograd.Function):
+    """flex_attention, compiled (torch/_higher_order_ops/flex_attention.py and torch/_inductor/kernel/flex/
+    flex_attention.py). The forward writes out in the query's stride order (infer_dense_strides(out_size,
+    q_strides): [b, L, h, d] in memory for transformers' query after RoPE) and the fp32 logsumexp [b, h, L]; the
+    compiled graph keeps q, k, v, out and logsumexp (max_scores, an output no backward reads, is not kept). The
+    backward (flex_attention_backward) takes dout, makes delta, the fp32 row sums of out x dout [b, h, L], and writes
+    dq at the query's heads and dk, dv at K's and V's own heads (no expansion, no fp32 accumulator)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return saved_output(ctx, q, k, v).transpose(1, 2)  # [b, L, h, d] in memory: the query's stride order
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        b, h, length, _ = q.shape
+        delta = torch.zeros(b, h, length, dtype=torch.float32)
+        del out  # inductor's backward frees each input after its last use (`args.clear()`, then `del`): out's is delta
+        dq, dk, dv = gradients(q, k)
+        del delta
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def flex_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' integrations/flex_attention.py: out.transpose(1, 2).contiguous() (no copy: out is [b, L, h, d]
+    in memory already)."""
+    return FlexAttention.apply(query, key, value).transpose(1, 2).contiguous(), None
+
+
+class FusedDropout(torch.autograd.Function):
+    """CUDA's dropout: ATen's fused kernel (Dropout.cpp, is_fused_kernel_acceptable: CUDA inputs only) runs
+    native_dropout, whose CUDA kernel (aten/src/ATen/native/cuda/Dropout.cu, dropout_cuda) allocates the output and
+    a bool mask and nothing else; its backward (masked_scale) one gradient. CPU's native_dropout makes an fp32 noise
+    tensor on the way (measured: 9 bytes an fp32 element at its peak, against CUDA's 5), and F.dropout on CPU keeps
+    that noise: neither is CUDA's."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        mask = torch.empty(x.shape, dtype=torch.bool).bernoulli_(1 - p)
+        out = torch.where(mask, x, 0.0).mul_(1 / (1 - p))  # (torch.mul would cast the mask to x's dtype first)
+        ctx.save_for_backward(mask)
+        ctx.scale = 1 / (1 - p)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return torch.where(mask, grad, 0.0).mul_(ctx.scale), None
+
+
+def cuda_dropout(input, p=0.5, training=True, inplace=False):
+    """F.dropout as CUDA runs it (FusedDropout): patched over torch.nn.functional.dropout."""
+    return FusedDropout.apply(input, p) if training and p > 0 else input
+
+
 def flash_attention_2(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-function interface: out [b, L, h, d], no weights."""
     return FlashAttention2.apply(query, key, value), None
 
 
-KERNELS = {"standin_flash_attention_2": flash_attention_2}
+KERNELS = {"standin_flash_attention_2": flash_attention_2, "standin_flex_attention": flex_attention}
 
 
 def use(model, name: str) -> None:

@@ -4,7 +4,7 @@ Llama-family layers, measured on CPU), at each checkpointing mode, and the loss'
 from __future__ import annotations
 
 from .architecture import Structure, lora_tensors_on_meta
-from .attention import offset_limit, offsets_note, pick_attention, square_bytes
+from .attention import block_mask_bytes, offset_limit, offsets_note, pick_attention, square_bytes
 from .hardware import usable_cores
 from .recipe import Recipe
 
@@ -43,20 +43,23 @@ def compute_bytes(mode: str) -> int:
 
 
 SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # linears that read one tensor
+KEEPS_ITS_OUTPUT = ("sdpa", "flash_attention_2", "flex_attention")  # kernels whose saved output o_proj reads
 
 
 def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str = "sdpa") -> int:
     """Per token, what a layer's adapters on `linears` keep for backward: each its rank-r output, and its input. Under
     autocast (training.adapters.share_inputs) the adapters read their input as it comes and redraw their dropout in
     backward (recompute_dropout): over a 16-bit residual stream those reading one tensor (SIBLINGS) keep it once, and
-    o_proj reads what sdpa and flash attention keep of their own output (their [tokens x heads x head_dim] layout:
-    transformers' transpose and reshape copy nothing; eager's and flex's copy). Compiled layers keep peft's dropout:
+    o_proj reads what sdpa, flash attention and flex_attention keep of their own output (their [tokens x heads x
+    head_dim] layout: transformers' transpose and reshape copy nothing; eager's copy). Compiled flex_attention writes
+    its output in the query's stride order (torch/_inductor/kernel/flex/flex_attention.py: infer_dense_strides(out_size,
+    q_strides)), and the query after RoPE is [tokens x heads x head_dim] in memory, as q_proj wrote it. Compiled layers keep peft's dropout:
     each adapter its 16-bit copy of the dropped input and the mask. Measured on CPU:
     tests/unit/planning/test_activations.py."""
     kept_dropout = bool(recipe.lora.dropout) and recipe.torch_compile
     mask = dropout_bytes(cuda) if kept_dropout else 0
     shared = mode == "lora" and not kept_dropout
-    kept, read = 0, set[str | frozenset[str]]({"o_proj"} if attention in ("sdpa", "flash_attention_2") else ())
+    kept, read = 0, set[str | frozenset[str]]({"o_proj"} if attention in KEEPS_ITS_OUTPUT else ())
     for lin in linears:
         tensor = next((frozenset(group) for group in SIBLINGS if lin.name in group), lin.name)
         if not (shared and tensor in read):
@@ -158,25 +161,31 @@ def lean_norm_saving(mode: str, h: int) -> int:
     return 4 * h if trains else (4 - residual_bytes(mode)) * h
 
 
-def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool) -> int:
+def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool, attention: str = "sdpa") -> int:
     """What the attention kernel's backward allocates beside the layer's saved tensors (the MLP's freed by then): the
-    gradients of q, k and v, K and V at every query head (the CPU kernel gets them repeated; flash-attn expands them
-    under GQA, then sums them into K's and V's heads), the gradient of the attention's output (`dout`, o_proj's input
-    gradient: an argument of the kernel's backward, alive throughout it), and its working buffers: on a GPU flash's
-    fp32 dq accumulator and row sums (flash-attn's csrc/flash_attn/flash_api.cpp, mha_varlen_bwd(dout, ...):
-    dq_accum, softmax_d, dk_expanded; torch's sdpa, _scaled_dot_product_flash_attention_backward(grad_out, ...)); on
-    CPU grad_out made contiguous, which stands for dout, and each thread's fp32 and 16-bit blocks of scores
-    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: 256 x 512 from 768 tokens). dout on a GPU was the one of two
-    [tokens x hidden] terms the third lease's H200 rows found missing under sdpa (docs/gpu.md); the other, the
-    embedding's output kept as a leaf, the loop no longer keeps (training.adapters.drop_input_grads)."""
+    gradients of q, k and v, the gradient of the attention's output (`dout`, o_proj's input gradient: an argument of
+    the kernel's backward, alive throughout it), and the kernel's working buffers:
+    - flash-attn 2 and torch's copy of its kernel under sdpa, on a GPU: K's and V's gradients at every query head
+      (expanded under GQA, then summed into their own heads), the fp32 dq accumulator and row sums (flash-attn's
+      csrc/flash_attn/flash_api.cpp, mha_varlen_bwd(dout, ...): dq_accum, softmax_d, dk_expanded; torch's sdpa,
+      _scaled_dot_product_flash_attention_backward(grad_out, ...)). dout was the one of two [tokens x hidden] terms
+      the third lease's H200 rows found missing under sdpa (docs/gpu.md).
+    - flex_attention (compiled; torch/_inductor/kernel/flex/flex_attention.py, flex_attention_backward): dq at the
+      query's heads, dk and dv at K's and V's own heads (written by the kernel, no expansion, no fp32 accumulator:
+      each query block's dq is summed in registers), and `delta`, the fp32 row sums of out x dout.
+    - on CPU (torch's FlashAttentionKernel.cpp, measured): K and V repeated to every query head, grad_out made
+      contiguous (which stands for dout) and each thread's fp32 and 16-bit blocks of scores (256 x 512 from 768
+      tokens)."""
     cb = compute_bytes(mode)
     per_head = s.heads * s.head_dim
+    dout = tokens * cb * per_head
+    if cuda and attention == "flex_attention":
+        return dout + tokens * (cb * (per_head + 2 * s.kv_dim) + 4 * s.heads)  # dq, dk and dv, delta
     grads = tokens * 3 * cb * per_head
     if cuda:
-        dout = tokens * cb * per_head
         return grads + dout + tokens * (2 * cb * s.kv_dim + 4 * (per_head + s.heads))
     block = (256 if tokens >= 768 else 64 if tokens >= 192 else 32) * min(512, tokens)
-    return grads + tokens * cb * per_head + usable_cores() * block * (8 + (4 if cb == 2 else 0))
+    return grads + dout + usable_cores() * block * (8 + (4 if cb == 2 else 0))
 
 
 def exchange_bytes(s: Structure, mode: str, tokens: int, sp: int) -> int:
@@ -211,7 +220,7 @@ def ring_bytes(s: Structure, mode: str, tokens: int, cp: int) -> int:
 
 
 def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: int, cuda: bool = False,
-                  sp: int = 1) -> int:
+                  sp: int = 1, attention: str = "sdpa") -> int:
     """The most one layer holds while backward runs through it: `saved` (what it keeps, layer_activation_bytes) with
     what is allocated beside it, at the largest of three places (the CPU profiler's allocation peak inside a
     recomputed layer's backward, tests/unit/planning/test_activations.py), each beside the gradient arriving at the
@@ -223,7 +232,14 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
       nothing else) to fp32 (with dropout, and under QLoRA: training.adapters.share_inputs) and dropout writes its
       mask and its fp32 output;
     - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden]);
-      under lean_norms, five over a tile of hidden_size tokens, and its input's gradient.
+      under lean_norms, five over a tile of hidden_size tokens, and its input's gradient;
+    - the attention kernel's backward (attention_backward_bytes, by kernel), the norm after it freed too;
+    - with LoRA's dropout redrawn (training.adapters.recompute_dropout), an adapter outside the MLP (o_proj; q, k
+      and v hold less there) over the whole sequence: its fp32 input, the mask and the fp32 dropped input, made
+      again in its backward beside the attention's kept tensors (the third lease's flex_attention row: 9.0 of the
+      14.1 GiB live at its peak, training/adapters.py `dropped`), and the frozen linear's output from the layer's
+      recompute (peft's lora/layer.py `result = self.base_layer(x)`, found live there on CPU with stand-ins for the
+      CUDA kernels: tests/unit/planning/test_activations.py).
     Under Ulysses (`sp`), a fourth: the exchanges after the attention's backward (exchange_bytes); under ring
     attention (parallelism.cp_size), the ring's buffers beside the kernel's backward (ring_bytes)."""
     cb = compute_bytes(mode)
@@ -240,7 +256,16 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     mlp_freed = saved - mlp_tokens * mlp_bytes(recipe, s, mode, cuda)
     # by the attention's backward, the norm after it and the MLP's input are freed too
     after_attention = tokens * s.hidden * (cb + (residual if recipe.lean_norms else 4))
-    places = [mlp_freed + norm, mlp_freed - after_attention + attention_backward_bytes(s, mode, tokens, cuda)]
+    places = [mlp_freed + norm,
+              mlp_freed - after_attention + attention_backward_bytes(s, mode, tokens, cuda, attention)]
+    redraws = lora and lora.dropout and not recipe.torch_compile and mode in ("lora", "qlora")
+    redrawn = dropout_bytes(cuda) if redraws else 0
+    outside = [lin for lin in (s.lora_linears(lora.target_modules) if redrawn else ())
+               if s.intermediate not in (lin.in_features, lin.out_features)]
+    if outside:  # the widest's redraw, beside its frozen output from the layer's recompute
+        widest = max(outside, key=lambda lin: lin.in_features)
+        places.append(mlp_freed - after_attention + tokens * ((8 + redrawn) * widest.in_features
+                                                              + cb * widest.out_features))
     if sp > 1:  # the exchanges, after the kernel's backward: its gradients of q, k, v passing them
         places.append(mlp_freed - after_attention + 3 * tokens * cb * s.heads * s.head_dim
                       + exchange_bytes(s, mode, tokens, sp))
@@ -255,7 +280,6 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
         places.append(saved + mlp_tokens * (3 * cb * i - kept))
         if down and (mode == "qlora" or (mode == "lora" and lora.dropout)):
             # a redrawn dropout's mask, which the layer does not keep, is made again beside them
-            redrawn = dropout_bytes(cuda) if lora.dropout and not recipe.torch_compile else 0
             places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn + cb) * i)
     return max(places) + tokens * residual * s.hidden
 
@@ -336,7 +360,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
                + replicated_kv_bytes(g, mode, T, sp), g) for g in s.groups()]
     layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
     # a layer's backward; selectively checkpointed, its matmuls' outputs are counted in `inputs` below
-    in_backward = max((backward_peak(recipe, g, mode, T, one * tp, cuda, sp) - (selective_bytes(recipe, g, mode, T)
+    in_backward = max((backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention) - (selective_bytes(recipe, g, mode, T)
                       if recipe.gradient_checkpointing == "selective" else 0)) // tp for _, one, g in layers)
     every_layer = sum(n * one for n, one, _ in layers)
     host = 0
@@ -348,7 +372,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     if recipe.lean_norms:  # the final norm too
         norm -= T * lean_norm_saving(mode, h)
     head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
-    small = T * 8 + rope  # input ids, rotary cos/sin
+    small = T * 8 + rope + block_mask_bytes(attention, b, seq)  # input ids, rotary cos/sin, flex's BlockMask
     saved_logits, logits, head_copy = loss_bytes(recipe, s, mode, b, T, head_copy)
     waiting, embedding_end = embedding_gradient_bytes(recipe, s, mode)
     if recipe.checkpoints:

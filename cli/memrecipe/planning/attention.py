@@ -102,6 +102,18 @@ def square_bytes(name: str, packing: bool, micro_batch: int, seq: int, heads: in
     return 0
 
 
+def block_mask_bytes(name: str, micro_batch: int, seq: int, block: int = 128) -> int:
+    """flex_attention's BlockMask, made once a forward (transformers' masking_utils.flex_attention_mask:
+    create_block_mask) and held by every layer's kernel to the end of backward: per row, the blocks each query block
+    reads and each key block is read by, partly and fully masked (kv_indices, full_kv_indices and their transposes
+    q_indices, full_q_indices: int32 [blocks x blocks], with their int32 counts; torch/nn/attention/flex_attention.py,
+    BlockMask.from_kv_blocks, 128-token blocks). 0.3 GiB at 565K tokens."""
+    if name != "flex_attention":
+        return 0
+    blocks = -(-seq // block)
+    return micro_batch * 4 * 4 * blocks * (blocks + 1)
+
+
 def square_note(name: str, square: int, seq: int) -> str | None:
     """One line when a layer's [S x S] tensors pass SQUARE_LIMIT: which kernels this length needs."""
     if square <= SQUARE_LIMIT:

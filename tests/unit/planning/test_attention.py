@@ -69,24 +69,28 @@ def test_the_loop_resolves_auto_from_what_is_installed(monkeypatch, tmp_path, fl
 
 
 def test_the_planner_plans_the_kernel_auto_picks():
-    """On a GPU without flash-attn auto runs flex_attention over packed rows: no dense mask, no K/V copies. sdpa under
-    the packed rows' mask holds both in every layer; flash-attn's varlen kernel neither, nor flex's o_proj copy. A GPU
-    plan does not depend on what is installed where it is made: auto is planned as the worst of what it takes on a
-    GPU box, with flash-attn installed (flash_attention_2) or not (flex_attention), and says which."""
+    """On a GPU without flash-attn auto runs flex_attention over packed rows: no dense mask, no K/V copies, its
+    BlockMask. sdpa under the packed rows' mask holds both in every layer; flash-attn's varlen kernel neither, and
+    no BlockMask. All three keep the attention's output once, o_proj reading it. A GPU plan does not depend on what is
+    installed where it is made: auto is planned as the worst of what it takes on a GPU box, with flash-attn installed
+    (flash_attention_2, whose backward's buffers are the larger) or not (flex_attention), and says which."""
+    from memrecipe.planning.attention import block_mask_bytes
+
     s = structure(read_config(embedded_model()))
     words = ["max_seq_length=2048", "per_device_train_batch_size=2", "gradient_checkpointing=false",
              "lora.dropout=0"]  # (what dropout keeps differs by device: test_activations)
-    auto, sdpa = (estimate(load_recipe("single-gpu-lora", [*words, f"attn_implementation={a}"]), s, Topology(1))
-                  for a in ("auto", "sdpa"))
-    assert (auto.attention, sdpa.attention) == ("flex_attention", "sdpa")
+    auto, sdpa, flex, flash = (estimate(load_recipe("single-gpu-lora", [*words, f"attn_implementation={a}"]), s,
+                                        Topology(1)) for a in ("auto", "sdpa", "flex_attention", "flash_attention_2"))
+    worst, other = (flash, flex) if flash.working > flex.working else (flex, flash)
+    assert (auto.attention, sdpa.attention) == (worst.attention, "sdpa") and auto.working == worst.working
     T, a, d, kv = 2 * 2048, s.heads, s.head_dim, s.kv_dim
     per_layer = T * (a * d - kv) * 2 * 2 + 2 * 2048 * 2048 * 2  # K and V repeated, the additive bf16 mask
-    o_input = T * 2 * s.hidden  # flex's output copied for o_proj's adapter; sdpa's and flash's read as they are
-    assert sdpa.activations - auto.activations == s.layers * (per_layer - o_input)
-    assert any(n.startswith("attention: flex_attention") and "the worst of what auto takes on a GPU box with "
-               "flash-attn installed or not (flash_attention_2 holds less" in n for n in auto.notes)
-    flash = estimate(load_recipe("single-gpu-lora", [*words, "attn_implementation=flash_attention_2"]), s, Topology(1))
-    assert flash.attention == "flash_attention_2" and flash.activations == auto.activations - s.layers * o_input
+    blocks = block_mask_bytes("flex_attention", 2, 2048)
+    assert blocks == 2 * 16 * 16 * 17
+    assert sdpa.activations - flex.activations == s.layers * per_layer - blocks
+    assert flash.activations == flex.activations - blocks
+    assert any(n.startswith(f"attention: {worst.attention}") and "the worst of what auto takes on a GPU box with "
+               f"flash-attn installed or not ({other.attention} holds less" in n for n in auto.notes)
     cpu = estimate(load_recipe("single-gpu-lora", words), s, Topology(1, cpu=True))
     assert cpu.attention == "sdpa" and cpu.activations == sdpa.activations
     # a run's report plans the kernel that ran: auto that fell back to sdpa on a GPU is planned as sdpa
@@ -124,9 +128,10 @@ def test_sdpa_under_a_packed_mask_saves_what_the_planner_says():
     packed = saved(torch.cat([torch.arange(16)] * 3).repeat(b, 1))
     s = structure(read_config(embedded_model()))
     mode = activation_mode(recipe, 4)
-    planned = {kernel: activation_bytes(recipe, s, mode, b, seq, kernel)["activations"] for kernel in ("sdpa", "flex_attention")}
+    planned = {kernel: activation_bytes(recipe, s, mode, b, seq, kernel)["activations"]
+               for kernel in ("sdpa", "flash_attention_2")}
     assert packed - whole > 0
-    assert planned["sdpa"] - planned["flex_attention"] == packed - whole  # (flex: the plan without a dense mask)
+    assert planned["sdpa"] - planned["flash_attention_2"] == packed - whole  # (flash: the plan without a dense mask)
 
 
 @pytest.mark.slow
