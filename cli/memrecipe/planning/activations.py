@@ -258,14 +258,10 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     after_attention = tokens * s.hidden * (cb + (residual if recipe.lean_norms else 4))
     places = [mlp_freed + norm,
               mlp_freed - after_attention + attention_backward_bytes(s, mode, tokens, cuda, attention)]
-    redraws = lora and lora.dropout and not recipe.torch_compile and mode in ("lora", "qlora")
-    redrawn = dropout_bytes(cuda) if redraws else 0
-    outside = [lin for lin in (s.lora_linears(lora.target_modules) if redrawn else ())
-               if s.intermediate not in (lin.in_features, lin.out_features)]
-    if outside:  # the widest's redraw, beside its frozen output from the layer's recompute
-        widest = max(outside, key=lambda lin: lin.in_features)
-        places.append(mlp_freed - after_attention + tokens * ((8 + redrawn) * widest.in_features
-                                                              + cb * widest.out_features))
+    redrawn = redrawn_mask_bytes(recipe, mode, cuda)
+    outside = outside_redraw_bytes(recipe, s, tokens, cb, redrawn) if redrawn else 0
+    if outside:
+        places.append(mlp_freed - after_attention + outside)
     if sp > 1:  # the exchanges, after the kernel's backward: its gradients of q, k, v passing them
         places.append(mlp_freed - after_attention + 3 * tokens * cb * s.heads * s.head_dim
                       + exchange_bytes(s, mode, tokens, sp))
@@ -282,6 +278,25 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
             # a redrawn dropout's mask, which the layer does not keep, is made again beside them
             places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn + cb) * i)
     return max(places) + tokens * residual * s.hidden
+
+
+def redrawn_mask_bytes(recipe: Recipe, mode: str, cuda: bool) -> int:
+    """Bytes an element of the mask LoRA's dropout draws again in backward (training.adapters.recompute_dropout:
+    under autocast, not compiled), 0 where it is not redrawn."""
+    lora = recipe.lora
+    redraws = lora and lora.dropout and not recipe.torch_compile and mode in ("lora", "qlora")
+    return dropout_bytes(cuda) if redraws else 0
+
+
+def outside_redraw_bytes(recipe: Recipe, s: Structure, tokens: int, cb: int, redrawn: int) -> int:
+    """The widest adapter outside the MLP redrawing its dropout in its backward (o_proj's: its fp32 input, the mask,
+    the fp32 dropped input), beside the frozen linear's output from the layer's recompute (backward_peak)."""
+    outside = [lin for lin in s.lora_linears(recipe.lora.target_modules)
+               if s.intermediate not in (lin.in_features, lin.out_features)]
+    if not outside:
+        return 0
+    widest = max(outside, key=lambda lin: lin.in_features)
+    return tokens * ((8 + redrawn) * widest.in_features + cb * widest.out_features)
 
 
 def selective_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int) -> int:
