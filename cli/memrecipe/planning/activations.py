@@ -52,9 +52,10 @@ def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str
     backward (recompute_dropout): over a 16-bit residual stream those reading one tensor (SIBLINGS) keep it once, and
     o_proj reads what sdpa, flash attention and flex_attention keep of their own output (their [tokens x heads x
     head_dim] layout: transformers' transpose and reshape copy nothing; eager's copy). Compiled flex_attention writes
-    its output in the query's stride order (torch/_inductor/kernel/flex/flex_attention.py: infer_dense_strides(out_size,
-    q_strides)), and the query after RoPE is [tokens x heads x head_dim] in memory, as q_proj wrote it. Compiled layers keep peft's dropout:
-    each adapter its 16-bit copy of the dropped input and the mask. Measured on CPU:
+    its output in the query's stride order (torch/_inductor/kernel/flex/flex_attention.py:
+    infer_dense_strides(out_size, q_strides)), and the query after RoPE is [tokens x heads x head_dim] in memory, as
+    q_proj wrote it. Compiled layers keep peft's dropout: each adapter its 16-bit copy of the dropped input and the
+    mask. Measured on CPU:
     tests/unit/planning/test_activations.py."""
     kept_dropout = bool(recipe.lora.dropout) and recipe.torch_compile
     mask = dropout_bytes(cuda) if kept_dropout else 0
@@ -375,8 +376,9 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
                + replicated_kv_bytes(g, mode, T, sp), g) for g in s.groups()]
     layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
     # a layer's backward; selectively checkpointed, its matmuls' outputs are counted in `inputs` below
-    in_backward = max((backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention) - (selective_bytes(recipe, g, mode, T)
-                      if recipe.gradient_checkpointing == "selective" else 0)) // tp for _, one, g in layers)
+    selective = recipe.gradient_checkpointing == "selective"
+    in_backward = max((backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention)
+                       - (selective_bytes(recipe, g, mode, T) if selective else 0)) // tp for _, one, g in layers)
     every_layer = sum(n * one for n, one, _ in layers)
     host = 0
     residual = residual_bytes(mode)
