@@ -40,22 +40,28 @@ class TiledMLP(torch.autograd.Function):
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         flat, grads = x.detach().reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        pieces = []
+        # x's gradient is written tile by tile into one tensor (each tile's leaf accumulates into its slice, in
+        # place), as DeepSpeed's TiledMLP does: gathering the tiles' gradients and concatenating them would hold
+        # the input's gradient twice at the end
+        x_grad = torch.zeros_like(flat) if x.requires_grad else None
         enabled, dtype = ctx.autocast
         with torch.random.fork_rng(devices=[x.device] if ctx.device == "cuda" else [], device_type=ctx.device):
             tiles = list(zip(flat.chunk(ctx.tiles), grads.chunk(ctx.tiles), ctx.states))
+            start = 0
             for i, (part, tile_grad, state) in enumerate(tiles):
                 for param in ctx.params:  # (DeepSpeed: reduce each gradient once, after the last tile)
                     param.ds_grad_is_ready = i == len(tiles) - 1
                 set_random_state(x.device, state)
                 leaf = part.detach().requires_grad_(x.requires_grad)
+                if x_grad is not None:
+                    leaf.grad = x_grad.narrow(0, start, len(part))
+                start += len(part)
                 with torch.enable_grad(), torch.autocast(ctx.device, dtype=dtype, enabled=enabled):
                     # through a view, as in the model: autocast caches the half cast of a leaf, and the gradients
                     # of its uses would then be summed in 16 bits instead of 32
                     output = ctx.forward(leaf.view_as(leaf))
                 torch.autograd.backward(output, tile_grad)
-                pieces.append(leaf.grad)
-        return None, torch.cat(pieces).view_as(x) if x.requires_grad else None, None, None
+        return None, x_grad.view_as(x) if x_grad is not None else None, None, None
 
 
 def random_state(device):
