@@ -46,16 +46,14 @@ class TiledMLP(torch.autograd.Function):
         x_grad = torch.zeros_like(flat) if x.requires_grad else None
         enabled, dtype = ctx.autocast
         with torch.random.fork_rng(devices=[x.device] if ctx.device == "cuda" else [], device_type=ctx.device):
-            tiles = list(zip(flat.chunk(ctx.tiles), grads.chunk(ctx.tiles), ctx.states))
-            start = 0
-            for i, (part, tile_grad, state) in enumerate(tiles):
+            slices = x_grad.chunk(ctx.tiles) if x_grad is not None else [None] * len(ctx.states)
+            tiles = list(zip(flat.chunk(ctx.tiles), grads.chunk(ctx.tiles), slices, ctx.states))
+            for i, (part, tile_grad, grad_slice, state) in enumerate(tiles):
                 for param in ctx.params:  # (DeepSpeed: reduce each gradient once, after the last tile)
                     param.ds_grad_is_ready = i == len(tiles) - 1
                 set_random_state(x.device, state)
                 leaf = part.detach().requires_grad_(x.requires_grad)
-                if x_grad is not None:
-                    leaf.grad = x_grad.narrow(0, start, len(part))
-                start += len(part)
+                leaf.grad = grad_slice
                 with torch.enable_grad(), torch.autocast(ctx.device, dtype=dtype, enabled=enabled):
                     # through a view, as in the model: autocast caches the half cast of a leaf, and the gradients
                     # of its uses would then be summed in 16 bits instead of 32
