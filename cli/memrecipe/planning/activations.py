@@ -291,13 +291,20 @@ def redrawn_mask_bytes(recipe: Recipe, mode: str, cuda: bool) -> int:
 
 def outside_redraw_bytes(recipe: Recipe, s: Structure, tokens: int, cb: int, redrawn: int) -> int:
     """The widest adapter outside the MLP redrawing its dropout in its backward (o_proj's: its fp32 input, the mask,
-    the fp32 dropped input), beside the frozen linear's output from the layer's recompute (backward_peak)."""
+    the fp32 dropped input), beside the frozen linear's output from the layer's recompute (backward_peak). Under
+    tiled_mlp the redraw runs a tile at a time (training.tiling.tile_redraws): a tile's, beside its input's gradient,
+    whole from the first tile (training.tiling.TiledMLP)."""
     outside = [lin for lin in s.lora_linears(recipe.lora.target_modules)
                if s.intermediate not in (lin.in_features, lin.out_features)]
     if not outside:
         return 0
     widest = max(outside, key=lambda lin: lin.in_features)
-    return tokens * ((8 + redrawn) * widest.in_features + cb * widest.out_features)
+    width = widest.in_features
+    redraw = tokens * (8 + redrawn) * width
+    if recipe.tiled_mlp is not False:
+        tile = -(-tokens // tile_count(recipe.tiled_mlp, tokens, width))
+        redraw = tile * (8 + redrawn) * width + tokens * cb * width
+    return redraw + tokens * cb * widest.out_features
 
 
 def selective_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int) -> int:

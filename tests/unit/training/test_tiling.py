@@ -72,6 +72,43 @@ def test_the_backward_draws_the_forwards_dropout_masks_and_runs_under_its_autoca
         torch.testing.assert_close(tiled[name], grad, rtol=0, atol=tolerance * grad.abs().max().item(), msg=name)
 
 
+def test_the_adapters_outside_the_mlp_redraw_their_dropout_a_tile_at_a_time():
+    """Under tiled_mlp with LoRA's dropout, in bf16 (where the adapters redraw their dropout: adapters.share_inputs),
+    the adapters of q, k, v and o_proj (the MLP's are inside its tiles) run their cast, dropout and A a tile at a
+    time (tiling.tile_redraws: their redraw is then a tile's, not the whole sequence's): the output is bitwise, and
+    the gradients are, to bf16's rounding, autograd's through the same tiles and masks (p 0.3)."""
+    from memrecipe.training.adapters import dropped
+    from memrecipe.training.tiling import tiled_redraw
+
+    recipe = load_recipe("single-gpu-lora", ["lora.dropout=0.3", "tiled_mlp=5"])
+    torch.manual_seed(0)
+    model, _ = loop_model(recipe, embedded_model(), "bf16")
+    model.train()
+    redraws = [name for name, module in model.named_modules()
+               if getattr(getattr(module, "forward", None), "func", None) is tiled_redraw]
+    assert len(redraws) == 4 * model.config.num_hidden_layers and not any(".mlp." in name for name in redraws)
+    adapter = model.base_model.model.model.layers[0].self_attn.o_proj.lora_A["default"]
+    _, casts, _, _ = adapter.forward.args
+    x = torch.randn(2, 40, adapter.in_features, requires_grad=True)
+    results = []
+    for tiled in (False, True):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if tiled:
+                y = adapter(x)
+            else:  # the same tiles, the same draws, with autograd keeping everything
+                parts = x.reshape(-1, x.shape[-1]).chunk(5)
+                y = torch.cat([dropped(adapter, casts(), part) for part in parts]).view(2, 40, -1)
+        (y.float() ** 2).sum().backward()
+        results.append((y.detach(), x.grad.clone(), adapter.weight.grad.clone()))
+    (y_plain, x_plain, w_plain), (y_tiled, x_tiled, w_tiled) = results
+    assert torch.equal(y_tiled, y_plain)
+    torch.testing.assert_close(x_tiled, x_plain, rtol=0, atol=1e-2 * x_plain.abs().max().item())
+    torch.testing.assert_close(w_tiled, w_plain, rtol=0, atol=1e-2 * w_plain.abs().max().item())
+
+
 def test_the_tiled_backward_holds_the_inputs_gradient_once():
     """Each tile's input gradient lands in its slice of one tensor (DeepSpeed's TiledMLP does the same): a backward
     over 16 tiles of a bf16 [4096 x 256] input allocates its input's gradient and a tile's work, not the tiles'
