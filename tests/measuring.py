@@ -124,7 +124,7 @@ def held_after_forward(model, b, autocast) -> tuple[float, int, dict]:
 def step_peak(model, b, autocast) -> int:
     """The most bytes held at once over a training step (forward and backward) beside the parameters and their
     gradients: what the plan's working activations count, read off the CPU profiler's memory timeline."""
-    return profiled_peak(lambda: _step(model, b, autocast))
+    return profiled_peak(lambda: _step(model, b, autocast), model.parameters())
 
 
 def _step(model, b, autocast):
@@ -183,9 +183,10 @@ def _peak(range_event) -> int:
     return peak
 
 
-def profiled_peak(step) -> int:
-    """The most bytes `step()` holds at once beside the parameters and their gradients, above what was held before
-    it (the CPU profiler's memory timeline)."""
+def profiled_peak(step, parameters=None) -> int:
+    """The most bytes `step()` holds at once beside the parameters and their gradients, above what was held before it
+    (the CPU profiler's memory timeline). Given the model's `parameters`, only their gradients are left out, not
+    other leaves' (only_parameters_gradients): the step must leave their .grad set."""
     from torch.profiler._memory_profiler import Category, MemoryProfileTimeline, _CATEGORY_TO_INDEX
 
     gc.collect()
@@ -196,7 +197,29 @@ def profiled_peak(step) -> int:
             step()
     finally:
         gc.enable()
-    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
+    profile = prof._memory_profile()
+    if parameters is not None:
+        only_parameters_gradients(profile, parameters)
+    _, sizes = MemoryProfileTimeline(profile)._coalesce_timeline("cpu")
     states = [1 + _CATEGORY_TO_INDEX[c] for c in (Category.PARAMETER, Category.GRADIENT)]
     held = [sum(size) - sum(size[i] for i in states) for size in sizes]
     return max(held) - held[0]
+
+
+def only_parameters_gradients(profile, parameters) -> None:
+    """Counts as held the gradients of leaves that are not parameters: the profiler calls any tensor autograd
+    accumulates into a GRADIENT, also the input's gradient the tiled MLP's backward gathers in one tensor
+    (training.tiling.TiledMLP), which is working memory the plan counts. A parameter's gradient is the last tensor
+    allocated where its .grad lies after the step."""
+    from torch.profiler._memory_profiler import Category
+
+    addresses = {p.grad.untyped_storage().data_ptr() for p in parameters if p.grad is not None}
+    elements = [e for e in profile._categories._values.values() if e.by_id == Category.GRADIENT]
+    last = {}  # address -> the latest allocation there
+    for element in elements:
+        for key in element._by_id_keyset:
+            if key.storage.ptr in addresses:
+                last[key.storage.ptr] = max(last.get(key.storage.ptr, -1), key.storage.allocation_id)
+    for element in elements:
+        if not any(last.get(k.storage.ptr) == k.storage.allocation_id for k in element._by_id_keyset):
+            element.by_id = None

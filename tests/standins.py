@@ -99,6 +99,24 @@ class FusedDropout(torch.autograd.Function):
         return torch.where(mask, grad, 0.0).mul_(ctx.scale), None
 
 
+class CudaRandomState:
+    """torch.cuda.get_rng_state: 16 bytes (CUDAGeneratorImpl::get_state, a Philox seed and offset), where CPU's
+    mt19937 state is 5,056: the tiled MLP keeps one per tile (training.tiling.random_state), 0.57 MB over the stand-in
+    rows' 112 tiles, which no GPU holds. The CPU state waits as Python bytes, outside torch's allocator, beside a
+    16-byte tensor that stands for CUDA's."""
+
+    def __init__(self, state: torch.Tensor):
+        self.cpu, self.cuda = state.numpy().tobytes(), torch.empty(16, dtype=torch.uint8)
+
+    @staticmethod
+    def get(device):
+        return CudaRandomState(torch.get_rng_state())
+
+    @staticmethod
+    def set(device, state) -> None:
+        torch.set_rng_state(torch.frombuffer(bytearray(state.cpu), dtype=torch.uint8))
+
+
 def cuda_dropout(input, p=0.5, training=True, inplace=False):
     """F.dropout as CUDA runs it (FusedDropout): patched over torch.nn.functional.dropout."""
     return FusedDropout.apply(input, p) if training and p > 0 else input
@@ -110,6 +128,14 @@ def flash_attention_2(module, query, key, value, attention_mask, **kwargs):
 
 
 KERNELS = {"standin_flash_attention_2": flash_attention_2, "standin_flex_attention": flex_attention}
+
+
+def use_cuda_random_states(monkeypatch) -> None:
+    """The tiled MLP's random states as CUDA's size (CudaRandomState)."""
+    from memrecipe.training import tiling
+
+    monkeypatch.setattr(tiling, "random_state", CudaRandomState.get)
+    monkeypatch.setattr(tiling, "set_random_state", CudaRandomState.set)
 
 
 def use(model, name: str) -> None:

@@ -98,6 +98,16 @@ def mlp_bytes(recipe: Recipe, s: Structure, mode: str, cuda: bool) -> int:
     return 2 * intermediates - (2 * s.intermediate if s.gated_mlp else 0) + adapter_bytes(on_mlp, recipe, mode, cuda)
 
 
+def shared_mlp_input_bytes(recipe: Recipe, s: Structure, mode: str) -> int:
+    """Per token, the MLP's input as mlp_bytes counts it: the one tensor LoRA's adapters on gate and up keep (16-bit
+    LoRA: adapter_bytes), which the tiled MLP keeps whole, not a tile of it (training.tiling.TiledMLP saves its
+    input; found live at a tiled step's peak on CPU). 0 where mlp_bytes counts no input of the MLP's."""
+    if mode != "lora" or recipe.torch_compile and recipe.lora.dropout:
+        return 0
+    reads = {lin.name for lin in s.lora_linears(recipe.lora.target_modules)} & {"gate_proj", "up_proj"}
+    return 2 * s.hidden if reads else 0
+
+
 def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str,
                            cuda: bool = False) -> int:
     """Bytes one decoder layer saves for backward (Korthikanti et al. 2022's counting, redone for
@@ -133,8 +143,11 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
     total = T * per_token
     if recipe.lean_norms:  # each of the two norms keeps its input, not an fp32 copy and (trained) its output
         total -= T * 2 * lean_norm_saving(mode, h)
+        if recipe.checkpoints:  # the first norm's input is the layer's, which the checkpoint keeps already
+            total -= T * residual_bytes(mode) * h
     if recipe.tiled_mlp is not False and not moe:  # the MLP's tensors exist for one tile, in its backward
-        total -= (T - -(-T // tile_count(recipe.tiled_mlp, T, h))) * mlp_bytes(recipe, s, mode, cuda)
+        others = T - -(-T // tile_count(recipe.tiled_mlp, T, h))
+        total -= others * (mlp_bytes(recipe, s, mode, cuda) - shared_mlp_input_bytes(recipe, s, mode))
     cb = compute_bytes(mode)  # the attention's compute dtype
     repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
     square = square_bytes(attention, recipe.packing, b, seq, a, fp32=mode == "fp32")
@@ -228,19 +241,23 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     layer, in the residual stream's dtype:
     - the MLP's product in backward: its other tensors still held, the down projection's saved input freed, three
       [tokens x intermediate] gradients in the compute dtype (by the frozen linear and by the adapter, then their
-      sum; then the product's, the activation's and up's); a tile's worth under tiled_mlp;
+      sum; then the product's, the activation's and up's); a tile's worth under tiled_mlp, beside the MLP input's
+      gradient (whole from the first tile) and the tile's own sum of it;
     - the down projection's adapter in the recompute, where peft casts its 16-bit input (the MLP's product, held by
       nothing else) to fp32 (with dropout, and under QLoRA: training.adapters.share_inputs) and dropout writes its
       mask and its fp32 output;
     - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden]);
-      under lean_norms, five over a tile of hidden_size tokens, and its input's gradient;
-    - the attention kernel's backward (attention_backward_bytes, by kernel), the norm after it freed too;
+      under lean_norms, four over a tile of hidden_size tokens (training.norms.LeanRMSNorm.backward: the normed
+      input, the upstream gradient, and two of the three products after them), beside its output's gradient (the MLP
+      input's) and its input's;
+    - the attention kernel's backward (attention_backward_bytes, by kernel), the norm after it and o_proj's adapter's
+      rank-r output freed too;
     - with LoRA's dropout redrawn (training.adapters.recompute_dropout), an adapter outside the MLP (o_proj; q, k
-      and v hold less there) over the whole sequence: its fp32 input, the mask and the fp32 dropped input, made
-      again in its backward beside the attention's kept tensors (the third lease's flex_attention row: 9.0 of the
-      14.1 GiB live at its peak, training/adapters.py `dropped`), and the frozen linear's output from the layer's
-      recompute (peft's lora/layer.py `result = self.base_layer(x)`, found live there on CPU with stand-ins for the
-      CUDA kernels: tests/unit/planning/test_activations.py).
+      and v hold less there) over the whole sequence (a tile of it under tiled_mlp): its fp32 input, the mask and the
+      fp32 dropped input, made again in its backward beside the attention's kept tensors (the third lease's
+      flex_attention row: 9.0 of the 14.1 GiB live at its peak, training/adapters.py `dropped`), and the frozen
+      linear's output from the layer's recompute (peft's lora/layer.py `result = self.base_layer(x)`, found live
+      there on CPU with stand-ins for the CUDA kernels: tests/unit/planning/test_activations.py).
     Under Ulysses (`sp`), a fourth: the exchanges after the attention's backward (exchange_bytes); under ring
     attention (parallelism.cp_size), the ring's buffers beside the kernel's backward (ring_bytes)."""
     cb = compute_bytes(mode)
@@ -250,15 +267,21 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
         mlp_tokens = -(-tokens // tile_count(recipe.tiled_mlp, tokens, s.hidden))
     lora = recipe.lora
     down = [lin for lin in s.lora_linears(lora.target_modules) if lin.name == "down_proj"] if lora else []
-    if recipe.lean_norms:  # its input's gradient, and five fp32 buffers over a tile of tokens
-        norm = tokens * residual * s.hidden + 20 * min(tokens, s.hidden) * s.hidden
+    if recipe.lean_norms:  # its output's gradient (the MLP input's), its input's, four fp32 buffers over a tile
+        norm = 2 * tokens * residual * s.hidden + 16 * min(tokens, s.hidden) * s.hidden
     else:
         norm = tokens * 20 * s.hidden
-    mlp_freed = saved - mlp_tokens * mlp_bytes(recipe, s, mode, cuda)
+    # (its input, kept whole by the tiled MLP, freed with the rest)
+    mlp_freed = saved - mlp_tokens * mlp_bytes(recipe, s, mode, cuda) - (tokens - mlp_tokens) * shared_mlp_input_bytes(
+        recipe, s, mode)
     # by the attention's backward, the norm after it and the MLP's input are freed too
-    after_attention = tokens * s.hidden * (cb + (residual if recipe.lean_norms else 4))
+    after_attention = tokens * s.hidden * (residual if recipe.lean_norms else 4) + tokens * (
+        cb * s.hidden - shared_mlp_input_bytes(recipe, s, mode))  # (the MLP's input, where mlp_bytes did not count it)
+    # ... and o_proj's adapter's rank-r output, its backward done
+    o_rank = 2 * lora.r * tokens if lora and any(lin.name == "o_proj" for lin in s.lora_linears(
+        lora.target_modules)) else 0
     places = [mlp_freed + norm,
-              mlp_freed - after_attention + attention_backward_bytes(s, mode, tokens, cuda, attention)]
+              mlp_freed - after_attention - o_rank + attention_backward_bytes(s, mode, tokens, cuda, attention)]
     redrawn = redrawn_mask_bytes(recipe, mode, cuda)
     outside = outside_redraw_bytes(recipe, s, tokens, cb, redrawn) if redrawn else 0
     if outside:
@@ -274,10 +297,13 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
             kept = adapter_bytes(down, recipe, mode, cuda) - 2 * lora.r
         else:  # a trained linear keeps its input in the compute dtype, a frozen one nothing
             kept = 0 if lora else cb * i
-        places.append(saved + mlp_tokens * (3 * cb * i - kept))
+        # under tiled_mlp, the MLP input's gradient is whole from its first tile, and a tile's own sum of it beside
+        # it, before autograd adds it in (training.tiling.TiledMLP)
+        input_gradient = (tokens + mlp_tokens) * residual * s.hidden if mlp_tokens < tokens else 0
+        places.append(saved + mlp_tokens * (3 * cb * i - kept) + input_gradient)
         if down and (mode == "qlora" or (mode == "lora" and lora.dropout)):
             # a redrawn dropout's mask, which the layer does not keep, is made again beside them
-            places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn + cb) * i)
+            places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn + cb) * i + input_gradient)
     return max(places) + tokens * residual * s.hidden
 
 

@@ -346,6 +346,7 @@ def test_on_a_gpu_the_plan_is_a_steps_peak_with_stand_ins_for_the_cuda_kernels(w
     from memrecipe.planning.activations import activation_bytes, activation_mode
 
     monkeypatch.setattr(torch.nn.functional, "dropout", standins.cuda_dropout)
+    standins.use_cuda_random_states(monkeypatch)
     s = structure(read_config(wide))
     peaks, plans = {}, {}
     for length in (1024, 2048):
