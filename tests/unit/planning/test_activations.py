@@ -337,9 +337,11 @@ def test_on_a_gpu_the_plan_is_a_steps_peak_with_stand_ins_for_the_cuda_kernels(w
     2's, compiled flex_attention's and the fused dropout's. On the top rung the plan for a GPU (cuda=True) is the
     step's allocation peak within 3% and its per-token slope within 2%. Without the attention output's gradient (dout:
     the term the third lease's H200 found missing) flash's slope is 7% low; with flash's buffers flex's plan is 21%
-    high; without o_proj's redrawn dropout and its frozen output beside it (the third lease's flex row: 4 GiB over
-    the corrected plan at 256K) the slope is 15% low. LoRA as shipped (dropout 0.05) with more MLP tiles than
-    tokens / hidden, so that the whole-sequence place, not a tile's, binds at these lengths as it does at 8B widths."""
+    high. The tiled rows hold the MLP input's whole gradient (the profiler's GRADIENT left out for the parameters
+    only: measuring.only_parameters_gradients; a plan without that gradient is 8% under flex's peak) and the tiled
+    MLP's random states as CUDA's (standins.CudaRandomState). LoRA as shipped (dropout 0.05) with 16 MLP tiles: the
+    adapters outside the MLP redraw their dropout in tiles too (tiling.tile_redraws; the plan 3.7% under the peak
+    without them)."""
     import standins
     from helpers import loop_model
     from measuring import step_peak
