@@ -106,34 +106,32 @@ def tile_mlps(model, tiles: bool | int, deepspeed: bool = False) -> int:
     return len(dense)
 
 
-def tile_redraws(model, tiles: bool | int, deepspeed: bool = False) -> int:
+def tile_redraws(model, tiles: bool | int) -> int:
     """Each LoRA adapter outside the MLPs whose dropout is redrawn in backward (training.adapters.recompute_dropout:
     o_proj's, q's, k's and v's) redraws it a tile of tokens at a time: its fp32 input, mask and dropped input (9 bytes
     x its width a token on CUDA) exist for one tile, not the whole sequence, which bound the top rung under LoRA's
-    dropout (the third lease's flex_attention row: 9.0 of 14.1 GiB). Returns how many. Inside the adapter's own call,
-    so no engine gathers anything per tile; under DeepSpeed its weight waits for its last tile, as the MLP's do."""
+    dropout (the third lease's flex_attention row: 9.0 of 14.1 GiB). Returns how many. Adapters redraw only under
+    native autocast, never under DeepSpeed's bf16 engine (recipes/sft.py: add_lora's autocast), so no engine waits
+    for a tile here."""
     count = 0
     for name, module in model.named_modules():
         redraw = getattr(module, "forward", None)
         if not (isinstance(redraw, functools.partial) and redraw.func is dropped_forward) or ".mlp." in f".{name}.":
             continue
-        linear, casts = redraw.args
-        params = [linear.weight] if deepspeed and linear.weight.requires_grad else None
-        module.forward = functools.partial(tiled_redraw, linear, casts, tiles, params)
+        module.forward = functools.partial(tiled_redraw, *redraw.args, tiles)
         count += 1
     return count
 
 
-def tiled_redraw(linear, casts, tiles, params, x):
+def tiled_redraw(linear, casts, tiles, x):
     n = tile_count(tiles, x.numel() // x.shape[-1], x.shape[-1])
     if n == 1:
         return dropped_forward(linear, casts, x)
-    return TiledMLP.apply(functools.partial(dropped, linear, casts()), x, n, params or [])
+    return TiledMLP.apply(functools.partial(dropped, linear, casts()), x, n, [])
 
 
 def apply(model, recipe, accelerator) -> int:
     """The tiled MLP rung (planning/rungs.py): every dense MLP in tiles of tokens, and LoRA's redrawn dropout outside
     them; returns how many MLPs."""
-    deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
-    tile_redraws(model, recipe.tiled_mlp, deepspeed)
-    return tile_mlps(model, recipe.tiled_mlp, deepspeed=deepspeed)
+    tile_redraws(model, recipe.tiled_mlp)
+    return tile_mlps(model, recipe.tiled_mlp, deepspeed=accelerator.distributed_type.value == "DEEPSPEED")

@@ -88,7 +88,7 @@ def test_the_adapters_outside_the_mlp_redraw_their_dropout_a_tile_at_a_time():
                if getattr(getattr(module, "forward", None), "func", None) is tiled_redraw]
     assert len(redraws) == 4 * model.config.num_hidden_layers and not any(".mlp." in name for name in redraws)
     adapter = model.base_model.model.model.layers[0].self_attn.o_proj.lora_A["default"]
-    _, casts, _, _ = adapter.forward.args
+    _, casts, _ = adapter.forward.args
     x = torch.randn(2, 40, adapter.in_features, requires_grad=True)
     results = []
     for tiled in (False, True):
