@@ -4,7 +4,7 @@ Llama-family layers, measured on CPU), at each checkpointing mode, and the loss'
 from __future__ import annotations
 
 from .architecture import Structure, lora_tensors_on_meta
-from .attention import block_mask_bytes, offset_limit, offsets_note, pick_attention, square_bytes
+from .attention import block_mask_bytes, kept_mask_bytes, offset_limit, offsets_note, pick_attention, square_bytes
 from .hardware import usable_cores
 from .recipe import Recipe
 
@@ -422,7 +422,9 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     if recipe.lean_norms:  # the final norm too
         norm -= T * lean_norm_saving(mode, h)
     head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
-    small = T * 8 + rope + block_mask_bytes(attention, b, seq)  # input ids, rotary cos/sin, flex's BlockMask
+    # input ids, rotary cos/sin, flex's BlockMask, sdpa's boolean mask (kept by the checkpoints)
+    small = T * 8 + rope + block_mask_bytes(attention, b, seq) + kept_mask_bytes(attention, recipe.packing, b, seq,
+                                                                                 recipe.checkpoints)
     saved_logits, logits, head_copy = loss_bytes(recipe, s, mode, b, T, head_copy)
     waiting, embedding_end = embedding_gradient_bytes(recipe, s, mode)
     if recipe.checkpoints:

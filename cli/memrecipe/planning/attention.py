@@ -102,6 +102,17 @@ def square_bytes(name: str, packing: bool, micro_batch: int, seq: int, heads: in
     return 0
 
 
+def kept_mask_bytes(name: str, packing: bool, micro_batch: int, seq: int, checkpoints: bool) -> int:
+    """sdpa's boolean mask ([b, 1, S, S], 1 byte an element: transformers' masking_utils.sdpa_mask, once a forward,
+    for rows of several documents or padded ones), held to the end of backward under checkpointing: each layer's
+    checkpoint keeps its arguments, the mask among them, for its recompute (without checkpointing it is gone by the
+    loss). Each layer's sdpa call makes its own additive copy (square_bytes). Measured on CPU: 1.0 and 4.0 MiB of a
+    packed row's step peak at 1,024 and 2,048 tokens (tests/unit/planning/test_activations.py). A packed row of one
+    document builds none (transformers reads one document from the positions and runs causal), nor the additive
+    copy, which the plan still counts there: `packing=false` plans such rows."""
+    return micro_batch * seq * seq if checkpoints and dense_mask(name, packing, micro_batch) else 0
+
+
 def block_mask_bytes(name: str, micro_batch: int, seq: int, block: int = 128) -> int:
     """flex_attention's BlockMask, made once a forward (transformers' masking_utils.flex_attention_mask:
     create_block_mask) and held by every layer's kernel to the end of backward: per row, the blocks each query block
