@@ -4,6 +4,7 @@ step's forward leaves held for backward (the CPU profiler) beside the planner's 
 forward and backward. Ratios are against full checkpointing, measured in the same script on the same batches.
 
     python benchmarks/long_context.py [--lengths 1024 2048 4096] [--steps 3]
+    python benchmarks/long_context.py --price 8192 16384 [--repeats 3]   (each rung's step time only)
 
 The model is the embedded Llama's shape widened so that per-token costs dominate (hidden 512, intermediate 1536,
 4 layers), trained by single-gpu-lora's model code (LoRA on every linear, bf16 autocast), micro batch 1.
@@ -116,6 +117,33 @@ def library_peak(model_path: str, length: int, library: str) -> int:
         return profiled_peak(lambda: trainer.training_step(prepared, inputs))
 
 
+def price(model_path: str, length: int, repeats: int) -> dict:
+    """Each rung's median step time over `repeats` rounds, the rungs interleaved within each round (one model each,
+    built first, one warm-up step), so that the machine's drift over the minutes this takes falls on every rung
+    alike; ratios to full checkpointing's."""
+    batch = None
+    models = {}
+    for rung in RUNGS:
+        recipe = load_recipe("single-gpu-lora", [*RUNGS[rung], f"max_seq_length={length}",
+                                                 "per_device_train_batch_size=1", "lora.target_modules=all-linear",
+                                                 "packing=false"])
+        models[rung], _ = loop_model(recipe, model_path, "bf16")
+        models[rung].train()
+        ids = torch.randint(0, models[rung].config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
+                 "position_ids": torch.arange(length)[None]}
+        step(models[rung], batch)  # warm-up
+    seconds = {rung: [] for rung in RUNGS}
+    for _ in range(repeats):
+        for rung, model in models.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            step(model, batch)
+            seconds[rung].append(time.perf_counter() - start)
+    medians = {rung: statistics.median(times) for rung, times in seconds.items()}
+    return {rung: (median, median / medians["full"]) for rung, median in medians.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
@@ -124,7 +152,18 @@ def main():
                         "TRL's SFTTrainer at each length, and each one's longest length under --budget-mib")
     parser.add_argument("--budget-mib", type=float, default=1024, help="the activation budget the longest lengths are "
                         "read at: extrapolated along each trainer's measured peaks (first to last length)")
+    parser.add_argument("--price", type=int, nargs="*", metavar="LENGTH", help="only each rung's step time against "
+                        "full checkpointing's at these lengths (e.g. 8192 16384), the rungs interleaved")
+    parser.add_argument("--repeats", type=int, default=3, help="--price's rounds (the median is read)")
     args = parser.parse_args()
+    if args.price:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = wide_model(Path(tmp) / "wide")
+            print(f"{'length':>7} {'rung':>10} {'step s':>8} {'x full':>7}")
+            for length in args.price:
+                for rung, (seconds, ratio) in price(path, length, args.repeats).items():
+                    print(f"{length:>7} {rung:>10} {seconds:>8.2f} {ratio:>7.2f}", flush=True)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = wide_model(Path(tmp) / "wide")
         print(f"{'length':>7} {'rung':>10} {'held MiB':>9} {'planned':>8} {'host':>6} {'x full':>7} {'peak':>7} "
