@@ -266,7 +266,6 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     if recipe.tiled_mlp is not False:
         mlp_tokens = -(-tokens // tile_count(recipe.tiled_mlp, tokens, s.hidden))
     lora = recipe.lora
-    down = [lin for lin in s.lora_linears(lora.target_modules) if lin.name == "down_proj"] if lora else []
     if recipe.lean_norms:  # its output's gradient (the MLP input's), its input's, four fp32 buffers over a tile
         norm = 2 * tokens * residual * s.hidden + 16 * min(tokens, s.hidden) * s.hidden
     else:
@@ -292,19 +291,29 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     if recipe.context_parallel > 1:  # the kernel's place, the ring's buffers beside it
         places.append(places[1] + ring_bytes(s, mode, tokens, recipe.context_parallel))
     if not s.experts:
-        i = s.intermediate
-        if down:  # what the down projection keeps of its input, freed once its backward ran
-            kept = adapter_bytes(down, recipe, mode, cuda) - 2 * lora.r
-        else:  # a trained linear keeps its input in the compute dtype, a frozen one nothing
-            kept = 0 if lora else cb * i
-        # under tiled_mlp, the MLP input's gradient is whole from its first tile, and a tile's own sum of it beside
-        # it, before autograd adds it in (training.tiling.TiledMLP)
-        input_gradient = (tokens + mlp_tokens) * residual * s.hidden if mlp_tokens < tokens else 0
-        places.append(saved + mlp_tokens * (3 * cb * i - kept) + input_gradient)
-        if down and (mode == "qlora" or (mode == "lora" and lora.dropout)):
-            # a redrawn dropout's mask, which the layer does not keep, is made again beside them
-            places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn + cb) * i + input_gradient)
+        places += mlp_places(recipe, s, mode, tokens, mlp_tokens, saved, cuda)
     return max(places) + tokens * residual * s.hidden
+
+
+def mlp_places(recipe: Recipe, s: Structure, mode: str, tokens: int, mlp_tokens: int, saved: int,
+               cuda: bool) -> list[int]:
+    """backward_peak's places in a dense MLP's backward, over `mlp_tokens` (a tile's under tiled_mlp): its product's
+    gradients, and the down projection's redrawn dropout."""
+    cb, i, lora = compute_bytes(mode), s.intermediate, recipe.lora
+    down = [lin for lin in s.lora_linears(lora.target_modules) if lin.name == "down_proj"] if lora else []
+    if down:  # what the down projection keeps of its input, freed once its backward ran
+        kept = adapter_bytes(down, recipe, mode, cuda) - 2 * lora.r
+    else:  # a trained linear keeps its input in the compute dtype, a frozen one nothing
+        kept = 0 if lora else cb * i
+    # under tiled_mlp, the MLP input's gradient is whole from its first tile, and a tile's own sum of it beside it,
+    # before autograd adds it in (training.tiling.TiledMLP)
+    input_gradient = (tokens + mlp_tokens) * residual_bytes(mode) * s.hidden if mlp_tokens < tokens else 0
+    places = [saved + mlp_tokens * (3 * cb * i - kept) + input_gradient]
+    if down and (mode == "qlora" or (mode == "lora" and lora.dropout)):
+        # a redrawn dropout's mask, which the layer does not keep, is made again beside them
+        places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn_mask_bytes(recipe, mode, cuda) + cb)
+                      * i + input_gradient)
+    return places
 
 
 def redrawn_mask_bytes(recipe: Recipe, mode: str, cuda: bool) -> int:
