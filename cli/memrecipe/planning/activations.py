@@ -270,12 +270,12 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
         norm = 2 * tokens * residual * s.hidden + 16 * min(tokens, s.hidden) * s.hidden
     else:
         norm = tokens * 20 * s.hidden
+    shared = shared_mlp_input_bytes(recipe, s, mode)
     # (its input, kept whole by the tiled MLP, freed with the rest)
-    mlp_freed = saved - mlp_tokens * mlp_bytes(recipe, s, mode, cuda) - (tokens - mlp_tokens) * shared_mlp_input_bytes(
-        recipe, s, mode)
+    mlp_freed = saved - mlp_tokens * mlp_bytes(recipe, s, mode, cuda) - (tokens - mlp_tokens) * shared
     # by the attention's backward, the norm after it and the MLP's input are freed too
     after_attention = tokens * s.hidden * (residual if recipe.lean_norms else 4) + tokens * (
-        cb * s.hidden - shared_mlp_input_bytes(recipe, s, mode))  # (the MLP's input, where mlp_bytes did not count it)
+        cb * s.hidden - shared)  # (the MLP's input, where mlp_bytes did not count it)
     # ... and o_proj's adapter's rank-r output, its backward done
     o_rank = 2 * lora.r * tokens if lora and any(lin.name == "o_proj" for lin in s.lora_linears(
         lora.target_modules)) else 0
