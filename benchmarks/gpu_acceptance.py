@@ -422,6 +422,8 @@ def main():
     parser.add_argument("--long-8b-tokens", default=None, help="the long-8b rows in order, comma-separated: "
                         "KERNEL:LENGTH or LENGTH (every kernel) (default: each kernel at the 32-layer plan's longest on "
                         "one 80 GB GPU); `--recipes long-8b` runs them alone")
+    parser.add_argument("--long-8b-steps", type=int, default=2, help="steps a long-8b row runs on a GPU (default 2; "
+                        "1 where a lease is short: the peak is the first backward's, LoRA's optimizer state is small)")
     parser.add_argument("--out", type=Path, default=Path(time.strftime("acceptance-%Y%m%d-%H%M%S")))
     args = parser.parse_args()
     steps, timeout = args.steps or (4 if args.cpu else 10), args.timeout or (400 if args.cpu else 900)
@@ -454,7 +456,7 @@ def main():
             parser.error(str(e))
     rows = []
     if not names or "long-8b" in names:  # the long-context rows first: a lease's time goes to them before the rest
-        rows += long_8b_rows(args, steps=steps if args.cpu else 2, timeout=timeout)
+        rows += long_8b_rows(args, steps=steps if args.cpu else args.long_8b_steps, timeout=timeout)
     for shape in shapes:
         model = None if args.cpu else str(build_model(HERE / "gpu_configs" / SHAPES[shape], args.out / "models" / shape))
         extra = ["lora.dropout=0"] if shape == "moe" else []  # peft's fused-expert adapters take no dropout

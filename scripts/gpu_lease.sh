@@ -4,6 +4,7 @@
 #
 #     ROWS="adamw-8bit,long,zero3-offload" BUDGET=520 bash scripts/gpu_lease.sh
 #     ROWS=long-8b LONG8B="sdpa:262144,flex_attention:262144" bash scripts/gpu_lease.sh   # long-8b rows at these lengths
+#     ROWS=long-8b LONG8B_STEPS=1 bash scripts/gpu_lease.sh   # one step a long-8b row (a row at ~770K takes minutes)
 #
 # Installs the wheels into /tmp/site (memrecipe itself from this working tree, over its wheel's: a lease never runs
 # an older build), runs benchmarks/gpu_acceptance.py on ROWS (its --recipes) until BUDGET seconds
@@ -22,7 +23,7 @@ export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
   nproc; python -c "import torch, transformers, accelerate, peft, datasets; print(torch.__version__, torch.version.cuda,
 transformers.__version__, accelerate.__version__, peft.__version__, datasets.__version__)"; } > "$OUT/env.txt" 2>&1
 
-python benchmarks/gpu_acceptance.py --steps 6 --out "$RUNS" --recipes "$ROWS" ${LONG8B:+--long-8b-tokens "$LONG8B"} \
+python benchmarks/gpu_acceptance.py --steps 6 --out "$RUNS" --recipes "$ROWS" ${LONG8B:+--long-8b-tokens "$LONG8B"} ${LONG8B_STEPS:+--long-8b-steps "$LONG8B_STEPS"} \
   > "$OUT/acceptance.log" 2>&1 &
 pid=$!
 while kill -0 $pid 2>/dev/null; do
