@@ -20,6 +20,12 @@ from .run_folder import LAUNCHED_BY
 SCRIPTS = ("sft", "dpo")  # recipes/<name>.py: the loop scripts
 ERROR_LINE = b"memrecipe: error: "  # how the loop reports a RecipeError (recipes/sft.py's __main__)
 TRACEBACK = b"Traceback (most recent call last)"
+# torchrun passes a stop signal on to the workers and SIGKILLs them 30 s later unless this says otherwise
+# (torch/distributed/launcher/api.py, LaunchConfig.shutdown_timeout). A stop finishes its step and writes a
+# checkpoint first, which can take minutes (one 751K-token step of an 8B's widths: 159 s on an H200; a busy CI
+# machine's 2-process FSDP save once took past 30 s, and the run stopped without its checkpoint): the grace is the
+# scheduler's to cut short, or a second Ctrl-C's, not torchrun's.
+SHUTDOWN_TIMEOUT, STOP_GRACE = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 3600
 
 
 def launch(script: str, recipe: Recipe, topo: Topology, cores: int, extra=()) -> tuple[list[str], dict[str, str]]:
@@ -43,6 +49,8 @@ def launch(script: str, recipe: Recipe, topo: Topology, cores: int, extra=()) ->
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or share
     if topo.cpu:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would guess the CPU anyway, with a warning
+    if SHUTDOWN_TIMEOUT not in os.environ:
+        env[SHUTDOWN_TIMEOUT] = str(STOP_GRACE)
     return words, env
 
 
