@@ -225,8 +225,11 @@ class MemorySnapshot:
         self.out, self.rank, self.cuda = out, accelerator.process_index, accelerator.device.type == "cuda"
         self.steps, self.saved = (3 if self.cuda else 1), False
         if self.cuda:
-            # python stacks only: C++ frames ("all") cost more per allocation (torch/cuda/memory.py, stacks)
-            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+            # python stacks only: C++ frames ("all") cost more per allocation (torch/cuda/memory.py, stacks). The last
+            # million events: a tiled long-context step makes far more than 100,000 (the fourth lease's 751K-token
+            # row kept only the step's end), and a window that begins mid-step hides what was made before it; the
+            # cost is host memory, a few hundred bytes an event
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
         else:
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                    profile_memory=True, record_shapes=True, with_stack=True)
