@@ -7,6 +7,7 @@ import click
 from ..launching.launch import shell_form
 from ..launching.run_folder import RunFolder
 from ..launching.runner import discard_failed_start, plan_run, start
+from ..layout import complete_checkpoints
 from ..options import dataset_option, model_option, overrides_argument, topology_options
 from ..planning.registry import flag_overrides
 
@@ -71,8 +72,12 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
             click.echo(f"memrecipe: {name} came after the run had finished: final/ and report.json are in "
                        f"{plan.folder}", err=True)
             sys.exit(outcome.status)
-        click.echo(f"memrecipe: stopped by {name}; resume with: "
-                   f"memrecipe run {script} --resume --output-dir {plan.folder}", err=True)
+        if not complete_checkpoints(plan.folder):  # stopped before its first checkpoint was whole
+            click.echo(f"memrecipe: stopped by {name} before any checkpoint was complete: nothing to resume "
+                       f"({plan.folder} keeps its log; --overwrite starts the run there again)", err=True)
+        else:
+            click.echo(f"memrecipe: stopped by {name}; resume with: "
+                       f"memrecipe run {script} --resume --output-dir {plan.folder}", err=True)
         sys.exit(128 + outcome.stopped_by)
     sys.exit(outcome.status)
 

@@ -72,9 +72,10 @@ def test_supports_cpu_agrees_with_what_is_known_to_fail_on_cpu():
         assert blocker is None or "supports.cpu" not in blocker, f"{name}: GPU-only without a measured reason"
 
 
-@pytest.mark.parametrize("finished", [True, False])
-def test_a_signal_after_the_last_step_says_the_run_finished(tmp_path, monkeypatch, finished):
-    """A Ctrl-C that lands while the run writes its final save and report is no stop to resume from."""
+@pytest.mark.parametrize("when", ["finished", "checkpointed", "before any checkpoint"])
+def test_a_signal_says_whether_there_is_a_checkpoint_to_resume(tmp_path, monkeypatch, when):
+    """A Ctrl-C that lands while the run writes its final save and report is no stop to resume from; one before any
+    checkpoint was complete (early in a run, or torchrun's kill before the save ended) leaves nothing to resume."""
     import os
     import signal as signals
     import time
@@ -87,19 +88,26 @@ def test_a_signal_after_the_last_step_says_the_run_finished(tmp_path, monkeypatc
 
     def fake_start(plan, overwrite, say):
         plan.folder.mkdir(parents=True)
-        if finished:  # stamped a second before the start, as a coarse file-system clock can make it look
+        if when == "finished":  # stamped a second before the start, as a coarse file-system clock can make it look
             (plan.folder / "report.json").write_text("{}")
             os.utime(plan.folder / "report.json", (time.time() - 1, time.time() - 1))
-        return Outcome(status=0 if finished else 130, stopped_by=signals.SIGINT, error=None)
+        (plan.folder / "checkpoints" / "step-3").mkdir(parents=True)  # one being written ...
+        if when == "checkpointed":
+            (plan.folder / "checkpoints" / "step-3" / "trainer_state.json").write_text("{}")  # ... and complete
+        return Outcome(status=0 if when == "finished" else 130, stopped_by=signals.SIGINT, error=None)
 
     monkeypatch.setattr(command, "start", fake_start)
     done = CliRunner().invoke(cli, ["run", "sft", "--recipe", "single-gpu-lora", "--cpu", "--output-dir",
                                     str(tmp_path / "R")])
-    if finished:
+    if when == "finished":
         assert done.exit_code == 0 and "SIGINT came after the run had finished" in done.output
         assert "--resume" not in done.output
-    else:
+    elif when == "checkpointed":
         assert done.exit_code == 128 + signals.SIGINT and "resume with: memrecipe run sft --resume" in done.output
+    else:
+        assert done.exit_code == 128 + signals.SIGINT and "--resume" not in done.output
+        assert (f"memrecipe: stopped by SIGINT before any checkpoint was complete: nothing to resume ({tmp_path / 'R'} "
+                "keeps its log; --overwrite starts the run there again)") in done.output
 
 
 def test_ring_attention_on_cpu_names_the_key_not_the_recipe(cli):
