@@ -38,16 +38,37 @@ def history():
 
 
 def test_the_peak_lists_the_blocks_live_at_it_and_the_code_that_made_them(tmp_path):
-    top, blocks = snapshot_peak().peak(history()["device_traces"][0])
-    assert top == 200 * MiB
+    top, blocks, start = snapshot_peak().peak(history()["device_traces"][0])
+    assert top == 200 * MiB and start == 0
     assert blocks == [(120 * MiB, "recipes/sft.py:120 train"), (50 * MiB, "llama/modeling_llama.py:90 forward"),
                       (30 * MiB, "training/loss.py:181 backward")]  # the project's frame, not torch's below it
     path = tmp_path / "memory_snapshot_rank0.pickle"
     path.write_bytes(pickle.dumps(history()))
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "snapshot_peak.py"), str(path), "--top", "2"],
                          capture_output=True, text=True, check=True).stdout
-    assert "device 0: peak 0.195 GiB above the history's start (8 events, 3 blocks live at the peak)" in out
+    assert ("device 0: peak 0.195 GiB allocated (above the history's start: the snapshot lists no live blocks; 8 events, "
+            "3 blocks live at the peak)") in out
     assert "     120.0 MiB  recipes/sft.py:120 train" in out and "30.0 MiB" not in out  # --top 2
+
+
+def test_a_window_that_begins_mid_step_counts_what_was_live_before_it():
+    """The history keeps its last events: blocks made before the window (a saved activation, the weights) are worked out
+    from the snapshot's end state and the frees the window holds, so the peak is the allocator's whole count. Here the
+    weights (500 MiB) outlive the window; an activation (300 MiB) made before it is freed in it after the peak."""
+    events = [("alloc", 7, 100, LOSS), ("free_completed", 7, 100, LOSS), ("alloc", 8, 200, STEP),
+              ("free_completed", 9, 300, LOSS), ("free_completed", 8, 200, STEP)]
+    snapshot = {"device_traces": [[{"action": a, "addr": addr, "size": size * MiB, "frames": f}
+                                   for a, addr, size, f in events]],
+                "segments": [{"device": 0, "blocks": [
+                    {"address": 1, "size": 500 * MiB, "state": "active_allocated", "frames": LIB},
+                    {"address": 2, "size": 64 * MiB, "state": "inactive"}]}]}  # (a cached, free block)
+    module = snapshot_peak()
+    top, blocks, start = module.peak(snapshot["device_traces"][0], module.live_at_end(snapshot, 0))
+    assert start == 800 * MiB and top == 1000 * MiB  # the weights and the activation, then the step's 200 MiB
+    assert blocks == [(500 * MiB, "llama/modeling_llama.py:90 forward"),
+                      (300 * MiB, "(made before the history), freed at training/loss.py:181 backward"),
+                      (200 * MiB, "recipes/sft.py:120 train")]
+    assert "peak 0.977 GiB allocated (0.781 GiB live when the history began; 5 events" in module.summary(snapshot)
 
 
 def test_a_missing_snapshot_is_one_line_exit_2():
