@@ -75,6 +75,11 @@ def tile_count(tiles: bool | int, tokens: int, hidden: int) -> int:
     return max(1, -(-tokens // hidden)) if tiles is True else int(tiles)
 
 
+def tile_tokens(tiles: bool | int, tokens: int, hidden: int) -> int:
+    """The tokens of the largest tile (training.tiling chunks the rows: ceil(tokens / tile_count) each, the last fewer)."""
+    return -(-tokens // tile_count(tiles, tokens, hidden))
+
+
 def norm_rows(width: int, hidden: int) -> int:
     """How many rows of `width` a lean norm (training.norms) works on at a time: a tile of hidden x hidden elements,
     `hidden` tokens of the residual stream (tiled_mlp's tile), as many rows of a narrower norm (per head)."""
@@ -146,7 +151,7 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         if recipe.checkpoints:  # the first norm's input is the layer's, which the checkpoint keeps already
             total -= T * residual_bytes(mode) * h
     if recipe.tiled_mlp is not False and not moe:  # the MLP's tensors exist for one tile, in its backward
-        others = T - -(-T // tile_count(recipe.tiled_mlp, T, h))
+        others = T - tile_tokens(recipe.tiled_mlp, T, h)
         total -= others * (mlp_bytes(recipe, s, mode, cuda) - shared_mlp_input_bytes(recipe, s, mode))
     cb = compute_bytes(mode)  # the attention's compute dtype
     repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
@@ -264,7 +269,7 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     residual = residual_bytes(mode)
     mlp_tokens = tokens
     if recipe.tiled_mlp is not False:
-        mlp_tokens = -(-tokens // tile_count(recipe.tiled_mlp, tokens, s.hidden))
+        mlp_tokens = tile_tokens(recipe.tiled_mlp, tokens, s.hidden)
     lora = recipe.lora
     if recipe.lean_norms:  # its output's gradient (the MLP input's), its input's, four fp32 buffers over a tile
         norm = 2 * tokens * residual * s.hidden + 16 * min(tokens, s.hidden) * s.hidden
@@ -337,7 +342,7 @@ def outside_redraw_bytes(recipe: Recipe, s: Structure, tokens: int, cb: int, red
     width = widest.in_features
     redraw = tokens * (8 + redrawn) * width
     if recipe.tiled_mlp is not False:
-        tile = -(-tokens // tile_count(recipe.tiled_mlp, tokens, width))
+        tile = tile_tokens(recipe.tiled_mlp, tokens, width)
         redraw = tile * (8 + redrawn) * width + tokens * cb * width
     return redraw + tokens * cb * widest.out_features
 
