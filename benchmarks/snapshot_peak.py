@@ -29,14 +29,14 @@ def where(frames: list[dict]) -> str:
     return f"{'/'.join(Path(frame['filename']).parts[-2:])}:{frame['line']} {frame['name']}".strip()
 
 
+BEFORE = "(made before the history)"
+
+
 def live_at_end(snapshot: dict, device: int) -> dict[int, tuple[int, str]]:
     """The blocks allocated when the snapshot was taken, by address: (bytes, the code that made them)."""
-    return {b["address"]: (b["size"], where(b.get("frames") or []) if b.get("frames") else BEFORE)
+    return {b["address"]: (b["size"], where(b["frames"]) if b.get("frames") else BEFORE)
             for segment in snapshot.get("segments", []) if segment.get("device", 0) == device
             for b in segment.get("blocks", []) if b.get("state") == "active_allocated"}
-
-
-BEFORE = "(made before the history)"
 
 
 def peak(trace: list[dict], end: dict[int, tuple[int, str]] | None = None) -> tuple[int, list[tuple[int, str]], int]:
