@@ -127,6 +127,9 @@ def card(report: dict) -> str:
     lines.append(f"throughput{warmup}: {tput['tokens_per_second']:,.0f} real tokens/s total, "
                  f"{tput['tokens_per_second_per_process']:,.0f} per process, {tput['seconds_per_step']:.2f} s/step"
                  f"{padding} | MFU {mfu}")
+    if tput.get("measured_vs_forecast"):
+        lines.append(f"forecast (planning.forecast): {tput['forecast_tokens_per_second']:,.0f} tokens/s on "
+                     f"{tput['forecast_on']}, padding counted; this run went {tput['measured_vs_forecast']:.2f}x that")
     first, last = report["history"][0], report["history"][-1]
     if "rewards/accuracies" in last:  # preference tuning: TRL's metrics, first and last step (and the final eval)
         final = report.get("final_eval_metrics") or {}
@@ -182,6 +185,8 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
     import torch
 
     from .planning.architecture import read_config, structure
+    from .planning.forecast import gpu_rates
+    from .planning.gpus import gpu_for_device
     from .planning.planner import estimate, largest_micro_batch
     from .planning.topology import launched_topology
 
@@ -192,7 +197,9 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
     name = torch.cuda.get_device_name(accelerator.device) if cuda else "cpu"
     topo = launched_topology(accelerator.num_processes, cpu=not cuda)
     machines = topo.num_machines
-    plan = estimate(recipe, shape, topo, attention=setup.attention)  # the kernel that ran, not a guess
+    known = gpu_for_device(name) if cuda else None  # the forecast at this GPU's rates (the CPU's: this project's)
+    plan = estimate(recipe, shape, topo, attention=setup.attention,  # the kernel that ran, not a guess
+                    rates=gpu_rates(known) if known else None)
     this_session = [r for r in history if r["step"] > setup.resumed_at_step]  # what `wall` timed
     tokens = sum(r["tokens"] for r in this_session)
     slots = sum(r.get("slots", r["tokens"]) for r in this_session)  # rows x their padded width
@@ -200,6 +207,8 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
     # the first step is warm-up (imports finishing, kernel caches, a compile): the speed is read after it
     timed = this_session[1:] or this_session
     speed = sum(r["tokens"] for r in timed) / max(sum(r["seconds"] for r in timed), 1e-9)
+    # the forecast counts every position of a row (padding too), as the device computes them
+    slot_speed = sum(r.get("slots", r["tokens"]) for r in timed) / max(sum(r["seconds"] for r in timed), 1e-9)
     per_process = speed / accelerator.num_processes
     fpt = flops_per_token(shape.active_params, setup.trainable_params, shape.layers, shape.hidden,
                           recipe.max_seq_length)
@@ -211,7 +220,9 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
                   "flops_per_token": fpt,
                   "padding_fraction": 1 - tokens / slots if slots else 0.0,
                   "mfu": fpt * per_process / peak if peak else None,
-                  "mfu_note": "no GPU" if not cuda else (None if peak else f"{name} is not in the peak table")}
+                  "mfu_note": "no GPU" if not cuda else (None if peak else f"{name} is not in the peak table"),
+                  "forecast_tokens_per_second": plan.tokens_per_second, "forecast_on": plan.forecast_on,
+                  "measured_vs_forecast": slot_speed / plan.tokens_per_second if plan.tokens_per_second else None}
     versions = {}
     for package in ("torch", "accelerate", "transformers", "peft", "deepspeed", "bitsandbytes", "datasets"):
         try:

@@ -412,6 +412,11 @@ def test_report_json_and_card_hold_what_was_measured(runs, cli, tmp_path):
     assert r["throughput"]["warmup_seconds"] == first["seconds"] and rest
     assert r["throughput"]["tokens_per_second"] == pytest.approx(sum(h["tokens"] for h in rest) /
                                                                  sum(h["seconds"] for h in rest))
+    # the step-time forecast at the CPU's rates beside what the run measured (the ratio: padded slots a second)
+    assert r["plan"]["tokens_per_second"] == r["throughput"]["forecast_tokens_per_second"] > 0
+    assert r["throughput"]["measured_vs_forecast"] == pytest.approx(
+        sum(h.get("slots", h["tokens"]) for h in rest) / sum(h["seconds"] for h in rest)
+        / r["throughput"]["forecast_tokens_per_second"])
     umask = os.umask(0)
     os.umask(umask)
     assert {stat.S_IMODE(p.stat().st_mode) for p in (folder / "final").iterdir()} == {0o666 & ~umask}  # not 0600

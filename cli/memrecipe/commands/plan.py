@@ -6,11 +6,12 @@ import click
 from ..errors import RecipeError
 from ..options import overrides_argument
 from ..planning.architecture import read_config, structure
-from ..planning.gpus import gpu_named
+from ..planning.forecast import REFERENCE, gpu_rates
+from ..planning.gpus import GPUS, gpu_named
 from ..planning.positions import known_positions, positions_note
 from ..planning.hardware import Machine
 from ..planning.ladder import Rung, climb, longest_per_recipe, tokens, with_words
-from ..planning.planner import CATEGORIES, judge_each, recommend, recommend_by_method
+from ..planning.planner import CATEGORIES, estimate, judge_each, recommend, recommend_by_method
 from ..planning.recipe import METHODS, Recipe, method
 from ..planning.registry import flag_overrides, load_recipe, parse_overrides, recipe_names
 from ..planning.topology import check_supported, make_topology
@@ -53,6 +54,7 @@ def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_me
     machine = Machine.from_nvidia_smi()
     gpu_name, named_size = gpu_flags(gpu, gpu_memory)
     gpu, host = memories(machine, named_size, host_memory, cpu)
+    rates = gpu_rates(GPUS[gpu_name]) if gpu_name and not cpu else None  # (None: the reference GPU's, or the CPU's)
     if global_batch is not None and global_batch < 1:
         raise RecipeError(f"--global-batch must be >= 1, got {global_batch}")
     n = num_processes if num_processes is not None else (machine.gpus * num_machines if machine.gpus and not cpu
@@ -63,14 +65,15 @@ def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_me
     named = [(name, r) for name, r in named if only is None or method(r) == only]
     shapes = {m: structure(read_config(m)) for m in {r.model_name_or_path for _, r in named}}
     if longest:
-        return echo_longest(named, shapes, topo, gpu, host, as_json)
-    p = plan_all(named, refused, words, shapes, topo, gpu, host, global_batch, recipe)
+        return echo_longest(named, shapes, topo, gpu, host, as_json, rates)
+    p = plan_all(named, refused, words, shapes, topo, gpu, host, global_batch, recipe, rates)
     asked = list(overrides)  # the words of the job planned (run_line)
     if not any(v.fits for _, v, _ in p.rows) and not global_batch and "per_device_train_batch_size" not in \
             parse_overrides(overrides) and any(r.per_device_train_batch_size > 1 for r in p.recipes):
         # at lengths where no recipe fits its own micro batch, the question is what fits one sequence at a time
         one = [(name, replace(r, per_device_train_batch_size=1)) for name, r in named]
-        p = plan_all(one, refused, [*words, "per_device_train_batch_size=1"], shapes, topo, gpu, host, None, recipe)
+        p = plan_all(one, refused, [*words, "per_device_train_batch_size=1"], shapes, topo, gpu, host, None, recipe,
+                     rates)
         p.said.append("no recipe fits its own micro batch here: planned at micro batch 1 (per_device_train_batch_size=1)")
         asked.append("per_device_train_batch_size=1")
     verdicts = [v for _, v, _ in p.rows]
@@ -136,11 +139,11 @@ class Planned:
     said: list  # lines under the table: rungs climbed, the closest rung where none fits
 
 
-def plan_all(named, refused, words, shapes, topo, gpu, host, global_batch, one) -> Planned:
+def plan_all(named, refused, words, shapes, topo, gpu, host, global_batch, one, rates=None) -> Planned:
     """Every recipe judged at the rung of the activation ladder it needs, and (unless the words already say lora, or
     one recipe is asked for) each full recipe with a lora: section beside them, for the LoRA pick."""
     recipes, how, said = climbed_recipes(named, shapes, topo, gpu, host)
-    rows, skipped = judge_each(recipes, shapes, topo, gpu, host, global_batch)
+    rows, skipped = judge_each(recipes, shapes, topo, gpu, host, global_batch, rates)
     variants = []
     if not one and not any(w.startswith("lora") for w in words):
         lora = []
@@ -153,7 +156,7 @@ def plan_all(named, refused, words, shapes, topo, gpu, host, global_batch, one) 
                 continue
         more, more_how, _ = climbed_recipes(lora, shapes, topo, gpu, host, LORA_WORDS)
         how |= more_how
-        variants = judge_each(more, shapes, topo, gpu, host, global_batch)[0]
+        variants = judge_each(more, shapes, topo, gpu, host, global_batch, rates)[0]
     return Planned(recipes, rows, refused + skipped, variants, how, said)
 
 
@@ -207,13 +210,18 @@ def load_all(names, words, one: bool) -> tuple[list[tuple[str, Recipe]], list[tu
     return named, refused
 
 
-def echo_longest(named, shapes, topo, gpu, host, as_json):
-    """`plan --longest`: each recipe's longest sequence at micro batch 1 over the rungs it can climb."""
+def echo_longest(named, shapes, topo, gpu, host, as_json, rates=None):
+    """`plan --longest`: each recipe's longest sequence at micro batch 1 over the rungs it can climb, and how long a
+    step of it takes (the forecast at `rates`)."""
     rows, skipped = [], []
     for name, r in named:
         try:
             check_supported(r, topo)
-            rows.append(longest_per_recipe(r, shapes[r.model_name_or_path], topo, gpu, host))
+            row = longest_per_recipe(r, shapes[r.model_name_or_path], topo, gpu, host)
+            if row.verdict and rates:  # (the forecast on the GPU named)
+                again = estimate(row.recipe, shapes[r.model_name_or_path], topo, 1, row.seq_length, rates=rates)
+                row = replace(row, verdict=replace(row.verdict, estimate=again))
+            rows.append(row)
         except RecipeError as e:  # a topology it does not support, or a model it cannot train
             skipped.append(f"  {name}: {str(e).removeprefix(f'recipe {name} ')}")
     if as_json:
@@ -224,12 +232,13 @@ def echo_longest(named, shapes, topo, gpu, host, as_json):
         return
     body = [[row.recipe.name, METHODS[method(row.recipe)], tokens(row.seq_length) if row.seq_length else "none",
              *([row.rung.name, f"{row.verdict.estimate.total / GiB:.1f}",
-                f"{row.verdict.estimate.host_total() / GiB:.1f}", " ".join(row.rung.words)]
-               if row.verdict else ["-", "-", "-", ""])] for row in rows]
+                f"{row.verdict.estimate.host_total() / GiB:.1f}", seconds(row.verdict.estimate.step_seconds),
+                " ".join(row.rung.words)]
+               if row.verdict else ["-", "-", "-", "-", ""])] for row in rows]
     where = "CPU" if topo.cpu else "GPU"
     click.echo(f"topology: {topo.describe()}" + (f", {gpu / GiB:.1f} GiB per GPU" if gpu and not topo.cpu else "")
                + (f", {host / GiB:.0f} GiB host RAM per machine" if host else ", host RAM not checked (--host-memory)"))
-    click.echo(table(["RECIPE", "METHOD", "LONGEST", "RUNG", f"{where} GiB", "HOST GiB", "ADD"], body))
+    click.echo(table(["RECIPE", "METHOD", "LONGEST", "RUNG", f"{where} GiB", "HOST GiB", "S/STEP", "ADD"], body))
     click.echo("\n".join(skipped))
     past = [row for row in rows if row.seq_length and positions_note(replace(row.recipe, max_seq_length=row.seq_length),
                                                                      read_config(row.recipe.model_name_or_path))]
@@ -240,9 +249,10 @@ def echo_longest(named, shapes, topo, gpu, host, as_json):
             "the lengths pass the positions rope_scaling reaches: raise rope_scaling.factor" if scaled else
             f"the lengths pass the model's max_position_embeddings {known:,}, positions it never trained: "
             "rope_scaling.rope_type=yarn scales RoPE to them (the factor from the length's ratio)"))
+    on = next((row.verdict.estimate.forecast_on for row in rows if row.verdict), "")
     click.echo(f"LONGEST: tokens per sequence at micro batch 1 (1K = 1,024 tokens), with the {where} memory and the host "
-               "RAM per machine it needs there (backward's gradient buffers counted); ADD: the key=value words that climb "
-               "to its rung.")
+               "RAM per machine it needs there (backward's gradient buffers counted); S/STEP: a step's seconds forecast "
+               f"on {on} (docs/speed.md); ADD: the key=value words that climb to its rung.")
     for row in rows:  # what no dropout would give, where it gives more (the adapters then share their inputs)
         if row.seq_length and row.recipe.lora and row.recipe.lora.dropout > 0:
             without = longest_per_recipe(with_words(row.recipe, ["lora.dropout=0"]), shapes[row.recipe.model_name_or_path],
@@ -250,6 +260,18 @@ def echo_longest(named, shapes, topo, gpu, host, as_json):
             if without.seq_length > row.seq_length:
                 click.echo(f"{row.recipe.name}: lora.dropout=0 reaches {tokens(without.seq_length)} "
                            f"(the adapters then share their inputs: docs/long-context.md)")
+
+
+def seconds(value: float) -> str:
+    """A step time for the table: 0.52, 14.1, 158."""
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:,.0f}"
+
+
+def run_hours(rows) -> list[str]:
+    """How long each fitting recipe's run takes where the recipe says its steps (max_steps)."""
+    timed = [(r, v) for r, v, _ in rows if (r.max_steps or 0) > 0 and v.fits]
+    return [f"  {r.name}: {r.max_steps:,} steps, {r.max_steps * v.estimate.step_seconds / 3600:,.1f} hours forecast"
+            for r, v in timed]
 
 
 def positions_lines(recipes) -> list[str]:
@@ -290,7 +312,7 @@ def echo_table(rows, gpu, host, topo, global_batch, shapes, gpu_name=None):
                                                          ", host RAM not given (--host-memory): HOST is not checked")
                + "\n")
     headers = ["RECIPE", "BATCH", "PARAMS", "GRADS", "OPTIM", "ACTIV", "LOGITS", f"TOTAL/{where.split()[0]}", "HOST",
-               "FITS", "SPEED"] + (["MICRO x ACC"] if global_batch else [])
+               "FITS", "S/STEP", "TOK/S"] + (["MICRO x ACC"] if global_batch else [])
     body = []
     for r, v, note in rows:
         e = v.estimate
@@ -298,11 +320,17 @@ def echo_table(rows, gpu, host, topo, global_batch, shapes, gpu_name=None):
         fits = ("yes" if v.fits else "no") + (f" ({short}{v.headroom / GiB:+.1f})" if v.headroom is not None else "")
         body.append([r.name, f"{e.micro_batch} x {e.seq_length}", *(f"{getattr(e, c) / GiB:.2f}" for c in CATEGORIES[:5]),
                      f"{e.total / GiB:.2f}",
-                     f"{e.host_total() / GiB:.1f}", fits, f"x{e.speed_cost}"] + ([note] if global_batch else []))
+                     f"{e.host_total() / GiB:.1f}", fits, seconds(e.step_seconds), f"{e.tokens_per_second:,.0f}"]
+                    + ([note] if global_batch else []))
     click.echo(table(headers, body))
     for line in dict.fromkeys(n for _, v, _ in rows for n in v.estimate.notes if n.startswith(SAID_NOTES)):
         click.echo(line)  # what attn_implementation: auto resolves to here, a knob the model cannot take: as planned
     click.echo("GiB per process (HOST: per machine); TOTAL counts ACTIV and LOGITS at their joint peak (with "
                "checkpointing the loss and a layer's recompute come one after the other); FITS: spare GiB on the "
-               "tightest of GPU and host; SPEED: step "
-               "time vs plain bf16 on one GPU (rule of thumb); BATCH: micro batch x tokens per sequence, per process")
+               "tightest of GPU and host; BATCH: micro batch x tokens per sequence, per process")
+    on = rows[0][1].estimate.forecast_on if rows else ""
+    click.echo(f"S/STEP, TOK/S: the step time forecast on {on}" + (" (--gpu NAME forecasts on yours)" if
+               on == REFERENCE.name and gpu_name is None else "") + ", all processes' tokens a second "
+               "(docs/speed.md: what it counts, and how close it has come)")
+    for line in run_hours(rows):
+        click.echo(line)

@@ -17,7 +17,6 @@ class Optimizer:
     engines: tuple[str, ...] = ENGINES  # the distributed types it runs under
     why_not: str = ""  # why not under the others
     bitsandbytes: bool = False  # its state is bitsandbytes' (no DTensor: not FSDP2; not beside DeepSpeed's CPU Adam)
-    step_cost: float = 1.0  # step time against AdamW's (a rule of thumb, planner.speed_cost)
     bf16_rounding: str = "to nearest"  # how it writes an update into bf16 weights (weight_dtype: bf16)
     first_use_on_cuda: str = ""  # said before step 1 on a GPU: what its first use costs
 
@@ -39,18 +38,16 @@ TORCHAO_COMPILE = ("torchao compiles its step with torch.compile, one graph per 
 
 OPTIMIZERS = {
     "adamw_torch": Optimizer("AdamW", "torch_adamw", "adamw"),
-    "adamw_bnb_8bit": Optimizer("8-bit AdamW", "bnb_8bit", "bnb_8bit", bitsandbytes=True, step_cost=1.05),
-    "paged_adamw_8bit": Optimizer("8-bit AdamW (paged on CUDA)", "bnb_8bit", "bnb_8bit", bitsandbytes=True,
-                                  step_cost=1.05),
+    "adamw_bnb_8bit": Optimizer("8-bit AdamW", "bnb_8bit", "bnb_8bit", bitsandbytes=True),
+    "paged_adamw_8bit": Optimizer("8-bit AdamW (paged on CUDA)", "bnb_8bit", "bnb_8bit", bitsandbytes=True),
     # 8-bit moments and, with bf16 weights, stochastic rounding of each update (optim_args.bf16_stochastic_round)
     "adamw_torch_8bit": Optimizer("8-bit AdamW (torchao)", "torchao_8bit", "torchao_8bit", ("no", "ddp"), SHARDED,
-                                  step_cost=1.05, bf16_rounding="stochastically",
+                                  bf16_rounding="stochastically",
                                   # torchao/optim/adam.py: torch.compile(single_param_adam, fullgraph=True,
                                   # dynamic=False), called per parameter: a graph per shape and dtype
                                   first_use_on_cuda=TORCHAO_COMPILE),
     "apollo_adamw": Optimizer("APOLLO", "apollo", "low_rank", ("no", "ddp"),
-                              "projects each weight matrix whole, and the engine hands the optimizer flat or row shards",
-                              step_cost=1.05),
+                              "projects each weight matrix whole, and the engine hands the optimizer flat or row shards"),
 }
 
 

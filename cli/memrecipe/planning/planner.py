@@ -15,7 +15,7 @@ from ..units import GiB
 from .activations import activation_mode, plan_attention
 from .architecture import Structure
 from .attention import square_bytes, square_note
-from .optimizers import OPTIMIZERS
+from .forecast import CPU_RATES, REFERENCE, Rates, forecast
 from .recipe import METHODS, Recipe, method
 from .states import (Sizes, add_reference, engine_states, loading_bytes, optimizer_state_bytes, step_temporaries,
                      trainable_tensors, weight_bytes)
@@ -23,6 +23,7 @@ from .topology import Topology, check_supported, resolve_precision
 
 GPU_OVERHEAD = 1 * GiB  # CUDA context, kernels, cuBLAS/NCCL workspaces, allocator slack
 CPU_OVERHEAD = GiB // 2  # per process on CPU: torch, transformers, accelerate, DeepSpeed (measured RSS ~0.45 GiB)
+TIE = 0.05  # forecast tokens/s this close to the fastest's are a tie in the recommendation
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits", "overhead")
 
 
@@ -41,7 +42,6 @@ class Estimate:
     overhead: int
     host_offload: int  # bytes per machine of host RAM for offloaded state (pinned)
     cpu: bool
-    speed_cost: float  # step time relative to bf16 full fine-tuning on one GPU
     saved_peak: int = 0  # peak bytes saved for backward (activations + the saved log-softmax)
     # activations and logits at their joint peak: with checkpointing the loss (start of backward) and a
     # layer's recompute (later) do not overlap, and the larger moment counts; without it, both at once
@@ -56,6 +56,10 @@ class Estimate:
     gathered_params: int = 0
     gathered_grads: int = 0
     refused: str | None = None  # why it cannot run whatever the memory (the attention kernel's 32-bit offsets)
+    trainable: int = 0  # parameters trained (all processes'), for the step-time forecast's optimizer step
+    step_seconds: float = 0.0  # the forecast (planning.forecast): one optimizer step, per process
+    tokens_per_second: float = 0.0  # ... and the tokens all processes train a second
+    forecast_on: str = ""  # the device whose rates it is at
 
     @property
     def total(self) -> int:
@@ -74,40 +78,11 @@ class Estimate:
 
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("recipe", "processes", "machines", "micro_batch", "seq_length",
-                                             *CATEGORIES, "host_offload", "host_load", "cpu", "speed_cost", "saved_peak",
+                                             *CATEGORIES, "host_offload", "host_load", "cpu", "step_seconds", "tokens_per_second",
+                                             "forecast_on", "saved_peak",
                                              "working", "step", "attention", "gathered_params",
                                              "gathered_grads", "refused")}
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
-
-
-def speed_cost(recipe: Recipe, precision: str) -> float:
-    """Rough step time relative to bf16 full fine-tuning on one GPU (docs/memory.md: rules of thumb)."""
-    cost = 0.7 if recipe.lora else 1.0  # no weight gradients for the frozen base: ~4N instead of 6N FLOPs
-    if recipe.gradient_checkpointing == "selective":
-        cost *= 1.05  # the elementwise ops again: most of a forward's time is the matmuls and attention it keeps
-    elif recipe.checkpoints:
-        cost *= 1.33  # one more forward
-    if recipe.activation_offload:
-        cost *= 1.15  # a copy to the host and back per layer, partly hidden behind compute
-    if recipe.fsdp or (recipe.deepspeed and recipe.deepspeed.zero_stage == 3):
-        cost *= 1.1  # gathers per layer, partly overlapped
-    if recipe.fsdp and recipe.fsdp.offload_params:
-        cost *= 3.0
-    if recipe.deepspeed:
-        cost *= (1.5 if recipe.deepspeed.offload_optimizer != "none" else 1.0)
-        cost *= (2.0 if recipe.deepspeed.offload_param != "none" else 1.0)
-    if recipe.tensor_parallel > 1:
-        cost *= 1.15  # all-reduces of activations in every layer's forward and backward
-    if recipe.sequence_parallel != 1:
-        cost *= 1.1  # four all-to-alls per layer (q/k/v in, the output out; and back), five with the recompute
-    if recipe.context_parallel > 1:
-        cost *= 1.1  # keys and values around the ring per layer, overlapped with the blocks' attention
-    cost *= OPTIMIZERS[recipe.optim].step_cost  # 8-bit (de)quantisation of the state, or APOLLO's projections
-    if recipe.quantization:
-        cost *= 1.2  # each weight dequantised per matmul, forward and backward
-    if precision == "no":
-        cost *= 2.0  # no tensor-core bf16/fp16
-    return round(cost, 2)
 
 
 def as_it_runs(recipe: Recipe, s: Structure) -> tuple[Recipe, list[str]]:
@@ -120,9 +95,10 @@ def as_it_runs(recipe: Recipe, s: Structure) -> tuple[Recipe, list[str]]:
 
 
 def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | None = None,
-             seq_length: int | None = None, attention: str | None = None) -> Estimate:
-    """Memory per process and per machine for this recipe, model and topology. `attention`: the kernel that ran (a
-    run's report); None plans the one a launch here would pick."""
+             seq_length: int | None = None, attention: str | None = None, rates: Rates | None = None) -> Estimate:
+    """Memory per process and per machine for this recipe, model and topology, and the step time forecast at
+    `rates` (None: the CPU's in CPU mode, else the reference GPU's). `attention`: the kernel that ran (a run's
+    report); None plans the one a launch here would pick."""
     if s.experts and recipe.quantization is not None:
         share = sum(g.layers * g.expert_params for g in s.groups()) / s.params
         raise RecipeError(f"QLoRA saves little on {s.model_type}, whose experts ({share:.0%} of its parameters) are fused "
@@ -148,7 +124,6 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     step = step_temporaries(recipe, train, weights)  # (the model states' side: asked here, with the rest of them)
     if load and not topo.cpu:
         notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")
-    cost = speed_cost(recipe, precision)  # (asked before the activations: the recipe's path leaves the planner once)
     attention, act, wraps = plan_attention(recipe, s, activation_mode(recipe, compute_bytes), compute_bytes == 2,
                                            batch, seq, sp, topo.cpu, attention, notes)
     square = square_note(attention, square_bytes(attention, recipe.packing, batch, seq, s.heads, compute_bytes == 4), seq)
@@ -163,14 +138,16 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         notes.append("activation offload: each layer's checkpointed input waits in host memory")
     if topo.cpu:
         notes.append("CPU smoke-test mode: every figure is host RAM")
-    return Estimate(
+    est = Estimate(
         recipe=recipe.name, processes=z.processes, machines=z.machines, micro_batch=batch, seq_length=seq,
         parameters=int(states.params), gradients=int(states.grads), optimizer_state=int(states.optimizer),
         activations=int(act["activations"]), logits=int(act["logits"]),
         overhead=CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, host_offload=int(states.host), cpu=topo.cpu,
-        speed_cost=cost, saved_peak=int(act["saved_peak"]), working=int(working),
+        saved_peak=int(act["saved_peak"]), working=int(working),
         host_load=int(load), notes=tuple(notes), step=int(step), attention=attention, refused=wraps,
-        gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads))
+        gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads), trainable=trained)
+    f = forecast(recipe, s, est, rates or (CPU_RATES if topo.cpu else REFERENCE), precision)
+    return replace(est, step_seconds=f.step_seconds, tokens_per_second=f.tokens_per_second, forecast_on=f.device)
 
 
 @dataclass(frozen=True)
@@ -241,18 +218,23 @@ def with_batch(recipe: Recipe, micro: int, accumulation: int) -> Recipe:
 
 
 def recommend(verdicts: list[Verdict]) -> tuple[Verdict | None, str]:
-    """The cheapest recipe that fits (the tuning flow: plain -> checkpointing -> sharding -> offload),
+    """The fastest recipe that fits (the forecast's tokens/s),
     and why, with the host RAM it needs; or, if none fits, what binds (the GPUs, or the host RAM of those
     the GPUs would hold), what comes closest and the remedy for that."""
-    fitting = sorted((v for v in verdicts if v.fits), key=lambda v: (v.estimate.speed_cost, -(v.headroom or 0)))
+    fitting = [v for v in verdicts if v.fits]
     if fitting:
-        best = fitting[0]
+        # forecasts within TIE of the fastest are not told apart (the forecast's own error is larger): of those, the
+        # one that changes the recipe least (a planned name is NAME+RUNG where it climbed), then the fastest
+        fastest = max(v.estimate.tokens_per_second for v in fitting)
+        best = min((v for v in fitting if v.estimate.tokens_per_second >= (1 - TIE) * fastest),
+                   key=lambda v: (v.estimate.recipe.count("+"), -v.estimate.tokens_per_second))
         e = best.estimate
         where = "per CPU process" if e.cpu else "per GPU"
         spare = f", {best.headroom / GiB:.1f} GiB to spare" if best.headroom is not None else ""
         host = ("" if e.cpu else f"; host RAM {e.host_total() / GiB:.1f} GiB per machine"
                 + ("" if best.host_capacity is not None else " (not checked: give --host-memory)"))
-        return best, (f"{e.recipe}: the fastest recipe that fits (step time x{e.speed_cost} of plain bf16), "
+        return best, (f"{e.recipe}: the fastest recipe that fits ({e.tokens_per_second:,.0f} tokens/s forecast on "
+                      f"{e.forecast_on}), "
                       f"{e.total / GiB:.1f} GiB {where}{spare}{host}")
     if not verdicts:
         return None, "no recipe runs on this topology"
@@ -289,11 +271,13 @@ def breakdown(est: Estimate) -> str:
 
 
 def judge_each(recipes: list[Recipe], shapes: dict, topo: Topology, gpu_memory: int | None, host_memory: int | None,
-               global_batch: int | None = None) -> tuple[list[tuple[Recipe, Verdict, str]], list[tuple[str, str]]]:
+               global_batch: int | None = None, rates: Rates | None = None
+               ) -> tuple[list[tuple[Recipe, Verdict, str]], list[tuple[str, str]]]:
     """Every recipe planned on this topology and judged against these memories (`plan`, and a refused run's
     pick of what would fit instead): ([(recipe, verdict, batch note)], [(recipe name, why it cannot be
     planned)]). `shapes`: model_name_or_path -> Structure. With `global_batch`, each recipe at the largest
-    micro batch that fits, with the accumulation that makes up the global batch."""
+    micro batch that fits, with the accumulation that makes up the global batch. `rates`: the forecast's (None: the
+    reference GPU's, or the CPU's)."""
     rows, skipped = [], []
     n = topo.num_processes
     for r in recipes:
@@ -307,7 +291,7 @@ def judge_each(recipes: list[Recipe], shapes: dict, topo: Topology, gpu_memory: 
                     r, note = with_batch(r, *pair), f"{pair[0]} x {pair[1]}"
                 else:
                     note = "none fits" if not fit else f"{global_batch} not divisible"
-            rows.append((r, judge(estimate(r, s, topo), gpu_memory, host_memory), note))
+            rows.append((r, judge(estimate(r, s, topo, rates=rates), gpu_memory, host_memory), note))
         except RecipeError as e:  # a topology it does not support, or a model it cannot train (with the reason)
             skipped.append((r.name, str(e)))
     return rows, skipped

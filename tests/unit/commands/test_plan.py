@@ -134,7 +134,7 @@ def test_plan_shows_each_rows_batch_and_what_binds_when_nothing_fits(cli, tmp_pa
             if line[:1] != " " and line.split()[:1] and line.split()[0].split("+")[0] in ("single-gpu-full",
                                                                                              "single-gpu-lora")}
     assert rows == {"single-gpu-full": ["8", "x", "2048"], "single-gpu-lora": ["4", "x", "2048"]}  # a real job's
-    assert "host RAM 119.7 GiB per machine (not checked: give --host-memory)" in done.stdout  # zero2's
+    assert "host RAM 134.6 GiB per machine (not checked: give --host-memory)" in done.stdout  # zero3-offload's
     small = cli("plan", "--cpu")  # the embedded model: its own rows of 256 tokens
     assert [line.split()[1:4] for line in small.stdout.splitlines() if line.startswith("single-gpu-lora ")] == \
         [["4", "x", "256"]]
@@ -154,7 +154,7 @@ def test_plan_longest_finds_each_recipes_longest_sequence_its_rung_and_host_ram(
     done = cli(*words)
     assert done.returncode == 0, done.stderr
     header = done.stdout.splitlines()[1].split()
-    assert header == ["RECIPE", "METHOD", "LONGEST", "RUNG", "GPU", "GiB", "HOST", "GiB", "ADD"]
+    assert header == ["RECIPE", "METHOD", "LONGEST", "RUNG", "GPU", "GiB", "HOST", "GiB", "S/STEP", "ADD"]
     data = json.loads(cli(*words, "--json", "--method", "qlora", "lora.r=32").stdout)
     (qlora,) = data["estimates"]
     assert qlora["recipe"] == "qlora" and qlora["rung"] == "tiled MLP" and qlora["micro_batch"] == 1
@@ -165,9 +165,13 @@ def test_plan_longest_finds_each_recipes_longest_sequence_its_rung_and_host_ram(
     at = estimate(r, structure(LLAMA_8B), Topology(1), seq_length=qlora["longest_seq_length"])
     assert at.total == qlora["total"] and at.total <= 80 * 10**9 < estimate(
         r, structure(LLAMA_8B), Topology(1), seq_length=qlora["longest_seq_length"] + 1024).total
-    assert re.search(r"\nqlora +QLoRA +\d+K +tiled MLP +[\d.]+ +[\d.]+ +activation_offload=true lean_norms=true "
-                     r"tiled_mlp=true\n",
-                     done.stdout)
+    assert re.search(r"\nqlora +QLoRA +\d+K +tiled MLP +[\d.]+ +[\d.]+ +[\d.,]+ +activation_offload=true "
+                     r"lean_norms=true tiled_mlp=true\n", done.stdout)
+    # a step at that length, forecast on the GPU named (the reference H100 where only a size is given)
+    assert qlora["forecast_on"] == "H100" and qlora["step_seconds"] > 0
+    h200 = json.loads(cli("plan", "--model", str(folder), "--gpu", "H200", "--longest", "--json", "--method", "qlora",
+                          "lora.r=32").stdout)["estimates"][0]
+    assert h200["forecast_on"] == "H200" and h200["longest_seq_length"] > qlora["longest_seq_length"]
 
 
 def test_at_128k_plan_recommends_a_lora_and_a_qlora_recipe_a_rung_up_where_needed(cli, tmp_path):

@@ -66,7 +66,6 @@ def test_planner_moves_the_checkpointed_inputs_to_the_host():
     back = 2 * b * seq * s.hidden * 2  # the input its layer's recompute uses, and the next one, prefetched
     assert off.activations - on.activations == inputs - back
     assert on.host_offload - off.host_offload == inputs
-    assert on.speed_cost > off.speed_cost
 
 
 class RecordedStreams:

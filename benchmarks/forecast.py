@@ -1,0 +1,336 @@
+"""The step-time forecast (planning.forecast) against what GPU runs measured: every row the leases recorded
+(benchmarks/gpu_results, docs/gpu.md), its forecast tokens/s beside the measured, and the ratio. Each efficiency
+constant is measured on one row (its role says which); the other rows check them. `--derive` recomputes the constants
+from their rows, in order, from the forecast's own parts: what planning/forecast.py holds must be what this prints.
+
+    python benchmarks/forecast.py            # the table (docs/speed.md)
+    python benchmarks/forecast.py --derive   # each constant from its row
+    python benchmarks/forecast.py --cpu      # this CPU's rates, measured; forecast vs measured steps on it
+
+On CPU the same forecast runs at this machine's rates, measured here: a linear layer's bf16 matmuls forward and
+backward (as the loop computes them: training/cpu_matmul.py where the CPU has no bf16 GEMM), causal sdpa, a LoRA
+adapter's time beyond its base layer against the bytes the forecast counts for it, and a copy's bandwidth. Then
+single-gpu-lora and single-gpu-full steps (forward and backward of one micro batch, bf16) on the embedded model and
+a wider one, at two rungs, measured against the forecast's matmuls, attention and adapters at those rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+from memrecipe.planning import forecast as fc
+from memrecipe.planning.architecture import structure
+from memrecipe.planning.gpus import GPUS
+from memrecipe.planning.planner import estimate
+from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.topology import make_topology
+from memrecipe.table import table
+
+CONFIGS = Path(__file__).resolve().parent / "gpu_configs"
+PACKED_PADDING = 0.016  # the 1B rows' packed data: padding_fraction in adamw-8bit's report.json (gpu_results)
+LONG = ["activation_offload=true", "lean_norms=true", "tiled_mlp=true", "per_device_train_batch_size=1",
+        "gradient_accumulation_steps=1", "packing=false"]
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    gpu: str
+    shape: str  # "1b" or "long-8b" (Llama-3.1-8B's widths, 2 layers)
+    recipe: str
+    words: tuple
+    attention: str
+    measured: float  # tokens/s, real tokens, after the first step (where the row ran more than one)
+    source: str
+    role: str = "check"  # or the constant it measures
+    warm: bool = True  # False: one step, its tokens/s include the first step's warm-up (and a compile)
+
+
+def long8b(kernel: str, length: int) -> tuple:
+    return (*LONG, f"attn_implementation={kernel}", f"max_seq_length={length}")
+
+
+ROWS = [
+    Row("adamw-8bit", "H100", "1b", "adamw-8bit", (), "flex_attention", 30_464, "2026-11-27-h100", "MATMUL"),
+    Row("single-gpu-lora", "H100", "1b", "single-gpu-lora", (), "flex_attention", 22_287, "docs/gpu.md, first lease",
+        "ADAPTERS"),
+    Row("single-gpu-lora, sdpa", "H100", "1b", "single-gpu-lora", ("attn_implementation=sdpa",), "sdpa", 21_539,
+        "docs/gpu.md, first lease"),
+    Row("qlora", "H100", "1b", "qlora", (), "flex_attention", 15_874, "docs/gpu.md, first lease", "DEQUANTIZE"),
+    Row("qlora, activation_offload", "H100", "1b", "qlora", ("activation_offload=true",), "flex_attention", 14_364,
+        "2026-11-27-h100"),
+    Row("long context 16K", "H100", "1b", "single-gpu-lora", (*LONG, "max_seq_length=16384"), "sdpa", 12_741,
+        "2026-11-27-h100"),
+    Row("zero3-offload", "H100", "1b", "zero3-offload", (), "flex_attention", 11_903,
+        "2026-11-27-h100 (its step 3: the lease ended there)", "CPU_ADAM"),
+    Row("long-8b sdpa 128K", "H200", "long-8b", "single-gpu-lora", long8b("sdpa", 131072), "sdpa", 20_662,
+        "2026-11-27-h200-long8b", "ATTENTION sdpa (with 256K)"),
+    Row("long-8b sdpa 256K", "H200", "long-8b", "single-gpu-lora", long8b("sdpa", 262144), "sdpa", 15_612,
+        "2026-11-27-h200-long8b", "ATTENTION sdpa (with 128K)"),
+    Row("long-8b flex 256K", "H200", "long-8b", "single-gpu-lora", long8b("flex_attention", 262144), "flex_attention",
+        12_656, "2026-11-27-h200-long8b", "ATTENTION flex_attention"),
+    Row("long-8b sdpa 256K, one step", "H200", "long-8b", "single-gpu-lora", long8b("sdpa", 262144), "sdpa", 11_523,
+        "2026-11-28-h200-long8b", warm=False),
+    Row("long-8b sdpa 512K, one step", "H200", "long-8b", "single-gpu-lora", long8b("sdpa", 524288), "sdpa", 8_018,
+        "2026-11-28-h200-long8b", warm=False),
+    Row("long-8b flex 384K, one step", "H200", "long-8b", "single-gpu-lora", long8b("flex_attention", 393216),
+        "flex_attention", 7_234, "2026-11-28-h200-long8b", warm=False),
+    Row("long-8b flex 751K, one step", "H200", "long-8b", "single-gpu-lora", long8b("flex_attention", 769024),
+        "flex_attention", 4_853, "2026-11-28-h200-long8b", warm=False),
+]
+
+
+# From outside: TRL's 1M-token example (huggingface.co/docs/trl/en/long_context_training; TRL v1.13.0's notes):
+# Qwen3-8B full fine-tune, one sequence of 1,048,576 tokens a step over 8 H100s (FSDP2, context parallelism 8,
+# gradient checkpointing with offload), 380 s a step. No constant is taken from it.
+TRL_1M = (["max_seq_length=1048576", "parallelism.cp_size=8", "per_device_train_batch_size=1",
+           "gradient_accumulation_steps=1", "packing=false", "gradient_checkpointing=true",
+           "fsdp.activation_checkpointing=false", "activation_offload=true"], 380.0)
+
+
+def trl_1m() -> fc.Forecast:
+    """The forecast of TRL's 1M-token example as fsdp runs it here (sdpa: the FlashAttention kernel TRL's runs)."""
+    s = structure(json.loads((CONFIGS / "qwen3-8b.json").read_text()))
+    recipe = load_recipe("fsdp", ["embedded_settings=false", *TRL_1M[0]])
+    est = estimate(recipe, s, make_topology(8, 1, 0, None, None, False), attention="sdpa")
+    return fc.forecast(recipe, s, est, fc.gpu_rates(GPUS["H100"]))
+
+
+def shape(name: str):
+    if name == "1b":
+        return structure(json.loads((CONFIGS / "llama-3.2-1b.json").read_text()))
+    return structure(json.loads((CONFIGS / "llama-3.1-8b.json").read_text()) | {"num_hidden_layers": 2})
+
+
+def forecast_row(row: Row, rates: fc.Rates | None = None) -> fc.Forecast:
+    """The forecast of a row as it ran: its recipe, words and kernel, one process, at these rates (the GPU's)."""
+    recipe = load_recipe(row.recipe, ["embedded_settings=false", *row.words])  # (the rows ran a model of their own)
+    s = shape(row.shape)
+    est = estimate(recipe, s, make_topology(1, 1, 0, None, None, False), attention=row.attention)
+    return fc.forecast(recipe, s, est, rates or fc.gpu_rates(GPUS[row.gpu]))
+
+
+def real(row: Row, f: fc.Forecast) -> float:
+    """Forecast real tokens/s (the measured counts no padding: packed rows carry a little)."""
+    packed = "packing=false" not in row.words
+    return f.tokens_per_second * (1 - PACKED_PADDING if packed else 1)
+
+
+def per_token(row: Row, f: fc.Forecast) -> dict:
+    """Seconds a real token by part, and the measured seconds a token."""
+    tokens = f.step_seconds * real(row, f)
+    return {k: v / tokens for k, v in f.parts.items()} | {"step": f.step_seconds / tokens, "measured": 1 / row.measured}
+
+
+def derive() -> dict:
+    """Each constant from its row, in the order they depend on each other; the forecast's own parts, with the
+    constant being measured scaled until the row's forecast time equals its measured time."""
+    rows = {r.name: r for r in ROWS}
+    out = {}
+
+    def parts(name):
+        return per_token(rows[name], forecast_row(rows[name]))
+
+    # sdpa: the step time's growth from 128K to 256K is attention's alone (every other part is the same a token)
+    a, b = parts("long-8b sdpa 128K"), parts("long-8b sdpa 256K")
+    out["ATTENTION sdpa"] = fc.ATTENTION["sdpa"] * (b["attention"] - a["attention"]) / (b["measured"] - a["measured"])
+    sdpa_attention = b["attention"] * fc.ATTENTION["sdpa"] / out["ATTENTION sdpa"]
+    # flex: its 256K row less the sdpa row's time beside attention
+    flex = parts("long-8b flex 256K")
+    out["ATTENTION flex_attention"] = fc.ATTENTION["flex_attention"] * flex["attention"] / (
+        flex["measured"] - (b["measured"] - sdpa_attention))
+    fc.ATTENTION = fc.ATTENTION | {"sdpa": out["ATTENTION sdpa"], "flex_attention": out["ATTENTION flex_attention"],
+                                   "flash_attention_2": out["ATTENTION sdpa"]}
+    for constant, name, part in (("MATMUL", "adamw-8bit", "matmuls"), ("ADAPTERS", "single-gpu-lora", "adapters"),
+                                 ("DEQUANTIZE", "qlora", "dequantize"), ("CPU_ADAM", "zero3-offload", "optimizer")):
+        p = parts(name)  # (each at the constants derived before it)
+        rest = p["step"] - p[part]
+        old = getattr(fc, constant)
+        out[constant] = old * p[part] / (p["measured"] - rest)
+        setattr(fc, constant, out[constant])  # (this process only: the derivations after it use it)
+    return out
+
+
+def timed(fn, repeats: int = 5) -> float:
+    import statistics
+    import time
+
+    fn()  # (warm)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def cpu_rates() -> fc.Rates:
+    """This CPU's rates, measured in this process at the wide model's widths (bf16 autocast, as the loop runs)."""
+    import sys
+
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from memrecipe.planning.architecture import Linear
+    from memrecipe.training.cpu_matmul import bf16_matmuls_in_fp32
+
+    bf16_matmuls_in_fp32()
+    tokens, width, out = 2048, 512, 1536
+    x = torch.randn(tokens, width, requires_grad=True)
+    w = (torch.randn(out, width) / width**0.5).requires_grad_()
+
+    def linear():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = F.linear(x, w)
+        y.float().sum().backward()
+
+    matmul = 6 * tokens * width * out / timed(linear)
+    heads, dim = 8, 64
+    q, k, v = (torch.randn(1, heads, tokens, dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    def attention():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
+
+    sdpa = 3.5 * 2 * tokens * tokens * heads * dim / timed(attention)
+    big = torch.randn(64 * 2**20 // 4)
+    copy = 2 * big.numel() * 4 / timed(lambda: big.clone())
+    from peft import LoraConfig, get_peft_model
+
+    base = torch.nn.Sequential(torch.nn.Linear(width, out, bias=False))
+    lora = get_peft_model(torch.nn.Sequential(torch.nn.Linear(width, out, bias=False)),
+                          LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["0"]))
+
+    def through(module):
+        def run():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = module(x)
+            y.float().sum().backward()
+        return run
+
+    extra = max(timed(through(lora)) - timed(through(base)), 1e-9)
+    recipe = load_recipe("single-gpu-lora", ["lora.target_modules=[x]", "gradient_checkpointing=false"])
+    one = replace(shape("1b"), linears=(Linear("x", width, out),), layers=1, blocks=())
+    adapters = fc.adapter_bytes(recipe, one) * tokens / extra  # (its passes: one forward, a backward of two)
+    layer, adapter, rest = dispatch()
+    return fc.Rates("this CPU (measured)", matmul, {"sdpa": sdpa}, adapters, copy, copy, copy, copy,
+                    layer_dispatch=layer, adapter_dispatch=adapter, model_dispatch=rest)
+
+
+def dispatch(tokens: int = 8) -> tuple[float, float, float]:
+    """Seconds a decoder layer's ops take to dispatch, and a LoRA adapter's, a pass, and the rest of a micro batch's
+    (embedding, final norm, loss): the step time of the embedded model at a few tokens (all overhead) with 2 and 6
+    layers, full fine-tuning and LoRA on every linear."""
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from memrecipe.training.loading import embedded_model
+    from long_context import step
+    from helpers import loop_model
+
+    seconds = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for layers in (2, 6):
+            config = AutoConfig.from_pretrained(embedded_model())
+            config.num_hidden_layers = layers
+            path = Path(folder) / str(layers)
+            AutoModelForCausalLM.from_config(config).save_pretrained(path)
+            AutoTokenizer.from_pretrained(embedded_model()).save_pretrained(path)
+            for name in ("single-gpu-full", "single-gpu-lora"):
+                recipe = load_recipe(name, ["gradient_checkpointing=false", f"max_seq_length={tokens}",
+                                            "per_device_train_batch_size=1", "packing=false", "attn_implementation=sdpa",
+                                            *(["lora.target_modules=all-linear"] if "lora" in name else [])])
+                model, _ = loop_model(recipe, str(path), "bf16")
+                ids = torch.randint(0, config.vocab_size, (1, tokens))
+                batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
+                         "position_ids": torch.arange(tokens)[None]}
+                seconds[name, layers] = timed(partial(step, model, batch), repeats=20)
+    layer = (seconds["single-gpu-full", 6] - seconds["single-gpu-full", 2]) / 4 / 3
+    adapters = len(shape("1b").linears)
+    adapter = (seconds["single-gpu-lora", 6] - seconds["single-gpu-lora", 2]) / 4 / 3 / adapters - layer / adapters
+    return layer, max(adapter, 0.0), seconds["single-gpu-full", 2] - 2 * 3 * layer
+
+
+CPU_ROWS = [("single-gpu-lora", ["gradient_checkpointing=true"]), ("single-gpu-lora", ["gradient_checkpointing=true",
+              "activation_offload=true", "lean_norms=true", "tiled_mlp=true"]),
+             ("single-gpu-full", ["gradient_checkpointing=true"]), ("single-gpu-full", ["gradient_checkpointing=false"])]
+
+
+def cpu_table(rates: fc.Rates, lengths: dict) -> list:
+    """Forecast against measured seconds of one micro batch's forward and backward (bf16, one row), per recipe and
+    rung, on the embedded model and the wide one (benchmarks/long_context.py's)."""
+    import tempfile
+
+    import torch
+
+    from helpers import loop_model
+    from long_context import step, wide_model
+
+    from memrecipe.planning.architecture import read_config
+    from memrecipe.training.loading import embedded_model
+
+    body = []
+    with tempfile.TemporaryDirectory() as folder:
+        models = {"embedded": embedded_model(), "wide": wide_model(Path(folder))}
+        for label, path in models.items():
+            s = structure(read_config(path))
+            for name, words in CPU_ROWS:
+                length = lengths[label]
+                recipe = load_recipe(name, [*words, f"max_seq_length={length}", "per_device_train_batch_size=1",
+                                            "gradient_accumulation_steps=1", "packing=false", "attn_implementation=sdpa"])
+                model, _ = loop_model(recipe, path, "bf16")
+                model.train()
+                ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+                batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
+                         "position_ids": torch.arange(length)[None]}
+                measured = timed(partial(step, model, batch), repeats=3)
+                est = estimate(recipe, s, make_topology(1, 1, 0, None, None, True), attention="sdpa")
+                f = fc.forecast(recipe, s, est, rates)
+                forecast = sum(v for k, v in f.parts.items() if k in ("matmuls", "attention", "adapters", "dispatch"))
+                rung = " ".join(w.split("=")[0] for w in words if w.endswith("true")) or "no checkpointing"
+                body.append([label, length, name, rung, f"{length / measured:,.0f}", f"{length / forecast:,.0f}",
+                             f"{measured / forecast:.2f}"])
+                print(*body[-1], flush=True)
+    return body
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--derive", action="store_true", help="recompute each efficiency constant from its row")
+    parser.add_argument("--cpu", action="store_true", help="this CPU's rates, and forecast vs measured steps on it")
+    args = parser.parse_args()
+    if args.cpu:
+        rates = cpu_rates()
+        print(f"this CPU: matmuls {rates.matmul / 1e9:.0f} GFLOP/s, causal sdpa {rates.attention['sdpa'] / 1e9:.0f} "
+              f"GFLOP/s, LoRA's adapters {rates.adapters / 1e9:.1f} GB/s, copies {rates.bandwidth / 1e9:.1f} GB/s; "
+              f"dispatch a pass: {rates.layer_dispatch * 1e3:.2f} ms a layer, {rates.adapter_dispatch * 1e3:.2f} ms "
+              f"an adapter, {rates.model_dispatch * 1e3:.2f} ms the rest of a micro batch")
+        body = cpu_table(rates, {"embedded": 256, "wide": 2048})
+        print(table(["MODEL", "TOKENS", "RECIPE", "RUNG", "MEASURED tok/s", "FORECAST tok/s", "RATIO"], body))
+        return
+    if args.derive:
+        for name, value in derive().items():
+            print(f"{name} = {value:.3g}")
+        return
+    body = []
+    for row in ROWS:
+        f = forecast_row(row)
+        ratio = real(row, f) / row.measured
+        body.append([row.name, row.gpu, row.attention, f"{row.measured:,.0f}", f"{real(row, f):,.0f}", f"{ratio:.2f}",
+                     row.role if row.warm else "check (one step: warm-up in the measured)", row.source])
+    print(table(["ROW", "GPU", "ATTENTION", "MEASURED tok/s", "FORECAST tok/s", "RATIO", "ROLE", "SOURCE"], body))
+    print("RATIO: forecast over measured speed (above 1: the forecast is too fast)")
+    f = trl_1m()
+    print(f"\nTRL's 1M-token example (Qwen3-8B, 8 x H100, FSDP2 + context parallelism 8): {TRL_1M[1]:.0f} s a step "
+          f"measured, {f.step_seconds:.0f} forecast (fsdp, parallelism.cp_size=8): RATIO {TRL_1M[1] / f.step_seconds:.2f}")
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,200 @@
+"""How long a step takes, said before launch: each process's work counted from the model and the recipe (FLOPs of the
+matmuls and of attention, bytes the adapters and the dequantisation move, copies over the host link and between GPUs)
+and divided by the device's rates. Pure Python, like the rest of the planner.
+
+A rate is a datasheet peak times an efficiency, and each efficiency is measured on one named row of a GPU run
+(benchmarks/gpu_results), never set to make a row come out right; the other rows check it (benchmarks/forecast.py
+prints forecast against measured for every recorded row, docs/speed.md the table). What is counted and what is not:
+docs/speed.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .architecture import Structure
+from .gpus import GPUS, Gpu
+from .recipe import Recipe, method
+
+if TYPE_CHECKING:
+    from .planner import Estimate
+
+# Efficiencies: the share of the datasheet peak each kind of work reaches on a GPU, each measured on the row named
+# (benchmarks/forecast.py --derive recomputes them from benchmarks/gpu_results; docs/speed.md).
+# The matmuls of a training step with everything between them (norms, RoPE, SwiGLU, the loss): adamw-8bit, 1B shape,
+# 4 x 2048 tokens, H100 (2026-11-27), less its attention and optimizer step.
+MATMUL = 0.348
+# Causal attention forward and backward: sdpa from the slope of step time against length between the 128K and 256K
+# long-8b rows (H200, 2026-11-27: the same matmuls a token at both, attention's work doubled); flex_attention from
+# its 256K row less the sdpa row's time beside attention. flash_attention_2 is given sdpa's figure (sdpa runs torch's
+# copy of FlashAttention-2 for these shapes); eager multiplies the [S x S] scores as plain matmuls.
+ATTENTION = {"sdpa": 0.624, "flex_attention": 0.422, "flash_attention_2": 0.624}
+# LoRA's adapters (dropout, the rank-r matmuls, the scaled add into the base output) are bandwidth-bound, in many
+# small kernels: the bytes they move at this share of the bandwidth (single-gpu-lora, 1B shape, H100 row).
+ADAPTERS = 0.423
+# bitsandbytes' 4-bit dequantisation before each matmul, at this share of the bandwidth (qlora, 1B shape, H100 row).
+DEQUANTIZE = 0.0268
+# DeepSpeed's CPU Adam, parameters a second (zero3-offload, 1B shape, H100 row, its step 3).
+CPU_ADAM = 8.03e8
+INTER_NODE = 50e9  # bytes/s a GPU gets between machines: 400 Gb/s InfiniBand, one NIC per GPU
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the forecast divides by: the rates one process reaches at each kind of work."""
+    name: str
+    matmul: float  # FLOP/s
+    attention: dict  # kernel -> FLOP/s of causal attention
+    adapters: float  # bytes/s LoRA's small kernels move
+    dequantize: float  # bytes/s
+    bandwidth: float  # bytes/s the optimizer's step streams at
+    host_link: float  # bytes/s one way
+    interconnect: float  # bytes/s one way to another process of the same machine
+    cpu_adam: float = CPU_ADAM  # parameters/s
+    # seconds to dispatch one decoder layer's ops, and one LoRA adapter's, a pass (forward; backward counts 2):
+    # what a CPU spends beside the arithmetic, the tiny model's whole step; a GPU's is in its efficiencies
+    layer_dispatch: float = 0.0
+    adapter_dispatch: float = 0.0
+    model_dispatch: float = 0.0  # a micro batch's ops outside the layers (embedding, final norm, loss), all passes
+
+
+def gpu_rates(gpu: Gpu) -> Rates:
+    """A GPU of the table at its datasheet peaks times the measured efficiencies."""
+    return Rates(gpu.name, gpu.bf16_flops * MATMUL, {k: gpu.bf16_flops * e for k, e in ATTENTION.items()},
+                 gpu.bandwidth * ADAPTERS, gpu.bandwidth * DEQUANTIZE, gpu.bandwidth, gpu.host_link, gpu.interconnect)
+
+
+# The GPU a plan forecasts on when none is named (`--gpu NAME` names one).
+REFERENCE = gpu_rates(GPUS["H100"])
+# `plan --cpu`: the rates of this project's 2-core machine, as `python benchmarks/forecast.py --cpu` measured them
+# (a CPU's own differ: that command prints them, and the ratio of forecast to measured on it).
+CPU_RATES = Rates("this project's 2-core CPU", 3.0e11, {"sdpa": 1.4e11}, 7.0e9, 7.0e9, 7.0e9, 7.0e9, 7.0e9,
+                  layer_dispatch=0.55e-3, adapter_dispatch=0.35e-3, model_dispatch=1.1e-3)
+
+
+@dataclass(frozen=True)
+class Forecast:
+    step_seconds: float  # one optimizer step, per process (all processes step together)
+    tokens_per_second: float  # over all processes (a tensor-parallel group's tokens once)
+    parts: dict  # seconds a step by kind of work, before overlap (what the step is made of)
+    device: str  # what the rates are of
+
+
+def _mlp(lin, g: Structure) -> bool:
+    return g.intermediate in (lin.in_features, lin.out_features)
+
+
+def matmul_flops(recipe: Recipe, s: Structure) -> float:
+    """Matmul FLOPs a trained token costs: the forward 2N, backward's input gradients 2N and, when the base trains,
+    its weight gradients 2N; one more forward of each checkpointed layer (full checkpointing; selective keeps the
+    matmuls' outputs), one more of each MLP under the tiled MLP (its backward recomputes it tile by tile), one more
+    of the head under the fused loss (its backward recomputes the logits). N: the parameters a token multiplies by
+    (routed experts at top_k), the head included, the embedding lookup not."""
+    layers = sum(g.layers * (sum(lin.params for lin in g.linears) + g.expert_params * g.top_k // max(g.experts, 1))
+                 for g in s.groups())
+    mlps = sum(g.layers * (sum(lin.params for lin in g.linears if _mlp(lin, g))
+                           + g.expert_params * g.top_k // max(g.experts, 1)) for g in s.groups())
+    head = s.vocab * s.hidden
+    passes = 2 + 2 + (2 if method(recipe) == "full" else 0)
+    flops = passes * (layers + head)
+    if recipe.checkpoints and recipe.gradient_checkpointing != "selective":
+        flops += 2 * layers
+    if recipe.tiled_mlp:
+        flops += 2 * mlps
+    if recipe.fused_loss:
+        flops += 2 * head
+    return float(flops)
+
+
+def attention_flops(recipe: Recipe, s: Structure, seq: int) -> float:
+    """Attention's FLOPs a token costs at `seq` tokens a row, causal (each query sees the keys before it): per layer
+    the forward's two products, 2 x seq x heads x head_dim, backward's five (FlashAttention's: the scores again,
+    then dV, dP, dQ, dK), and the forward again under full checkpointing. A packed row's documents attend only
+    within themselves: counted as one document of the row's length, an upper bound."""
+    per_layer = 2 * seq * s.heads * s.head_dim
+    forwards = 1 + (1 if recipe.checkpoints and recipe.gradient_checkpointing != "selective" else 0)
+    return float(s.layers * per_layer * (forwards + 2.5))
+
+
+def adapter_bytes(recipe: Recipe, s: Structure) -> float:
+    """Bytes LoRA's adapters move a token, in 16 bits: forward, each adapted linear reads its input for A (and,
+    with dropout, reads it and writes the dropped copy and its mask), writes B's output, scales it and adds it into
+    the base output; backward about twice that; once more a recomputed forward."""
+    if recipe.lora is None:
+        return 0.0
+    dropout = recipe.lora.dropout > 0
+    total = 0.0
+    for g in s.groups():
+        for lin in g.lora_linears(recipe.lora.target_modules):
+            forward = 2 * lin.in_features * (1 + (2.5 if dropout else 0)) + 2 * 6 * lin.out_features
+            passes = 3 + (1 if recipe.checkpoints else 0) + (1 if recipe.tiled_mlp and _mlp(lin, g) else 0)
+            total += g.layers * forward * passes
+    return total
+
+
+# Bytes the loss moves a logit beyond its matmuls (training/loss.py HeadLoss; the unfused path holds the same steps):
+# forward the bf16 logits written (2), cast to fp32 (2 read, 4 written), log-sum-exp's read (4); backward the logits
+# again (2 + 6), the softmax's subtract and exp in place (8 + 8), the gradient's scale (8) and its cast to bf16 (6).
+LOSS_BYTES = 2 + 6 + 4 + 8 + 8 + 8 + 8 + 6
+
+
+def forecast(recipe: Recipe, s: Structure, est: Estimate, rates: Rates, precision: str = "bf16") -> Forecast:
+    """Seconds an optimizer step of the estimated run takes at these rates, per process: gradient_accumulation_steps micro
+    batches, each its matmuls, attention, adapters and dequantisation one after the other, with the copies that run
+    beside them (the activation offload's, the sharded engines' gathers) hidden behind them up to their length; then
+    the optimizer step, its traffic from the estimate's gradients and optimizer state. In fp32 (`precision` "no")
+    the matmuls run at half the rate (TF32's dense peak is half bf16's on these GPUs)."""
+    processes, machines, attention = est.processes, est.machines, est.attention
+    batch, seq = est.micro_batch, est.seq_length
+    sp = recipe.sequence_group(processes) * recipe.context_parallel
+    tokens = batch * seq / sp  # a micro batch's tokens on one process (sequence parallelism splits each row)
+    tp = recipe.tensor_parallel
+    slower = 1 if precision in ("bf16", "fp16") else 2
+    mm = slower * matmul_flops(recipe, s) * tokens / tp / rates.matmul
+    if attention in rates.attention:
+        attn = slower * attention_flops(recipe, s, seq) * tokens / tp / rates.attention[attention]
+    else:  # eager: every score computed (no causal skip), as plain batched matmuls
+        attn = slower * 2 * attention_flops(recipe, s, seq) * tokens / tp / rates.matmul
+    parts = {"matmuls": mm, "attention": attn, "adapters": adapter_bytes(recipe, s) * tokens / rates.adapters,
+             "loss": s.vocab * LOSS_BYTES * tokens / tp / rates.bandwidth}
+    if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch:
+        adapters = len(s.lora_linears(recipe.lora.target_modules)) if recipe.lora else 0
+        parts["dispatch"] = rates.model_dispatch + s.layers * (3 + (1 if recipe.checkpoints else 0)) * (
+            rates.layer_dispatch + adapters * rates.adapter_dispatch)
+    if recipe.quantization:  # 4-bit read, 16-bit written and read again, before every matmul of a frozen weight
+        weights = sum(g.layers * sum(lin.params for lin in g.linears) for g in s.groups())
+        passes = 2 + (1 if recipe.checkpoints else 0)
+        parts["dequantize"] = weights * 4.5 * passes / rates.dequantize
+    link = rates.interconnect if machines == 1 else min(rates.interconnect, INTER_NODE)
+    beside = {}  # what runs on another stream while the GPU computes
+    if recipe.activation_offload:  # each layer's input to the host in forward, back in backward
+        beside["offload"] = 2 * s.layers * tokens * s.hidden * 2 / rates.host_link
+    weights16 = s.params * 2 / tp
+    passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward
+    sharded = bool(recipe.fsdp) or bool(recipe.deepspeed and recipe.deepspeed.zero_stage == 3)
+    if sharded and processes > 1:
+        share = (processes - 1) / processes
+        beside["gathers"] = (weights16 * passes + weights16) * share / link  # and a reduce-scatter of the gradients
+    elif processes > 1 and recipe.tensor_parallel == 1:
+        beside["all-reduce"] = 2 * (processes - 1) / processes * est.gradients \
+            / recipe.gradient_accumulation_steps / link  # (once a step: spread over its micro batches)
+    if recipe.deepspeed and recipe.deepspeed.offload_param != "none" or recipe.fsdp and recipe.fsdp.offload_params:
+        beside["parameters from host"] = weights16 / processes * passes / rates.host_link
+    if tp > 1:  # two all-reduces of a layer's output per pass, waited on
+        parts["tensor all-reduce"] = 2 * passes * s.layers * tokens * s.hidden * 2 * 2 * (tp - 1) / tp / link
+    u = recipe.sequence_group(processes)
+    if u > 1:  # Ulysses: q, k, v in and the output out, each way
+        width = 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
+        parts["all-to-all"] = passes * s.layers * tokens * width * 2 * (u - 1) / u / link
+    micro = sum(parts.values())
+    micro = max(micro, *beside.values()) if beside else micro
+    trained = est.trainable / (processes if sharded or recipe.deepspeed else 1)  # (ZeRO-1/2 shard the step too)
+    if recipe.deepspeed and recipe.deepspeed.offload_optimizer != "none":
+        optimizer = trained / rates.cpu_adam + trained * (4 + 2) / rates.host_link  # gradients down, 16-bit weights up
+    else:  # read and write the weights and the state, read the gradients
+        optimizer = (2 * est.optimizer_state + est.gradients + 2 * trained * 4) / rates.bandwidth
+    step = recipe.gradient_accumulation_steps * micro + optimizer
+    parts = {k: v * recipe.gradient_accumulation_steps for k, v in (parts | beside).items()} | {"optimizer": optimizer}
+    tokens_per_step = processes / tp * tokens * recipe.gradient_accumulation_steps  # (a TP group's once)
+    return Forecast(step, tokens_per_step / step, parts, rates.name)

@@ -1,0 +1,110 @@
+"""planning/forecast.py: a step's time before launch, from the work counted and rates measured on recorded GPU rows."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+from memrecipe.planning import forecast as fc
+from memrecipe.planning.architecture import read_config, structure
+from memrecipe.planning.gpus import GPUS, gpu_for_device
+from memrecipe.planning.planner import Verdict, estimate, recommend
+from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.topology import Topology
+from model_configs import LLAMA_8B
+
+# benchmarks/forecast.py, the recorded GPU rows: loaded from its file (benchmarks/ on sys.path would shadow the
+# tests' own `runs` package with benchmarks/runs.py)
+_spec = importlib.util.spec_from_file_location("forecast_rows", REPO / "benchmarks" / "forecast.py")
+rows = sys.modules["forecast_rows"] = importlib.util.module_from_spec(_spec)  # (its dataclasses look it up there)
+_spec.loader.exec_module(rows)
+
+PLAIN = ["gradient_checkpointing=false", "tiled_mlp=false", "fused_loss=false"]
+
+
+def test_matmul_flops_count_each_pass_the_recipe_runs():
+    s = structure(read_config(None))
+    layers = s.layers * sum(lin.params for lin in s.linears)
+    mlps = s.layers * sum(lin.params for lin in s.linears if lin.name in ("gate_proj", "up_proj", "down_proj"))
+    head = s.vocab * s.hidden
+    full, lora = (load_recipe(name, PLAIN) for name in ("single-gpu-full", "single-gpu-lora"))
+    assert fc.matmul_flops(full, s) == 6 * (layers + head)  # forward, input gradients, weight gradients
+    assert fc.matmul_flops(lora, s) == 4 * (layers + head)  # the frozen base: no weight gradients
+    on = load_recipe("single-gpu-lora", [*PLAIN, "gradient_checkpointing=true"])
+    assert fc.matmul_flops(on, s) - fc.matmul_flops(lora, s) == 2 * layers  # each layer's forward again
+    selective = load_recipe("single-gpu-lora", [*PLAIN, "gradient_checkpointing=selective"])
+    assert fc.matmul_flops(selective, s) == fc.matmul_flops(lora, s)  # it keeps the matmuls' outputs
+    tiled = load_recipe("single-gpu-lora", [*PLAIN[1:], "gradient_checkpointing=true", "tiled_mlp=true"])
+    assert fc.matmul_flops(tiled, s) - fc.matmul_flops(on, s) == 2 * mlps  # the MLP again, tile by tile
+    fused = load_recipe("single-gpu-lora", [*PLAIN, "fused_loss=true"])
+    assert fc.matmul_flops(fused, s) - fc.matmul_flops(lora, s) == 2 * head  # the logits again in backward
+
+
+def test_attention_grows_with_the_row_and_is_recomputed_under_full_checkpointing():
+    s = structure(LLAMA_8B)
+    plain, full = (load_recipe("single-gpu-lora", [f"gradient_checkpointing={c}"]) for c in ("false", "true"))
+    assert fc.attention_flops(plain, s, 2048) == s.layers * 2 * 2048 * 4096 * 3.5  # forward 2, backward 5 (halves)
+    assert fc.attention_flops(full, s, 4096) == 2 * fc.attention_flops(full, s, 2048)  # a token: linear in S
+    assert fc.attention_flops(full, s, 2048) / fc.attention_flops(plain, s, 2048) == 4.5 / 3.5
+
+
+def test_each_efficiency_is_what_its_row_measured():
+    """The constants are derived from their rows (benchmarks/forecast.py --derive), not set by hand: one changed
+    without its row fails here."""
+    saved = (fc.MATMUL, dict(fc.ATTENTION), fc.ADAPTERS, fc.DEQUANTIZE, fc.CPU_ADAM)
+    try:
+        derived = rows.derive()
+    finally:
+        fc.MATMUL, fc.ATTENTION, fc.ADAPTERS, fc.DEQUANTIZE, fc.CPU_ADAM = saved
+    assert derived["ATTENTION sdpa"] == pytest.approx(fc.ATTENTION["sdpa"], rel=0.01)
+    assert derived["ATTENTION flex_attention"] == pytest.approx(fc.ATTENTION["flex_attention"], rel=0.01)
+    for name in ("MATMUL", "ADAPTERS", "DEQUANTIZE", "CPU_ADAM"):
+        assert derived[name] == pytest.approx(getattr(fc, name), rel=0.01), name
+
+
+def test_the_recorded_gpu_rows_are_forecast_within_30_percent_but_one():
+    """Every row of a recorded GPU run timed after its first step, forecast against measured: within +-30% (the
+    issue's goal) except the 1B's 16K-token top-rung row of the second lease (1.34x: that lease's offload copied to
+    pageable memory, and no GPU row has priced the top rung's lean norms and tiled MLP yet: docs/speed.md)."""
+    ratios = {row.name: rows.real(row, rows.forecast_row(row)) / row.measured for row in rows.ROWS if row.warm}
+    assert len(ratios) == 10
+    assert [name for name, r in ratios.items() if not 0.7 <= r <= 1.3] == ["long context 16K"], ratios
+    checks = [row.name for row in rows.ROWS if row.warm and row.role == "check"]
+    assert {"single-gpu-lora, sdpa", "qlora, activation_offload"} <= set(checks)  # rows no constant was taken from
+
+
+def test_trls_million_token_step_is_forecast_within_half_to_twice():
+    """A check from outside, no constant taken from it: TRL's 1M-token example, 380 s a step on 8 H100s."""
+    assert 0.5 <= rows.TRL_1M[1] / rows.trl_1m().step_seconds <= 2
+
+
+def test_a_named_gpu_forecasts_at_its_own_rates():
+    s = structure(LLAMA_8B)
+    recipe = load_recipe("single-gpu-lora", ["max_seq_length=4096"])
+    h100, a10g = (estimate(recipe, s, Topology(1), rates=fc.gpu_rates(GPUS[name])) for name in ("H100", "A10G"))
+    assert h100.forecast_on == "H100" and a10g.forecast_on == "A10G"
+    assert h100.step_seconds < a10g.step_seconds and h100.tokens_per_second == pytest.approx(
+        4 * 4 * 4096 / h100.step_seconds)  # micro batch 4 x accumulation 4 x 4096 tokens a step
+    assert estimate(recipe, s, Topology(1)).forecast_on == "H100"  # the reference when none is named
+    assert estimate(recipe, s, Topology(1, cpu=True)).forecast_on == fc.CPU_RATES.name
+
+
+def test_the_recommendation_is_the_fastest_forecast_that_fits():
+    s = structure(LLAMA_8B)
+    slow, fast = (estimate(load_recipe("single-gpu-lora", [f"gradient_checkpointing={c}", "max_seq_length=1024"]), s,
+                           Topology(1)) for c in ("true", "false"))
+    assert fast.tokens_per_second > slow.tokens_per_second
+    best, why = recommend([Verdict(slow, 2**40, None), Verdict(fast, 2**40, None)])
+    assert best.estimate is fast and f"{fast.tokens_per_second:,.0f} tokens/s forecast on H100" in why
+    best, _ = recommend([Verdict(slow, 2**40, None), Verdict(fast, fast.total - 1, None)])  # the fast one does not fit
+    assert best.estimate is slow
+
+
+def test_a_cuda_device_name_finds_its_gpu():
+    report = json.loads((REPO / "benchmarks" / "gpu_results" / "2026-11-27-h100" / "adamw-8bit-resumed.report.json")
+                        .read_text())
+    assert gpu_for_device(report["device"]) is GPUS["H100"]
+    assert gpu_for_device("NVIDIA H200") is GPUS["H200"] and gpu_for_device("NVIDIA A100-SXM4-40GB") is GPUS["A100-40GB"]
+    assert gpu_for_device("NVIDIA H100 PCIe") is GPUS["H100-PCIe"] and gpu_for_device("Tesla T4") is None
