@@ -201,7 +201,7 @@ def cpu_rates() -> fc.Rates:
     copy = 2 * big.numel() * 4 / timed(lambda: big.clone())
     from peft import LoraConfig, get_peft_model
 
-    base = torch.nn.Sequential(torch.nn.Linear(width, out, bias=False))
+    base = torch.nn.Sequential(torch.nn.Linear(width, out, bias=False)).requires_grad_(False)  # frozen, as under LoRA
     lora = get_peft_model(torch.nn.Sequential(torch.nn.Linear(width, out, bias=False)),
                           LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["0"]))
 

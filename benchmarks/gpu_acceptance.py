@@ -13,7 +13,10 @@ The table is rewritten after every row, so a lease that ends mid-run keeps what 
 
 Writes OUT/acceptance.md and OUT/acceptance.json (default OUT: acceptance-<time>/): per run the planned and
 measured bytes per category and in total, the measured minus planned total, tokens/s, MFU, whether the loss
-fell; and whether the stopped-and-resumed run's steps equal the uninterrupted run's. A recipe the box cannot hold
+fell, the plan's step-time forecast (docs/speed.md); whether the stopped-and-resumed run's steps equal the
+uninterrupted run's; and peers on the same shape beside single-gpu-lora, adamw-8bit and the long-context row
+(transformers' Trainer, TRL's SFTTrainer: benchmarks/peers.py), their tokens/s and allocator peak against ours.
+A recipe the box cannot hold
 (GPUs, GPU memory or host RAM by the plan) or whose optional library is missing is skipped, with the reason.
 The data is the embedded chat set and preference pairs (on a GPU repeated until every step has full micro batches: once
 through, the chat set packs into 5 rows of 2048 tokens, the pairs into 9); the tokenizer is the embedded one (its ids fit any vocabulary).
@@ -54,6 +57,11 @@ LONG_TOKENS = {"gpu": 16384, "cpu": 1024}
 # the allocator's history recorded (snapshot_peak.py reads its peak blocks). --cpu: the embedded model at 1K, sdpa.
 LONG_8B_LAYERS = 2
 LONG_8B_KERNELS = {"gpu": ("sdpa", "flex_attention"), "cpu": ("sdpa",)}
+# peers on the same shape, data sizes and settings (benchmarks/peers.py), run after the recipe's own row: (label,
+# library, method); the long-context row's peer is Trainer's LoRA at its length, one row a step
+PEERS = {"single-gpu-lora": [("Trainer + peft LoRA", "trainer", "lora"), ("TRL SFTTrainer, LoRA", "trl", "lora")],
+         "adamw-8bit": [("Trainer, 8-bit AdamW", "trainer", "full-8bit")],
+         "long": [("Trainer + peft LoRA", "trainer", "lora")]}
 PREFERENCES = [("single-gpu-lora", [], 1), ("qlora", [], 1)]  # `memrecipe run dpo` on the embedded pairs (--cpu: the first)
 LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit": "bitsandbytes",
              "single-gpu-full": "torchao", "apollo_adamw": "apollo_torch", "zero3-offload": "deepspeed",
@@ -245,11 +253,52 @@ def row(name: str, shape: str, processes: int, report: dict, busy: int | None = 
             "device_in_use_before": busy,
             "measured_minus_planned_total": None if peak is None else peak - plan["total"],
             "tokens_per_second": tput["tokens_per_second"], "mfu": tput.get("mfu"),
+            # the plan's step-time forecast on this GPU (docs/speed.md), and the run against it (padding counted)
+            "forecast_tokens_per_second": tput.get("forecast_tokens_per_second"),
+            "measured_vs_forecast": tput.get("measured_vs_forecast"),
             "compile_seconds": report["setup"].get("optimizer_compile_seconds") or None,  # before step 1
             "loss_first": history[0]["loss"], "loss_last": report["final_train_loss"],
             "loss_fell": report["final_train_loss"] < history[0]["loss"],
             # preference tuning: the last step's reward accuracy on its training pairs
             "reward_accuracy": history[-1].get("rewards/accuracies")}
+
+
+def peers_of(script: str, recipe: str, overrides: list) -> list[tuple]:
+    """The peers a row is run beside: a recipe's plain SFT row, and the long-context row."""
+    if script != "sft":
+        return []
+    return PEERS["long"] if is_long(overrides) else [] if overrides else PEERS.get(recipe, [])
+
+
+def peer_rows(ours: dict, report: dict, peers: list, model: str, out: Path, cpu: bool, steps: int,
+              timeout: float) -> list[dict]:
+    """Each peer on our row's model and shape (length, micro batch, accumulation, kernel, steps), and our row's speed
+    and allocator peak against its: a ratio above 1 is memrecipe faster, or holding less."""
+    r, rows = report["recipe"], []
+    for label, library, method in peers:
+        file = out / f"peer-{ours['shape']}-{library}-{method}-{r['max_seq_length']}.json"
+        cmd = [sys.executable, str(HERE / "peers.py"), "--library", library, "--method", method, "--model", model,
+               "--seq", str(r["max_seq_length"]), "--micro", str(r["per_device_train_batch_size"]),
+               "--accumulation", str(r["gradient_accumulation_steps"]), "--steps", str(steps),
+               "--attention", ours["attention"] or "sdpa", "--out", str(file), *(["--cpu"] if cpu else [])]
+        base = {"recipe": f"peer: {label}", "peer_of": ours["recipe"], "shape": ours["shape"], "processes": 1}
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rows.append(base | {"status": "failed", "reason": f"over {timeout:.0f} s"})
+            continue
+        (out / f"{file.stem}.log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            rows.append(base | {"status": "failed", "reason": why_failed(done)})
+            continue
+        peer = json.loads(file.read_text())
+        ours_peak = ours["measured"]["total"] if ours.get("peak_kind") == "cuda_max_allocated_bytes" else None
+        rows.append(base | {"status": "peer", "attention": ours["attention"],
+                            "tokens_per_second": peer["tokens_per_second"], "peak": peer["peak_bytes"],
+                            "speed_ratio": ours["tokens_per_second"] / peer["tokens_per_second"]
+                            if peer["tokens_per_second"] else None,
+                            "memory_ratio": peer["peak_bytes"] / ours_peak if ours_peak and peer["peak_bytes"] else None})
+    return rows
 
 
 def memory_verdict(planned: dict, measured: dict, allowance: int, peak_kind: str | None) -> tuple[str, str]:
@@ -315,11 +364,14 @@ def markdown(rows: list[dict]) -> str:
 
     head = ["recipe", "shape", "procs", "status", "attention",
             *[f"{c} planned/measured GiB" for c in (*CATEGORIES, "total")], "pinned host planned/measured GiB",
-            "measured-planned", "memory", "tokens/s",
+            "measured-planned", "memory", "tokens/s", "forecast tok/s (measured / forecast)",
             "MFU",
             "loss", "resume / kernels"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    peers = [r for r in rows if "peer_of" in r]
     for r in rows:
+        if "peer_of" in r:
+            continue
         if r["status"] != "ran":
             lines.append(f"| {r['recipe']} | {r['shape']} | {r['processes']} | {r['status']}: {r['reason']} |"
                          + " |" * (len(head) - 4))
@@ -336,9 +388,28 @@ def markdown(rows: list[dict]) -> str:
                      + f" | {gib(r['measured_minus_planned_total'])} | {r['memory_verdict']}: {r['memory_why']}"
                      f" | {r['tokens_per_second']:,.0f}" + (f" ({r['compile_seconds']:.0f} s compile before step 1)"
                                                             if r.get("compile_seconds") else "")
-                     + f" | {mfu} | {loss}"
+                     + f" | {forecast(r)} | {mfu} | {loss}"
                      f" | {resume} |")
+    if peers:  # the same shape through transformers' Trainer and TRL (benchmarks/peers.py)
+        lines += ["", "| peer | beside | attention | tokens/s | allocator peak GiB | memrecipe's speed x | "
+                  "memrecipe's memory x (peer's peak / ours) |", "|---|---|---|---|---|---|---|"]
+        for r in peers:
+            if r["status"] != "peer":
+                lines.append(f"| {r['recipe']} | {r['peer_of']} | {r['status']}: {r['reason']} | | | | |")
+                continue
+            speed = "-" if r["speed_ratio"] is None else f"{r['speed_ratio']:.2f}x"
+            memory = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}x"
+            rate = "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:,.0f}"
+            lines.append(f"| {r['recipe']} | {r['peer_of']} | {r['attention']} | {rate} | {gib(r['peak'])} | "
+                         f"{speed} | {memory} |")
     return "\n".join(lines) + "\n"
+
+
+def forecast(r: dict) -> str:
+    """'30,469 (1.00x)': the plan's forecast for the row and the run's speed against it."""
+    if not r.get("forecast_tokens_per_second"):
+        return "-"
+    return f"{r['forecast_tokens_per_second']:,.0f} ({r['measured_vs_forecast']:.2f}x)"
 
 
 def is_long(overrides: list) -> bool:
@@ -499,6 +570,13 @@ def main():
             rows.append(result)
             print(f"{name} ({shape}): ran, loss {result['loss_first']:.3f} -> {result['loss_last']:.3f}", flush=True)
             write(args.out, rows)
+            peers = peers_of(script, recipe, overrides)
+            if peers:
+                rows += peer_rows(result, report, peers, report["model"], args.out, args.cpu, steps, timeout)
+                for p in rows[-len(peers):]:
+                    print(f"{p['recipe']} ({shape}): {p['status']} " + (f"{p['speed_ratio']:.2f}x our speed"
+                          if p.get("speed_ratio") else p.get("reason", "")), flush=True)
+                write(args.out, rows)
     write(args.out, rows)
     print(markdown(rows))
     print(f"wrote {args.out / 'acceptance.md'} and acceptance.json")

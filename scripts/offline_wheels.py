@@ -37,6 +37,7 @@ PRIORITY = [
     ("hjson", "deepspeed", False), ("pydantic", "deepspeed (with pydantic-core and its small dependencies)", True),
     ("torchao==0.18.0", "single-gpu-full rows (8-bit AdamW)", False),
     ("apollo-torch==1.0.3", "the APOLLO row", False),
+    ("trl==1.16.0", "the peer rows (TRL's SFTTrainer: benchmarks/peers.py)", False),
     ("bitsandbytes==0.50.2", "qlora, adamw-8bit, fsdp-qlora rows (slimmed to the box's CUDA)", False),
 ]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",

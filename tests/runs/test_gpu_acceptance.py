@@ -18,6 +18,11 @@ def test_the_acceptance_script_runs_sft_dpo_and_a_long_context_row_resumes_one_a
                            str(tmp_path)], capture_output=True, text=True, env=child_env(), timeout=840)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "acceptance.json").read_text())
+    peers = [r for r in rows if "peer_of" in r]  # beside single-gpu-lora: Trainer's and TRL's (benchmarks/peers.py)
+    assert [(r["recipe"], r["peer_of"], r["status"]) for r in peers] == [
+        ("peer: Trainer + peft LoRA", "single-gpu-lora", "peer"), ("peer: TRL SFTTrainer, LoRA", "single-gpu-lora", "peer")]
+    assert all(r["tokens_per_second"] > 0 and r["speed_ratio"] > 0 and r["memory_ratio"] is None for r in peers), peers
+    rows = [r for r in rows if "peer_of" not in r]
     assert [(r["recipe"], r["processes"], r["status"]) for r in rows] == [
         ("long-8b sdpa 1K", 1, "ran"),  # first: the long-context row, one 1K-token document a step on the top rung
         ("single-gpu-lora", 1, "ran"), ("single-gpu-lora attn_implementation=sdpa", 1, "ran"),
@@ -29,13 +34,16 @@ def test_the_acceptance_script_runs_sft_dpo_and_a_long_context_row_resumes_one_a
     for r in rows:  # (the DPO row's 4 steps start at ln 2 and a warm-up: test_dpo_run checks that it learns)
         assert (r["loss_fell"] if r["reward_accuracy"] is None else r["reward_accuracy"] > 0), r
         assert r["tokens_per_second"] > 0, r
+        assert r["forecast_tokens_per_second"] > 0 and r["measured_vs_forecast"] > 0, r  # the plan's step time beside it
         assert all(r["planned"][c] > 0 and r["measured"][c] > 0 for c in ("parameters", "optimizer_state", "total")), r
         assert r["measured_minus_planned_total"] == r["measured"]["total"] - r["planned"]["total"]
     assert all(r["memory_verdict"] == "PASS" for r in rows), [r["memory_why"] for r in rows]
     assert rows[1]["resume_exact"] is True, rows[1]["resume_note"]  # stopped half-way, resumed: the same losses
     table = (tmp_path / "acceptance.md").read_text()
     assert table.count("| ran |") == 4 and "| exact |" in table and "| agree: step 1 loss" in table
+    assert f"| {rows[1]['forecast_tokens_per_second']:,.0f} ({rows[1]['measured_vs_forecast']:.2f}x) |" in table
     assert ", reward accuracy " in table
+    assert "| peer: TRL SFTTrainer, LoRA | single-gpu-lora | sdpa | " in table  # (no allocator peak on CPU: "-")
 
 
 def acceptance():
