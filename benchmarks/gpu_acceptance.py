@@ -62,7 +62,8 @@ LONG_8B_KERNELS = {"gpu": ("sdpa", "flex_attention"), "cpu": ("sdpa",)}
 PEERS = {"single-gpu-lora": [("Trainer + peft LoRA", "trainer", "lora"), ("TRL SFTTrainer, LoRA", "trl", "lora")],
          "adamw-8bit": [("Trainer, 8-bit AdamW", "trainer", "full-8bit")],
          "long": [("Trainer + peft LoRA", "trainer", "lora")]}
-PREFERENCES = [("single-gpu-lora", [], 1), ("qlora", [], 1)]  # `memrecipe run dpo` on the embedded pairs (--cpu: the first)
+PREFERENCES = [("single-gpu-lora", [], 1), ("qlora", [], 1)]
+PROFILED = ("single-gpu-lora", "adamw-8bit")  # one step's profile, beside their plain rows (docs/gpu.md: where time goes)  # `memrecipe run dpo` on the embedded pairs (--cpu: the first)
 LIBRARIES = {"qlora": "bitsandbytes", "fsdp-qlora": "bitsandbytes", "adamw-8bit": "bitsandbytes",
              "single-gpu-full": "torchao", "apollo_adamw": "apollo_torch", "zero3-offload": "deepspeed",
              "zero2": "deepspeed", "zero3-ulysses": "deepspeed"}
@@ -188,12 +189,13 @@ def row_timeout(recipe: str, overrides: list, timeout: float, cpu: bool) -> floa
 
 
 def run(folder: Path, recipe: str, words: list, processes: int, cpu: bool, timeout: float, script: str = "sft",
-        snapshot: bool = False) -> tuple[dict | None, str]:
+        snapshot: bool = False, profile: bool = False) -> tuple[dict | None, str]:
     """One `memrecipe run SCRIPT`; (its report.json, '') or (None, why it failed). `snapshot`: record the CUDA
-    allocator's history (a run of its own: recording slows the steps it covers, which would bias tokens/s)."""
+    allocator's history, `profile`: where the second step's time goes (each a run of its own: recording slows the
+    steps it covers, which would bias tokens/s)."""
     cmd = [sys.executable, "-m", "memrecipe", "run", script, "--recipe", recipe, "--output-dir", str(folder),
            "--num-processes", str(processes), *(["--cpu"] if cpu else []), *(["--memory-snapshot"] * snapshot),
-           *words]
+           *(["--profile"] * profile), *words]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -261,6 +263,19 @@ def row(name: str, shape: str, processes: int, report: dict, busy: int | None = 
             "loss_fell": report["final_train_loss"] < history[0]["loss"],
             # preference tuning: the last step's reward accuracy on its training pairs
             "reward_accuracy": history[-1].get("rewards/accuracies")}
+
+
+def profile_of(out: Path, tag: str, recipe: str, words: list, processes: int, cpu: bool, timeout: float) -> str:
+    """A 3-step run of the row with --profile; its step-2 table copied to OUT/profile-RECIPE.txt (that path), or why
+    there is none."""
+    folder = out / f"{tag}-profile"
+    _, why = run(folder, recipe, [*words, "save_steps=null", "max_steps=3"], processes, cpu, timeout,
+                 profile=True)  # (the later words win)
+    table = folder / "profile_rank0.txt"
+    if not table.is_file():
+        return f"none: {why or 'the run wrote no profile'}"
+    shutil.copy(table, out / f"profile-{recipe}.txt")
+    return str(out / f"profile-{recipe}.txt")
 
 
 def peers_of(script: str, recipe: str, overrides: list) -> list[tuple]:
@@ -570,6 +585,9 @@ def main():
             rows.append(result)
             print(f"{name} ({shape}): ran, loss {result['loss_first']:.3f} -> {result['loss_last']:.3f}", flush=True)
             write(args.out, rows)
+            if script == "sft" and recipe in PROFILED and not overrides:
+                result["profile"] = profile_of(args.out, tag, recipe, words, processes, args.cpu, timeout)
+                write(args.out, rows)
             peers = peers_of(script, recipe, overrides)
             if peers:
                 rows += peer_rows(result, report, peers, report["model"], args.out, args.cpu, steps, timeout)

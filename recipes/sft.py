@@ -75,6 +75,8 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     parser.add_argument("--memory-snapshot", action="store_true",
                         help="record memory over the first steps (CUDA allocator history, or CPU profiler timeline)")
+    parser.add_argument("--profile", action="store_true",
+                        help="record where the second step's time goes (torch's profiler: profile_rank*.txt, .json)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. max_steps=10")
     args = parser.parse_intermixed_args(argv)  # key=value words before, between or after the options
     # the same words as `memrecipe run`: --model and --dataset are overrides of the recipe's keys
@@ -303,7 +305,7 @@ def main(argv=None, script="sft", setup_data=setup_data, objective=Objective):
     scheduler, total_steps, steps_per_epoch = setup_schedule(recipe, optimizer, train_loader, accelerator)
     # one folder of checkpoints, or one per machine
     checkpoints = Checkpoints(accelerator, model, folder.path, recipe.save_total_limit)
-    meter = Meter(accelerator, recipe, folder.path, model, optimizer, offload, args.memory_snapshot)
+    meter = Meter(accelerator, recipe, folder.path, model, optimizer, offload, args.memory_snapshot, args.profile)
     run = Run(args, recipe, accelerator, folder, say, tokenizer, model_path, model, initial_adapter, optimizer,
               scheduler, train_loader, eval_loader, total_steps, checkpoints, meter, objective(recipe))
     say_setup(run, steps_per_epoch)

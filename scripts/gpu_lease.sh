@@ -34,7 +34,7 @@ while kill -0 $pid 2>/dev/null; do
     pkill -9 -f 'memrecipe|recipes/(sft|dpo)\.py'; break  # the workers too, whatever is left
   fi
 done
-cp "$RUNS"/acceptance.md "$RUNS"/acceptance.json "$OUT"/ 2>/dev/null
+cp "$RUNS"/acceptance.md "$RUNS"/acceptance.json "$RUNS"/profile-*.txt "$OUT"/ 2>/dev/null
 for pickle in "$RUNS"/*/memory_snapshot_rank*.pickle; do  # what the allocator held at its peak, in a few lines
   [ -f "$pickle" ] && { echo "== $pickle"; python benchmarks/snapshot_peak.py "$pickle"; } >> "$OUT/snapshot_peak.txt" 2>&1
 done

@@ -39,6 +39,9 @@ def test_the_acceptance_script_runs_sft_dpo_and_a_long_context_row_resumes_one_a
         assert r["measured_minus_planned_total"] == r["measured"]["total"] - r["planned"]["total"]
     assert all(r["memory_verdict"] == "PASS" for r in rows), [r["memory_why"] for r in rows]
     assert rows[1]["resume_exact"] is True, rows[1]["resume_note"]  # stopped half-way, resumed: the same losses
+    profile = (tmp_path / "profile-single-gpu-lora.txt").read_text()  # step 2 of a run of its own, by op
+    assert rows[1]["profile"] == str(tmp_path / "profile-single-gpu-lora.txt") and profile.startswith("step 2: ")
+    assert "aten::mm" in profile
     table = (tmp_path / "acceptance.md").read_text()
     assert table.count("| ran |") == 4 and "| exact |" in table and "| agree: step 1 loss" in table
     assert f"| {rows[1]['forecast_tokens_per_second']:,.0f} ({rows[1]['measured_vs_forecast']:.2f}x) |" in table

@@ -53,8 +53,8 @@ def runs(tmp_path_factory):
             memrecipe_run(folder, name, "--num-processes", "1", "--memory-snapshot", core=core)
         elif name == "fsdp-lora":  # with a checkpoint of the trained weights at the last step
             memrecipe_run(folder, name, "save_steps=20")
-        elif name == "qlora":  # and the activation offload knob, end to end
-            memrecipe_run(folder, name, "activation_offload=true", core=core)
+        elif name == "qlora":  # and the activation offload knob, end to end, and one step's profile
+            memrecipe_run(folder, name, "activation_offload=true", "--profile", core=core)
         else:
             memrecipe_run(folder, name, core=core)
         return folder
@@ -436,6 +436,16 @@ def test_cpu_memory_snapshot_is_the_profilers_timeline_by_category(runs):
     timeline = json.loads((runs("adamw-8bit") / "memory_timeline_rank0.json").read_text())
     times, sizes = timeline
     assert len(times) == len(sizes) > 10 and max(max(s) for s in sizes) > 0
+
+
+def test_profile_says_where_the_second_steps_time_goes(runs):
+    """--profile: step 2 (after the warm-up) under torch's profiler, its ops by their own time, and a trace."""
+    folder = runs("qlora")
+    table = (folder / "profile_rank0.txt").read_text()
+    assert table.startswith("step 2: ") and "aten::mm" in table and "Self CPU" in table
+    trace = json.loads((folder / "profile_rank0.json").read_text())
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert "profile of step 2: profile_rank0.txt" in (folder / "train.log").read_text()
 
 
 def test_tensorboard_event_file_holds_the_loss(runs):

@@ -28,9 +28,11 @@ from ..planning.registry import flag_overrides
 @click.option("--force", is_flag=True, help="Launch even if the planner says it will not fit.")
 @click.option("--memory-snapshot", is_flag=True,
               help="Record memory over the first steps: CUDA allocator history, or the CPU profiler's timeline.")
+@click.option("--profile", is_flag=True,
+              help="Record where the second step's time goes: torch's profiler, a GPU's kernels too (profile_rank*.txt).")
 @overrides_argument
 def command(script, recipe, model, dataset, output_dir, num_processes, num_machines, machine_rank, main_process_ip,
-            main_process_port, cpu, report_to, resume, overwrite, dry_run, force, memory_snapshot, overrides):
+            main_process_port, cpu, report_to, resume, overwrite, dry_run, force, memory_snapshot, profile, overrides):
     """Train with a recipe, checked and launched with accelerate: SCRIPT is sft (supervised fine-tuning) or dpo
     (preference pairs).
 
@@ -44,7 +46,8 @@ def command(script, recipe, model, dataset, output_dir, num_processes, num_machi
     words = [*overrides, *flag_overrides(model=model, dataset=dataset, report_to=report_to)]
     topology_flags = {"num_processes": num_processes, "num_machines": num_machines, "machine_rank": machine_rank,
                 "main_process_ip": main_process_ip, "main_process_port": main_process_port, "cpu": cpu}
-    plan = plan_run(script, recipe, words, output_dir, topology_flags, resume, force, memory_snapshot, dry_run)
+    plan = plan_run(script, recipe, words, output_dir, topology_flags, resume, force, memory_snapshot, dry_run,
+                    profile=profile)
     if dry_run:  # what `run` would do here, step by step; nothing is written
         click.echo(plan.banner, err=True)
         for why in plan.refused:

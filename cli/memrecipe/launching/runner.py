@@ -55,8 +55,8 @@ class Outcome:
 
 
 def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: Path | None, topology_flags: dict,
-             resume=False, force=False, memory_snapshot=False, dry_run=False, machine: Machine | None = None
-             ) -> RunPlan:
+             resume=False, force=False, memory_snapshot=False, dry_run=False, machine: Machine | None = None,
+             profile=False) -> RunPlan:
     """Everything `memrecipe run` checks before it touches the disk. `words` are the KEY=VALUE overrides
     (the --model/--dataset/--report-to flags among them); `topology_flags` the topology flags (num_processes,
     num_machines, machine_rank, main_process_ip, main_process_port, cpu). A real run loads the model's config,
@@ -106,7 +106,8 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
     files = run_files(r, topo)
     if resume:  # the folder's own launch configs stay; only the recipe may have raised max_steps
         files = {name: text for name, text in files.items() if name.startswith("recipe.")}
-    extra = [flag for flag, on in (("--resume", resume), ("--memory-snapshot", memory_snapshot)) if on]
+    extra = [flag for flag, on in (("--resume", resume), ("--memory-snapshot", memory_snapshot),
+                                   ("--profile", profile)) if on]
     command, env = launch(script, r, topo, machine.cores, extra)
     return RunPlan(r, topo, verdict, folder, files, command, env, resume, tuple(refused), tuple(notes))
 

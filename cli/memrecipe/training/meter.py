@@ -11,7 +11,8 @@ import torch
 from ..planning.optimizers import OPTIMIZERS, bf16_rounding
 from ..planning.registry import embedded_settings_said, is_embedded
 from .facts import SetupFacts, describe_setup
-from .probes import DeviceSampler, LossMemory, MemorySnapshot, held_bytes, optimizer_state_dtypes, peak_memory
+from .probes import (DeviceSampler, LossMemory, MemorySnapshot, StepProfile, held_bytes, optimizer_state_dtypes,
+                     peak_memory)
 
 
 def window_counts(window: list[dict], targets: int, reduce, tp_size: int = 1) -> tuple[dict, int]:
@@ -75,12 +76,14 @@ class Meter:
     """What a run measures about itself, in one object: the setup as it really is (describe_setup), each
     optimizer step's record (loss, learning rate, target/real/padded tokens over all processes, seconds; logged
     to TensorBoard / W&B when the recipe's report_to asks), what the model states hold after the first update
-    (held_bytes) and the loss's peak (LossMemory), memory over the first steps (--memory-snapshot), and each
+    (held_bytes) and the loss's peak (LossMemory), memory over the first steps (--memory-snapshot), one step's time by op (--profile), and each
     process's peaks at the end. `finish` returns them as Measured, for the report."""
 
-    def __init__(self, accelerator, recipe, out, model, optimizer, offload=None, snapshot: bool = False):
+    def __init__(self, accelerator, recipe, out, model, optimizer, offload=None, snapshot: bool = False,
+                 profile: bool = False):
         self.accelerator, self.model, self.optimizer, self.offload = accelerator, model, optimizer, offload
         self.out, self.take_snapshot = out, snapshot
+        self.profile = StepProfile(out, accelerator) if profile else None
         self.setup = describe_setup(accelerator, model, optimizer)
         # this process's peak host RAM up to here: loading and preparing the model, before any step (under FSDP2's
         # cpu_ram_efficient_loading rank 0 alone holds the whole model)
@@ -142,6 +145,10 @@ class Meter:
             self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
         if self.snapshot is not None and step == self.snapshot.steps:
             self.snapshot.save()
+        if self.profile is not None and step == self.setup.resumed_at_step + 1:
+            self.profile.begin(step + 1)  # this session's second step (after the snapshot's: one profiler at a time)
+        elif self.profile is not None and self.profile.profiler is not None and self.profile.path is None:
+            self.accelerator.print(f"profile of step {step}: {self.profile.end()}")
         return record
 
     def stop(self) -> None:

@@ -1,11 +1,13 @@
 """Memory probes: what this process really holds (held_bytes), its peaks (peak_memory, DeviceSampler), what the loss
-adds (LossMemory, allocation_peak) and memory over the first steps (MemorySnapshot). The Meter (meter.py) runs them."""
+adds (LossMemory, allocation_peak), memory over the first steps (MemorySnapshot), and where a step's time goes
+(StepProfile). The Meter (meter.py) runs them."""
 
 from __future__ import annotations
 
 import gc
 import resource
 import sys
+import time
 
 import torch
 
@@ -250,3 +252,43 @@ class MemorySnapshot:
         except ImportError:
             pass
         return str(path)
+
+
+class StepProfile:
+    """Where one step's time goes (--profile): a run's second optimizer step (the first is warm-up: caches, compiles)
+    under torch's profiler, a GPU's kernels too. Writes profile_rank{R}.json, a Chrome trace (https://ui.perfetto.dev),
+    and profile_rank{R}.txt: the ops by their own time on the device (on CPU, by their own CPU time) and, on a GPU,
+    how much of the step's wall time its kernels took (the rest: gaps between kernels, the host's launches and
+    waits)."""
+
+    ROWS = 25
+
+    def __init__(self, out, accelerator):
+        self.out, self.rank, self.cuda = out, accelerator.process_index, accelerator.device.type == "cuda"
+        self.profiler, self.path, self.step, self.started = None, None, 0, 0.0
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda
+                                                             else [])
+        self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self.profiler.__enter__()
+        self.started = time.perf_counter()
+
+    def end(self) -> str:
+        if self.cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.started
+        self.profiler.__exit__(None, None, None)
+        events = self.profiler.key_averages()
+        key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        lines = [f"step {self.step}: {wall:.3f} s of wall time, process {self.rank}"]
+        if self.cuda:
+            busy = sum(e.self_device_time_total for e in events) / 1e6
+            lines.append(f"the GPU's kernels: {busy:.3f} s ({busy / wall:.0%} of the step); gaps between them: "
+                         f"{max(wall - busy, 0):.3f} s")
+        lines.append(events.table(sort_by=key, row_limit=self.ROWS, max_name_column_width=60))
+        self.path = self.out / f"profile_rank{self.rank}.txt"
+        self.path.write_text("\n".join(lines) + "\n")
+        self.profiler.export_chrome_trace(str(self.out / f"profile_rank{self.rank}.json"))
+        return str(self.path)
