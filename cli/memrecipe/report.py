@@ -60,6 +60,20 @@ def load(run_dir) -> dict:
 GATHERED = {"parameters": "params", "gradients": "grads"}  # plan keys of what a sharded engine gathers per layer
 
 
+def speed_lines(tput: dict) -> list[str]:
+    """The card's throughput (after the warm-up), MFU, and the run against the plan's forecast."""
+    mfu = f"{tput['mfu']:.1%}" if tput.get("mfu") is not None else "n/a (" + tput.get("mfu_note", "") + ")"
+    padding = f", padding {tput['padding_fraction']:.0%} of the batches" if "padding_fraction" in tput else ""
+    warmup = f" after the first step ({tput['warmup_seconds']:.1f} s of warm-up)" if tput.get("warmup_seconds") else ""
+    lines = [f"throughput{warmup}: {tput['tokens_per_second']:,.0f} real tokens/s total, "
+             f"{tput['tokens_per_second_per_process']:,.0f} per process, {tput['seconds_per_step']:.2f} s/step"
+             f"{padding} | MFU {mfu}"]
+    if tput.get("measured_vs_forecast"):
+        lines.append(f"forecast (planning.forecast): {tput['forecast_tokens_per_second']:,.0f} tokens/s on "
+                     f"{tput['forecast_on']}, padding counted; this run went {tput['measured_vs_forecast']:.2f}x that")
+    return lines
+
+
 def card(report: dict) -> str:
     """The report card as text: memory predicted vs measured, throughput, MFU, loss, advice."""
     plan, procs, setup = report.get("plan") or {}, report["processes"], SetupFacts.from_dict(report.get("setup", {}))
@@ -120,16 +134,7 @@ def card(report: dict) -> str:
                      "the steps' times)")
     if setup.zero_offload_optimizer and setup.cpu_threads:
         lines.append(f"DeepSpeed's CPU Adam: {setup.cpu_threads} CPU thread(s) per process (OMP_NUM_THREADS)")
-    tput = report["throughput"]
-    mfu = f"{tput['mfu']:.1%}" if tput.get("mfu") is not None else "n/a (" + tput.get("mfu_note", "") + ")"
-    padding = f", padding {tput['padding_fraction']:.0%} of the batches" if "padding_fraction" in tput else ""
-    warmup = f" after the first step ({tput['warmup_seconds']:.1f} s of warm-up)" if tput.get("warmup_seconds") else ""
-    lines.append(f"throughput{warmup}: {tput['tokens_per_second']:,.0f} real tokens/s total, "
-                 f"{tput['tokens_per_second_per_process']:,.0f} per process, {tput['seconds_per_step']:.2f} s/step"
-                 f"{padding} | MFU {mfu}")
-    if tput.get("measured_vs_forecast"):
-        lines.append(f"forecast (planning.forecast): {tput['forecast_tokens_per_second']:,.0f} tokens/s on "
-                     f"{tput['forecast_on']}, padding counted; this run went {tput['measured_vs_forecast']:.2f}x that")
+    lines += speed_lines(report["throughput"])
     first, last = report["history"][0], report["history"][-1]
     if "rewards/accuracies" in last:  # preference tuning: TRL's metrics, first and last step (and the final eval)
         final = report.get("final_eval_metrics") or {}

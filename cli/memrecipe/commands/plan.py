@@ -6,8 +6,8 @@ import click
 from ..errors import RecipeError
 from ..options import overrides_argument
 from ..planning.architecture import read_config, structure
-from ..planning.forecast import REFERENCE, gpu_rates
-from ..planning.gpus import GPUS, gpu_named
+from ..planning.forecast import REFERENCE, Rates, gpu_rates
+from ..planning.gpus import gpu_named
 from ..planning.positions import known_positions, positions_note
 from ..planning.hardware import Machine
 from ..planning.ladder import Rung, climb, longest_per_recipe, tokens, with_words
@@ -20,6 +20,7 @@ from ..units import GiB, parse_size
 
 
 SAID_NOTES = ("attention:", "lean_norms:")  # the plan's notes printed under its table
+ONE_ROW = "per_device_train_batch_size=1"
 
 
 @click.command("plan")
@@ -52,9 +53,8 @@ def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_me
     memrecipe plan --model meta-llama/Llama-3.1-8B --gpu H100 --longest --method qlora lora.r=32
     """
     machine = Machine.from_nvidia_smi()
-    gpu_name, named_size = gpu_flags(gpu, gpu_memory)
+    gpu_name, named_size, rates = gpu_flags(gpu, gpu_memory, cpu)
     gpu, host = memories(machine, named_size, host_memory, cpu)
-    rates = gpu_rates(GPUS[gpu_name]) if gpu_name and not cpu else None  # (None: the reference GPU's, or the CPU's)
     if global_batch is not None and global_batch < 1:
         raise RecipeError(f"--global-batch must be >= 1, got {global_batch}")
     n = num_processes if num_processes is not None else (machine.gpus * num_machines if machine.gpus and not cpu
@@ -72,10 +72,9 @@ def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_me
             parse_overrides(overrides) and any(r.per_device_train_batch_size > 1 for r in p.recipes):
         # at lengths where no recipe fits its own micro batch, the question is what fits one sequence at a time
         one = [(name, replace(r, per_device_train_batch_size=1)) for name, r in named]
-        p = plan_all(one, refused, [*words, "per_device_train_batch_size=1"], shapes, topo, gpu, host, None, recipe,
-                     rates)
+        p = plan_all(one, refused, [*words, ONE_ROW], shapes, topo, gpu, host, None, recipe, rates)
         p.said.append("no recipe fits its own micro batch here: planned at micro batch 1 (per_device_train_batch_size=1)")
-        asked.append("per_device_train_batch_size=1")
+        asked.append(ONE_ROW)
     verdicts = [v for _, v, _ in p.rows]
     if recipe and p.skipped:  # the one recipe asked for cannot be planned: its reason is the answer
         raise RecipeError(p.skipped[0][1])
@@ -169,14 +168,16 @@ def run_line(how, planned, overrides, model, processes, machines) -> str:
                      *(["--num-machines", str(machines)] if machines > 1 else []), *overrides, *added])
 
 
-def gpu_flags(gpu: str | None, gpu_memory: str | None) -> tuple[str | None, int | None]:
-    """(the GPU table's name or None, bytes per GPU or None): --gpu NAME at what CUDA shows of it, or --gpu-memory."""
+def gpu_flags(gpu: str | None, gpu_memory: str | None, cpu: bool = False
+              ) -> tuple[str | None, int | None, Rates | None]:
+    """(the GPU table's name or None, bytes per GPU or None, the step-time forecast's rates or None: the reference
+    GPU's, or in CPU mode the CPU's): --gpu NAME at what CUDA shows of it, or --gpu-memory."""
     if gpu is not None and gpu_memory is not None:
         raise RecipeError(f"give --gpu {gpu} or --gpu-memory {gpu_memory}, not both: --gpu names a GPU of "
                           "memrecipe's table, --gpu-memory any size")
     if gpu is not None:
-        return gpu_named(gpu).name, gpu_named(gpu).memory
-    return None, parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None
+        return gpu_named(gpu).name, gpu_named(gpu).memory, None if cpu else gpu_rates(gpu_named(gpu))
+    return None, parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None, None
 
 
 def memories(machine, gpu_memory: int | None, host_memory, cpu) -> tuple[int | None, int | None]:

@@ -11,14 +11,11 @@ docs/speed.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .architecture import Structure
 from .gpus import GPUS, Gpu
 from .recipe import Recipe, method
-
-if TYPE_CHECKING:
-    from .planner import Estimate
 
 # Efficiencies: the share of the datasheet peak each kind of work reaches on a GPU, each measured on the row named
 # (benchmarks/forecast.py --derive recomputes them from benchmarks/gpu_results; docs/speed.md).
@@ -38,6 +35,27 @@ DEQUANTIZE = 0.0268
 # DeepSpeed's CPU Adam, parameters a second (zero3-offload, 1B shape, H100 row, its step 3).
 CPU_ADAM = 8.03e8
 INTER_NODE = 50e9  # bytes/s a GPU gets between machines: 400 Gb/s InfiniBand, one NIC per GPU
+
+
+class Planned(Protocol):
+    """What the forecast reads of the planner's Estimate (bytes per process; trainable: all processes')."""
+
+    @property
+    def processes(self) -> int: ...
+    @property
+    def machines(self) -> int: ...
+    @property
+    def micro_batch(self) -> int: ...
+    @property
+    def seq_length(self) -> int: ...
+    @property
+    def attention(self) -> str: ...
+    @property
+    def gradients(self) -> int: ...
+    @property
+    def optimizer_state(self) -> int: ...
+    @property
+    def trainable(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -139,7 +157,7 @@ def adapter_bytes(recipe: Recipe, s: Structure) -> float:
 LOSS_BYTES = 2 + 6 + 4 + 8 + 8 + 8 + 8 + 6
 
 
-def forecast(recipe: Recipe, s: Structure, est: Estimate, rates: Rates, precision: str = "bf16") -> Forecast:
+def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision: str = "bf16") -> Forecast:
     """Seconds an optimizer step of the estimated run takes at these rates, per process: gradient_accumulation_steps micro
     batches, each its matmuls, attention, adapters and dequantisation one after the other, with the copies that run
     beside them (the activation offload's, the sharded engines' gathers) hidden behind them up to their length; then
