@@ -29,7 +29,8 @@ ONE_ROW = "per_device_train_batch_size=1"
 @click.option("--num-processes", type=int, default=None, help="Total processes = GPUs (default: this machine's, or 1).")
 @click.option("--num-machines", type=int, default=1, show_default=True)
 @click.option("--gpu", default=None, help="The GPU by name, e.g. H100, H200, A100-40GB, L40S, RTX-4090: its memory as "
-              "CUDA shows it (memrecipe's GPU table; --gpu-memory for any other).")
+              "CUDA shows it and its rates for the step-time forecast (memrecipe's GPU table; --gpu-memory for any "
+              "other, forecast on an H100).")
 @click.option("--gpu-memory", default=None, help="Per GPU, e.g. 24GiB or 80GB (default: --gpu's, or the detected GPU).")
 @click.option("--host-memory", default=None,
               help="Per machine, e.g. 512GiB (default: this machine's, unless --gpu-memory names other GPUs).")
@@ -44,7 +45,7 @@ ONE_ROW = "per_device_train_batch_size=1"
 @overrides_argument
 def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_memory, global_batch, only, cpu,
             longest, as_json, plot, overrides):
-    """Estimate the memory of each recipe before launch, and pick one.
+    """Estimate the memory and step time of each recipe before launch, and pick one.
 
     \b
     memrecipe plan --model meta-llama/Llama-3.1-8B --gpu-memory 24GiB

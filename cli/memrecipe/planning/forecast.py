@@ -19,8 +19,8 @@ from .recipe import Recipe, method
 
 # Efficiencies: the share of the datasheet peak each kind of work reaches on a GPU, each measured on the row named
 # (benchmarks/forecast.py --derive recomputes them from benchmarks/gpu_results; docs/speed.md).
-# The matmuls of a training step with everything between them (norms, RoPE, SwiGLU, the loss): adamw-8bit, 1B shape,
-# 4 x 2048 tokens, H100 (2026-11-27), less its attention and optimizer step.
+# The matmuls of a training step with the small ops between them (norms, RoPE, SwiGLU): adamw-8bit, 1B shape,
+# 4 x 2048 tokens, H100 (2026-11-27), less its attention, loss and optimizer step.
 MATMUL = 0.348
 # Causal attention forward and backward: sdpa from the slope of step time against length between the 128K and 256K
 # long-8b rows (H200, 2026-11-27: the same matmuls a token at both, attention's work doubled); flex_attention from
@@ -66,7 +66,7 @@ class Rates:
     attention: dict  # kernel -> FLOP/s of causal attention
     adapters: float  # bytes/s LoRA's small kernels move
     dequantize: float  # bytes/s
-    bandwidth: float  # bytes/s the optimizer's step streams at
+    bandwidth: float  # bytes/s of large elementwise work: the loss's, the optimizer step's
     host_link: float  # bytes/s one way
     interconnect: float  # bytes/s one way to another process of the same machine
     cpu_adam: float = CPU_ADAM  # parameters/s
@@ -87,8 +87,8 @@ def gpu_rates(gpu: Gpu) -> Rates:
 REFERENCE = gpu_rates(GPUS["H100"])
 # `plan --cpu`: the rates of this project's 2-core machine, as `python benchmarks/forecast.py --cpu` measured them
 # (a CPU's own differ: that command prints them, and the ratio of forecast to measured on it).
-CPU_RATES = Rates("this project's 2-core CPU", 3.0e11, {"sdpa": 1.4e11}, 7.0e9, 7.0e9, 7.0e9, 7.0e9, 7.0e9,
-                  layer_dispatch=0.55e-3, adapter_dispatch=0.35e-3, model_dispatch=1.1e-3)
+CPU_RATES = Rates("this project's 2-core CPU", 3.1e11, {"sdpa": 1.4e11}, 1.05e10, 6.4e9, 6.4e9, 6.4e9, 6.4e9,
+                  layer_dispatch=0.55e-3, adapter_dispatch=0.23e-3, model_dispatch=1.5e-3)
 
 
 @dataclass(frozen=True)
