@@ -21,13 +21,16 @@ def installed(monkeypatch):
 
 @contextlib.contextmanager
 def torchs_own_kernels():
-    """torch's kernels for a while, then the fp32 GEMMs again."""
+    """torch's kernels for a while, as a CPU without a bf16 GEMM runs them (oneDNN off: on a CPU with one, AVX-512
+    BF16 or AMX, torch's bf16 matmul is oneDNN's, which allocates scratch buffers of its own), then the fp32 GEMMs
+    again."""
     libraries = list(cpu_matmul._LIBRARIES)
     cpu_matmul._LIBRARIES.clear()
     for library in libraries:
         library._destroy()
     try:
-        yield
+        with torch.backends.mkldnn.flags(enabled=False):
+            yield
     finally:
         assert cpu_matmul.bf16_matmuls_in_fp32()
 
