@@ -211,9 +211,10 @@ def build(out, recipe, accelerator, model_path, measured) -> dict:
     steps = len(history)
     # the first step is warm-up (imports finishing, kernel caches, a compile): the speed is read after it
     timed = this_session[1:] or this_session
-    speed = sum(r["tokens"] for r in timed) / max(sum(r["seconds"] for r in timed), 1e-9)
+    timed_seconds = max(sum(r["seconds"] for r in timed), 1e-9)
+    speed = sum(r["tokens"] for r in timed) / timed_seconds
     # the forecast counts every position of a row (padding too), as the device computes them
-    slot_speed = sum(r.get("slots", r["tokens"]) for r in timed) / max(sum(r["seconds"] for r in timed), 1e-9)
+    slot_speed = sum(r.get("slots", r["tokens"]) for r in timed) / timed_seconds
     per_process = speed / accelerator.num_processes
     fpt = flops_per_token(shape.active_params, setup.trainable_params, shape.layers, shape.hidden,
                           recipe.max_seq_length)

@@ -11,7 +11,7 @@ from ..planning.gpus import gpu_named
 from ..planning.positions import known_positions, positions_note
 from ..planning.hardware import Machine
 from ..planning.ladder import Rung, climb, longest_per_recipe, tokens, with_words
-from ..planning.planner import CATEGORIES, estimate, judge_each, recommend, recommend_by_method
+from ..planning.planner import CATEGORIES, judge_each, recommend, recommend_by_method
 from ..planning.recipe import METHODS, Recipe, method
 from ..planning.registry import flag_overrides, load_recipe, parse_overrides, recipe_names
 from ..planning.topology import check_supported, make_topology
@@ -219,11 +219,7 @@ def echo_longest(named, shapes, topo, gpu, host, as_json, rates=None):
     for name, r in named:
         try:
             check_supported(r, topo)
-            row = longest_per_recipe(r, shapes[r.model_name_or_path], topo, gpu, host)
-            if row.verdict and rates:  # (the forecast on the GPU named)
-                again = estimate(row.recipe, shapes[r.model_name_or_path], topo, 1, row.seq_length, rates=rates)
-                row = replace(row, verdict=replace(row.verdict, estimate=again))
-            rows.append(row)
+            rows.append(longest_per_recipe(r, shapes[r.model_name_or_path], topo, gpu, host, rates))
         except RecipeError as e:  # a topology it does not support, or a model it cannot train
             skipped.append(f"  {name}: {str(e).removeprefix(f'recipe {name} ')}")
     if as_json:

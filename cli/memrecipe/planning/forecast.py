@@ -103,23 +103,31 @@ def _mlp(lin, g: Structure) -> bool:
     return g.intermediate in (lin.in_features, lin.out_features)
 
 
+def _recomputes(recipe: Recipe) -> bool:
+    """Each layer's forward runs again in backward: full checkpointing (selective keeps the matmuls' and attention's
+    outputs)."""
+    return recipe.checkpoints and recipe.gradient_checkpointing != "selective"
+
+
+def _linear_params(s: Structure, mlp_only: bool = False) -> int:
+    """The decoder layers' matmul parameters a token multiplies by (routed experts at top_k), or their MLPs' alone."""
+    return sum(g.layers * (sum(lin.params for lin in g.linears if not mlp_only or _mlp(lin, g))
+                           + g.expert_params * g.top_k // max(g.experts, 1)) for g in s.groups())
+
+
 def matmul_flops(recipe: Recipe, s: Structure) -> float:
     """Matmul FLOPs a trained token costs: the forward 2N, backward's input gradients 2N and, when the base trains,
     its weight gradients 2N; one more forward of each checkpointed layer (full checkpointing; selective keeps the
     matmuls' outputs), one more of each MLP under the tiled MLP (its backward recomputes it tile by tile), one more
     of the head under the fused loss (its backward recomputes the logits). N: the parameters a token multiplies by
     (routed experts at top_k), the head included, the embedding lookup not."""
-    layers = sum(g.layers * (sum(lin.params for lin in g.linears) + g.expert_params * g.top_k // max(g.experts, 1))
-                 for g in s.groups())
-    mlps = sum(g.layers * (sum(lin.params for lin in g.linears if _mlp(lin, g))
-                           + g.expert_params * g.top_k // max(g.experts, 1)) for g in s.groups())
-    head = s.vocab * s.hidden
+    layers, head = _linear_params(s), s.vocab * s.hidden
     passes = 2 + 2 + (2 if method(recipe) == "full" else 0)
     flops = passes * (layers + head)
-    if recipe.checkpoints and recipe.gradient_checkpointing != "selective":
+    if _recomputes(recipe):
         flops += 2 * layers
     if recipe.tiled_mlp:
-        flops += 2 * mlps
+        flops += 2 * _linear_params(s, mlp_only=True)
     if recipe.fused_loss:
         flops += 2 * head
     return float(flops)
@@ -131,7 +139,7 @@ def attention_flops(recipe: Recipe, s: Structure, seq: int) -> float:
     then dV, dP, dQ, dK), and the forward again under full checkpointing. A packed row's documents attend only
     within themselves: counted as one document of the row's length, an upper bound."""
     per_layer = 2 * seq * s.heads * s.head_dim
-    forwards = 1 + (1 if recipe.checkpoints and recipe.gradient_checkpointing != "selective" else 0)
+    forwards = 1 + (1 if _recomputes(recipe) else 0)
     return float(s.layers * per_layer * (forwards + 2.5))
 
 
@@ -180,16 +188,15 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
         adapters = len(s.lora_linears(recipe.lora.target_modules)) if recipe.lora else 0
         parts["dispatch"] = rates.model_dispatch + s.layers * (3 + (1 if recipe.checkpoints else 0)) * (
             rates.layer_dispatch + adapters * rates.adapter_dispatch)
+    passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward
     if recipe.quantization:  # 4-bit read, 16-bit written and read again, before every matmul of a frozen weight
         weights = sum(g.layers * sum(lin.params for lin in g.linears) for g in s.groups())
-        passes = 2 + (1 if recipe.checkpoints else 0)
         parts["dequantize"] = weights * 4.5 * passes / rates.dequantize
     link = rates.interconnect if machines == 1 else min(rates.interconnect, INTER_NODE)
     beside = {}  # what runs on another stream while the GPU computes
     if recipe.activation_offload:  # each layer's input to the host in forward, back in backward
         beside["offload"] = 2 * s.layers * tokens * s.hidden * 2 / rates.host_link
     weights16 = s.params * 2 / tp
-    passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward
     sharded = bool(recipe.fsdp) or bool(recipe.deepspeed and recipe.deepspeed.zero_stage == 3)
     if sharded and processes > 1:
         share = (processes - 1) / processes

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..errors import RecipeError
 from .architecture import Structure
+from .forecast import Rates
 from .planner import Verdict, estimate, judge
 from .recipe import Recipe
 from .registry import merge, parse_overrides
@@ -76,11 +77,14 @@ def climb(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory)
     return closest[1], closest[2], False
 
 
-def longest(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> tuple[int, Verdict | None]:
+def longest(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory,
+            rates: Rates | None = None) -> tuple[int, Verdict | None]:
     """The longest sequence, in whole K of tokens, that fits at micro batch 1 (memory grows with the length: a
-    binary search), with its verdict; (0, None) when not even 1K fits."""
+    binary search), with its verdict (its step time forecast at `rates`: planner.estimate); (0, None) when not even
+    1K fits."""
     def verdict(k: int) -> Verdict:
-        return judge(estimate(recipe, s, topo, micro_batch=1, seq_length=k * STEP), gpu_memory, host_memory)
+        return judge(estimate(recipe, s, topo, micro_batch=1, seq_length=k * STEP, rates=rates), gpu_memory,
+                     host_memory)
 
     low, high, best = 0, LIMIT // STEP, None
     while low < high:
@@ -101,13 +105,14 @@ class Longest:
     verdict: Verdict | None
 
 
-def longest_per_recipe(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> Longest:
+def longest_per_recipe(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory,
+                       rates: Rates | None = None) -> Longest:
     """A recipe's longest sequence at micro batch 1 over the rungs it can climb (a rung its rules refuse is left
     out): the cheapest rung among those that reach furthest."""
     one = with_words(recipe, ["per_device_train_batch_size=1"])
     best = Longest(one, Rung(rung_of(one, topo.num_processes), ()), 0, None)
     for rung, climbed in climbs(one, topo):
-        length, verdict = longest(climbed, s, topo, gpu_memory, host_memory)
+        length, verdict = longest(climbed, s, topo, gpu_memory, host_memory, rates)
         if length > best.seq_length:
             best = Longest(climbed, rung, length, verdict)
     return best

@@ -76,8 +76,8 @@ class Meter:
     """What a run measures about itself, in one object: the setup as it really is (describe_setup), each
     optimizer step's record (loss, learning rate, target/real/padded tokens over all processes, seconds; logged
     to TensorBoard / W&B when the recipe's report_to asks), what the model states hold after the first update
-    (held_bytes) and the loss's peak (LossMemory), memory over the first steps (--memory-snapshot), one step's time by op (--profile), and each
-    process's peaks at the end. `finish` returns them as Measured, for the report."""
+    (held_bytes) and the loss's peak (LossMemory), memory over the first steps (--memory-snapshot), one step's time
+    by op (--profile), and each process's peaks at the end. `finish` returns them as Measured, for the report."""
 
     def __init__(self, accelerator, recipe, out, model, optimizer, offload=None, snapshot: bool = False,
                  profile: bool = False):
