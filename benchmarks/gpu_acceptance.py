@@ -437,12 +437,14 @@ def case_name(script: str, recipe: str, overrides: list) -> str:
     return " ".join(["dpo"] * (script == "dpo") + [recipe, *overrides])
 
 
-def pick(cases: list[tuple], names: list[str]) -> list[tuple]:
+def pick(cases: list[tuple], names: list[str], exact: bool = False) -> list[tuple]:
     """The cases (script, recipe, overrides, processes) named, in the order named: a recipe names all its rows (in the
     script's order), a row's name (`dpo qlora`, `qlora activation_offload=true`) that row, `long` the long-context
-    row; ValueError says what no row answers to."""
+    rows; `exact`: a name is a row's name only (`single-gpu-lora`: its plain row, not its sdpa, long or DPO rows);
+    ValueError says what no row answers to."""
     def matches(case, name):
-        return name in (case[1], case_name(*case[:3])) or (name == "long" and is_long(case[2]))
+        named = (case_name(*case[:3]),) if exact else (case[1], case_name(*case[:3]))
+        return name in named or (name == "long" and is_long(case[2]))
 
     if unknown := [n for n in names if not any(matches(c, n) for c in cases)]:
         raise ValueError(f"--recipes: no row answers to {', '.join(unknown)}; the rows here run "
@@ -510,6 +512,12 @@ def main():
                         "one 80 GB GPU); `--recipes long-8b` runs them alone")
     parser.add_argument("--long-8b-steps", type=int, default=2, help="steps a long-8b row runs on a GPU (default 2; "
                         "1 where a lease is short: the peak is the first backward's, LoRA's optimizer state is small)")
+    parser.add_argument("--exact", action="store_true", help="--recipes names rows only (`single-gpu-lora`: its "
+                        "plain row), not every row of a recipe")
+    parser.add_argument("--no-resume", dest="resume", action="store_false", help="the first row is not stopped and "
+                        "resumed, nor its allocator history recorded (two launches fewer: a short lease's speed rows)")
+    parser.add_argument("--long-tokens", default=str(LONG_TOKENS["gpu"]), help="the long-context rows' lengths on a "
+                        f"GPU, comma-separated (default {LONG_TOKENS['gpu']}; its Trainer peer at each)")
     parser.add_argument("--out", type=Path, default=Path(time.strftime("acceptance-%Y%m%d-%H%M%S")))
     args = parser.parse_args()
     steps, timeout = args.steps or (4 if args.cpu else 10), args.timeout or (400 if args.cpu else 900)
@@ -525,19 +533,19 @@ def main():
         shapes = {s: None for s in args.shapes.split(",")}
         cases = [("sft", *c) for c in ONE_GPU + ([(r, o, n or gpus) for r, o, n in SEVERAL_GPUS] if gpus > 1 else [])]
         cases += [("dpo", *c) for c in PREFERENCES]
-    length = LONG_TOKENS["cpu" if args.cpu else "gpu"]
-    long_data = long_documents(args.out / "long.jsonl", steps + 2, length)
+    lengths = [LONG_TOKENS["cpu"]] if args.cpu else [int(n) for n in args.long_tokens.split(",")]
+    long_data = {f"max_seq_length={n}": long_documents(args.out / f"long-{n}.jsonl", steps + 2, n) for n in lengths}
     if not args.cpu:
         from memrecipe.planning.registry import EMBEDDED_DATASET, EMBEDDED_PREFERENCES
 
         data = {"sft": repeated(EMBEDDED_DATASET, args.out / "chat.jsonl", steps, 8211),
                 "dpo": repeated(EMBEDDED_PREFERENCES, args.out / "pairs.jsonl", steps, 16393)}
     if not args.cpu:  # (--cpu: long-8b's smoke row is this row, on the embedded model)
-        cases.append(("sft", LONG[0], [*LONG[1], f"max_seq_length={length}"], LONG[2]))
+        cases += [("sft", LONG[0], [*LONG[1], f"max_seq_length={n}"], LONG[2]) for n in lengths]
     names = args.recipes.split(",") if args.recipes else []
     if args.recipes:  # a short lease: the named recipes' rows, in the order named (index 0 is still the resumed one)
         try:
-            cases = pick(cases, [n for n in names if n != "long-8b"])
+            cases = pick(cases, [n for n in names if n != "long-8b"], exact=args.exact)
         except ValueError as e:
             parser.error(str(e))
     rows = []
@@ -550,7 +558,7 @@ def main():
             name = case_name(script, recipe, overrides)
             words = [*overrides, *extra, f"max_steps={steps}", "save_steps=null", "eval_steps=null",
                      *([] if model is None else ["--model", model]),
-                     *(["--dataset", str(long_data)] if is_long(overrides) else
+                     *(["--dataset", str(long_data[overrides[-1]])] if is_long(overrides) else
                        [] if args.cpu else ["--dataset", str(data[script])])]
             reason = skip_reason(recipe, [*overrides, *extra], processes, model, args.cpu)
             if reason:
@@ -559,7 +567,8 @@ def main():
                 print(f"{name} ({shape}): skipped: {reason}", flush=True)
                 continue
             tag = f"{shape}-{index}-{script}-{recipe}"
-            if index == 0:  # a checkpoint half-way, to stop at and resume from
+            resumed = index == 0 and args.resume
+            if resumed:  # a checkpoint half-way, to stop at and resume from
                 words.append(f"save_steps={steps // 2}")
             busy = None if args.cpu else device_in_use()
             report, why = run(args.out / tag, recipe, words, processes, args.cpu,
@@ -571,7 +580,7 @@ def main():
                 write(args.out, rows)
                 continue
             result = row(name, shape, processes, report, busy)
-            if index == 0:  # stopped and resumed; and its memory history, in a short run of its own
+            if resumed:  # stopped and resumed; and its memory history, in a short run of its own
                 result.update(resume_check(args.out / tag, processes, args.cpu, timeout, steps, report))
                 if not args.cpu:
                     snap, why = run(args.out / f"{tag}-snapshot", recipe, [*words[:-1], "max_steps=4"], processes,

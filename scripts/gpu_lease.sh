@@ -5,6 +5,8 @@
 #     ROWS="adamw-8bit,long,zero3-offload" BUDGET=520 bash scripts/gpu_lease.sh
 #     ROWS=long-8b LONG8B="sdpa:262144,flex_attention:262144" bash scripts/gpu_lease.sh   # long-8b rows at these lengths
 #     ROWS=long-8b LONG8B_STEPS=1 bash scripts/gpu_lease.sh   # one step a long-8b row (a row at ~770K takes minutes)
+#     ROWS="single-gpu-lora,adamw-8bit,long" ARGS="--exact --no-resume --long-tokens 16384,65536" bash scripts/gpu_lease.sh
+#                                                  # speed rows: each plain row with its peers and profile, no resume
 #
 # Installs the wheels into /tmp/site (memrecipe itself from this working tree, over its wheel's: a lease never runs
 # an older build), runs benchmarks/gpu_acceptance.py on ROWS (its --recipes) until BUDGET seconds
@@ -14,7 +16,9 @@
 # only a few files).
 set -uo pipefail
 START=$(date +%s)
-OUT=${OUT:-/tmp/lease-out} BUDGET=${BUDGET:-520} ROWS=${ROWS:-adamw-8bit} RUNS=/tmp/acceptance
+# RUNS: a folder of its own each call (a warm box keeps the last call's runs, whose output folders a row would
+# refuse to overwrite)
+OUT=${OUT:-/tmp/lease-out} BUDGET=${BUDGET:-520} ROWS=${ROWS:-adamw-8bit} RUNS=$(mktemp -d /tmp/acceptance.XXXX)
 mkdir -p "$OUT"
 python scripts/offline_wheels.py --out .whl --install /tmp/site > "$OUT/install.log" 2>&1 ||
   { echo "the install failed (a row would die on its imports):"; tail -5 "$OUT/install.log"; exit 1; }
@@ -23,7 +27,7 @@ export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
   nproc; python -c "import torch, transformers, accelerate, peft, datasets; print(torch.__version__, torch.version.cuda,
 transformers.__version__, accelerate.__version__, peft.__version__, datasets.__version__)"; } > "$OUT/env.txt" 2>&1
 
-python benchmarks/gpu_acceptance.py --steps 6 --out "$RUNS" --recipes "$ROWS" ${LONG8B:+--long-8b-tokens "$LONG8B"} ${LONG8B_STEPS:+--long-8b-steps "$LONG8B_STEPS"} \
+python benchmarks/gpu_acceptance.py --steps 6 --out "$RUNS" --recipes "$ROWS" ${LONG8B:+--long-8b-tokens "$LONG8B"} ${LONG8B_STEPS:+--long-8b-steps "$LONG8B_STEPS"} ${ARGS:-} \
   > "$OUT/acceptance.log" 2>&1 &
 pid=$!
 while kill -0 $pid 2>/dev/null; do

@@ -87,6 +87,8 @@ def test_a_short_lease_runs_the_named_recipes_rows_in_the_order_named():
     # rows by name, and `long` for the long-context row: a lease spent on the rows it has not seen yet
     assert acceptance().pick(cases, ["long", "dpo single-gpu-lora", "qlora"]) == [cases[4], cases[3], cases[1]]
     assert acceptance().pick(cases, ["single-gpu-lora tiled_mlp=true", "single-gpu-lora"]) == [cases[4], cases[0], cases[3]]
+    # --exact: a recipe's name is its plain row alone (a lease's speed rows, without the sdpa, DPO or long rows)
+    assert acceptance().pick(cases, ["single-gpu-lora", "long"], exact=True) == [cases[0], cases[4]]
 
 
 def test_a_failed_row_says_the_workers_error_not_the_launchers_last_line():
