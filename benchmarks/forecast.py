@@ -48,6 +48,9 @@ class Row:
     source: str
     role: str = "check"  # or the constant it measures
     warm: bool = True  # False: one step, its tokens/s include the first step's warm-up (and a compile)
+    # the code it ran: every row recorded so far ran the tiled MLP again in each layer's recompute (before the fifth
+    # lease: forecast.tiles_again); a row of the code since sets False where its recompute leaves the MLP out
+    tiles_recomputed: bool = True
 
 
 def long8b(kernel: str, length: int) -> tuple:
@@ -111,7 +114,7 @@ def forecast_row(row: Row, rates: fc.Rates | None = None) -> fc.Forecast:
     recipe = load_recipe(row.recipe, ["embedded_settings=false", *row.words])  # (the rows ran a model of their own)
     s = shape(row.shape)
     est = estimate(recipe, s, make_topology(1, 1, 0, None, None, False), attention=row.attention)
-    return fc.forecast(recipe, s, est, rates or fc.gpu_rates(GPUS[row.gpu]))
+    return fc.forecast(recipe, s, est, rates or fc.gpu_rates(GPUS[row.gpu]), tiles_recomputed=row.tiles_recomputed)
 
 
 def real(row: Row, f: fc.Forecast) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from .activations import recompute_skips_tiles
 from .architecture import Structure
 from .gpus import GPUS, Gpu
 from .recipe import Recipe, method
@@ -115,18 +116,28 @@ def _linear_params(s: Structure, mlp_only: bool = False) -> int:
                            + g.expert_params * g.top_k // max(g.experts, 1)) for g in s.groups())
 
 
-def matmul_flops(recipe: Recipe, s: Structure) -> float:
+def tiles_again(recipe: Recipe, recomputed: bool | None = None) -> bool:
+    """Whether the tiled MLP runs one forward more than the layer's other ops: its backward recomputes it tile by
+    tile, and the layer's recompute (or no checkpointing at all) runs it as well, except where the recompute leaves
+    it out (activations.recompute_skips_tiles). `recomputed`: what a recorded run did (True: the code before the
+    fifth lease, whose recompute always ran it); None: what the loop does now."""
+    if recomputed is None:
+        recomputed = not recompute_skips_tiles(recipe)
+    return recipe.tiled_mlp is not False and recomputed
+
+
+def matmul_flops(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = None) -> float:
     """Matmul FLOPs a trained token costs: the forward 2N, backward's input gradients 2N and, when the base trains,
     its weight gradients 2N; one more forward of each checkpointed layer (full checkpointing; selective keeps the
-    matmuls' outputs), one more of each MLP under the tiled MLP (its backward recomputes it tile by tile), one more
-    of the head under the fused loss (its backward recomputes the logits). N: the parameters a token multiplies by
-    (routed experts at top_k), the head included, the embedding lookup not."""
+    matmuls' outputs), one more of each MLP under the tiled MLP where it runs again beside its tiles' recompute
+    (tiles_again), one more of the head under the fused loss (its backward recomputes the logits). N: the parameters
+    a token multiplies by (routed experts at top_k), the head included, the embedding lookup not."""
     layers, head = _linear_params(s), s.vocab * s.hidden
     passes = 2 + 2 + (2 if method(recipe) == "full" else 0)
     flops = passes * (layers + head)
     if _recomputes(recipe):
         flops += 2 * layers
-    if recipe.tiled_mlp:
+    if tiles_again(recipe, tiles_recomputed):
         flops += 2 * _linear_params(s, mlp_only=True)
     if recipe.fused_loss:
         flops += 2 * head
@@ -143,18 +154,18 @@ def attention_flops(recipe: Recipe, s: Structure, seq: int) -> float:
     return float(s.layers * per_layer * (forwards + 2.5))
 
 
-def adapter_bytes(recipe: Recipe, s: Structure) -> float:
+def adapter_bytes(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = None) -> float:
     """Bytes LoRA's adapters move a token, in 16 bits: forward, each adapted linear reads its input for A (and,
     with dropout, reads it and writes the dropped copy and its mask), writes B's output, scales it and adds it into
     the base output; backward about twice that; once more a recomputed forward."""
     if recipe.lora is None:
         return 0.0
-    dropout = recipe.lora.dropout > 0
+    dropout, again = recipe.lora.dropout > 0, tiles_again(recipe, tiles_recomputed)
     total = 0.0
     for g in s.groups():
         for lin in g.lora_linears(recipe.lora.target_modules):
             forward = 2 * lin.in_features * (1 + (2.5 if dropout else 0)) + 2 * 6 * lin.out_features
-            passes = 3 + (1 if recipe.checkpoints else 0) + (1 if recipe.tiled_mlp and _mlp(lin, g) else 0)
+            passes = 3 + (1 if recipe.checkpoints else 0) + (1 if again and _mlp(lin, g) else 0)
             total += g.layers * forward * passes
     return total
 
@@ -165,24 +176,45 @@ def adapter_bytes(recipe: Recipe, s: Structure) -> float:
 LOSS_BYTES = 2 + 6 + 4 + 8 + 8 + 8 + 8 + 6
 
 
-def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision: str = "bf16") -> Forecast:
+def _beside(recipe: Recipe, s: Structure, est: Planned, rates: Rates, tokens: float, passes: int, link: float,
+            sharded: bool) -> dict:
+    """A micro batch's copies that run on another stream while the GPU computes, in seconds by kind."""
+    processes, tp, beside = est.processes, recipe.tensor_parallel, {}
+    if recipe.activation_offload:  # each layer's input to the host in forward, back in backward
+        beside["offload"] = 2 * s.layers * tokens * s.hidden * 2 / rates.host_link
+    weights16 = s.params * 2 / tp
+    if sharded and processes > 1:
+        share = (processes - 1) / processes
+        beside["gathers"] = (weights16 * passes + weights16) * share / link  # and a reduce-scatter of the gradients
+    elif processes > 1 and tp == 1:
+        beside["all-reduce"] = 2 * (processes - 1) / processes * est.gradients \
+            / recipe.gradient_accumulation_steps / link  # (once a step: spread over its micro batches)
+    if recipe.deepspeed and recipe.deepspeed.offload_param != "none" or recipe.fsdp and recipe.fsdp.offload_params:
+        beside["parameters from host"] = weights16 / processes * passes / rates.host_link
+    return beside
+
+
+def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision: str = "bf16",
+             tiles_recomputed: bool | None = None) -> Forecast:
     """Seconds an optimizer step of the estimated run takes at these rates, per process: gradient_accumulation_steps micro
     batches, each its matmuls, attention, adapters and dequantisation one after the other, with the copies that run
     beside them (the activation offload's, the sharded engines' gathers) hidden behind them up to their length; then
     the optimizer step, its traffic from the estimate's gradients and optimizer state. In fp32 (`precision` "no")
-    the matmuls run at half the rate (TF32's dense peak is half bf16's on these GPUs)."""
+    the matmuls run at half the rate (TF32's dense peak is half bf16's on these GPUs). `tiles_recomputed`: tiles_again's,
+    for a recorded run."""
     processes, machines, attention = est.processes, est.machines, est.attention
     batch, seq = est.micro_batch, est.seq_length
     sp = recipe.sequence_group(processes) * recipe.context_parallel
     tokens = batch * seq / sp  # a micro batch's tokens on one process (sequence parallelism splits each row)
     tp = recipe.tensor_parallel
     slower = 1 if precision in ("bf16", "fp16") else 2
-    mm = slower * matmul_flops(recipe, s) * tokens / tp / rates.matmul
+    mm = slower * matmul_flops(recipe, s, tiles_recomputed) * tokens / tp / rates.matmul
     if attention in rates.attention:
         attn = slower * attention_flops(recipe, s, seq) * tokens / tp / rates.attention[attention]
     else:  # eager: every score computed (no causal skip), as plain batched matmuls
         attn = slower * 2 * attention_flops(recipe, s, seq) * tokens / tp / rates.matmul
-    parts = {"matmuls": mm, "attention": attn, "adapters": adapter_bytes(recipe, s) * tokens / rates.adapters,
+    parts = {"matmuls": mm, "attention": attn,
+             "adapters": adapter_bytes(recipe, s, tiles_recomputed) * tokens / rates.adapters,
              "loss": s.vocab * LOSS_BYTES * tokens / tp / rates.bandwidth}
     if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch:
         adapters = len(s.lora_linears(recipe.lora.target_modules)) if recipe.lora else 0
@@ -193,19 +225,8 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
         weights = sum(g.layers * sum(lin.params for lin in g.linears) for g in s.groups())
         parts["dequantize"] = weights * 4.5 * passes / rates.dequantize
     link = rates.interconnect if machines == 1 else min(rates.interconnect, INTER_NODE)
-    beside = {}  # what runs on another stream while the GPU computes
-    if recipe.activation_offload:  # each layer's input to the host in forward, back in backward
-        beside["offload"] = 2 * s.layers * tokens * s.hidden * 2 / rates.host_link
-    weights16 = s.params * 2 / tp
     sharded = bool(recipe.fsdp) or bool(recipe.deepspeed and recipe.deepspeed.zero_stage == 3)
-    if sharded and processes > 1:
-        share = (processes - 1) / processes
-        beside["gathers"] = (weights16 * passes + weights16) * share / link  # and a reduce-scatter of the gradients
-    elif processes > 1 and recipe.tensor_parallel == 1:
-        beside["all-reduce"] = 2 * (processes - 1) / processes * est.gradients \
-            / recipe.gradient_accumulation_steps / link  # (once a step: spread over its micro batches)
-    if recipe.deepspeed and recipe.deepspeed.offload_param != "none" or recipe.fsdp and recipe.fsdp.offload_params:
-        beside["parameters from host"] = weights16 / processes * passes / rates.host_link
+    beside = _beside(recipe, s, est, rates, tokens, passes, link, sharded)
     if tp > 1:  # two all-reduces of a layer's output per pass, waited on
         parts["tensor all-reduce"] = 2 * passes * s.layers * tokens * s.hidden * 2 * 2 * (tp - 1) / tp / link
     u = recipe.sequence_group(processes)

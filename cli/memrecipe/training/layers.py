@@ -3,9 +3,16 @@ host memory), tensor parallelism, compile."""
 
 from __future__ import annotations
 
+import contextvars
+import itertools
+
 import torch
 
 from ..errors import RecipeError
+from ..planning.activations import recompute_skips_tiles
+
+# True while torch's checkpoint runs a layer again in backward to rebuild what it saved (marked, below)
+RECOMPUTING = contextvars.ContextVar("recomputing", default=False)
 
 
 class CopyStreams:
@@ -174,13 +181,15 @@ SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def enable_checkpointing(model, offload: bool, selective: bool = False, stop_early: bool = True) -> HostOffload | None:
+def enable_checkpointing(model, offload: bool, selective: bool = False, stop_early: bool = True,
+                         mark: bool = False) -> HostOffload | None:
     """The model's own (non-reentrant) gradient checkpointing; with offload, each checkpointed
     layer's saved input goes to host memory. transformers' own offload=True always pins memory,
     which fails on a machine without CUDA (measured), so the offload wraps its checkpoint function.
     `selective`: each layer keeps its matmuls' and attention's outputs too (selective_policy), recomputing the rest:
     torch's create_selective_checkpoint_contexts, handed to torch.utils.checkpoint through transformers' kwargs.
-    `stop_early` false: each recompute runs its layer to the end (the tiled MLP's, below)."""
+    `stop_early` false: each recompute runs its layer to the end (the tiled MLP's, below). `mark`: RECOMPUTING says
+    when a recompute runs (marked)."""
     import functools
 
     # non-reentrant: works with frozen inputs (LoRA) and with FSDP/DeepSpeed. Early stop ends a recompute by raising
@@ -199,18 +208,36 @@ def enable_checkpointing(model, offload: bool, selective: bool = False, stop_ear
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if not offload:
-        return None
-    hooks = HostOffload()
-
-    def offloaded(checkpoint, *args, **kwargs):
-        with hooks:  # the checkpoint saves its inputs under our hooks; the recompute's tensors stay on the device
-            return checkpoint(*args, **kwargs)
-
+    hooks = HostOffload() if offload else None
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = functools.partial(offloaded, module._gradient_checkpointing_func)
+            if mark:
+                module._gradient_checkpointing_func = functools.partial(marked, module._gradient_checkpointing_func)
+            if hooks is not None:
+                module._gradient_checkpointing_func = functools.partial(offloaded, hooks,
+                                                                        module._gradient_checkpointing_func)
     return hooks
+
+
+def offloaded(hooks: HostOffload, checkpoint, *args, **kwargs):
+    with hooks:  # the checkpoint saves its inputs under our hooks; the recompute's tensors stay on the device
+        return checkpoint(*args, **kwargs)
+
+
+def marked(checkpoint, function, *args, **kwargs):
+    """torch's non-reentrant checkpoint calls `function` (the layer) once in forward and again in backward, to rebuild
+    what the layer saved; RECOMPUTING says which call runs (training.tiling leaves out, in the second, an MLP whose
+    output nothing saves)."""
+    calls = itertools.count()
+
+    def layer(*inner, **named):
+        token = RECOMPUTING.set(next(calls) > 0)
+        try:
+            return function(*inner, **named)
+        finally:
+            RECOMPUTING.reset(token)
+
+    return checkpoint(layer, *args, **kwargs)
 
 
 def tensor_parallel(model, tp_size: int, device_mesh) -> None:
@@ -251,4 +278,5 @@ def apply(model, recipe, accelerator) -> HostOffload | None:
     if not recipe.gradient_checkpointing:
         return None
     return enable_checkpointing(model, recipe.activation_offload, recipe.gradient_checkpointing == "selective",
-                                stop_early=recipe.tiled_mlp is False or recipe.deepspeed is not None)
+                                stop_early=recipe.tiled_mlp is False or recipe.deepspeed is not None,
+                                mark=recompute_skips_tiles(recipe))

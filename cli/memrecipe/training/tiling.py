@@ -12,20 +12,30 @@ stage_1_and_2.py) until its last tile, so ZeRO reduces it once, whole."""
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
 from ..errors import RecipeError
-from ..planning.activations import tile_count
+from ..planning.activations import recompute_skips_tiles, tile_count
 from .adapters import dropped, dropped_forward
+from .layers import RECOMPUTING
 
 
 class TiledMLP(torch.autograd.Function):
     """y = mlp(x), computed a tile of tokens at a time without keeping anything but x; backward recomputes each
-    tile under the forward's autocast and random state and sums the parameters' gradients over the tiles."""
+    tile under the forward's autocast and random state and sums the parameters' gradients over the tiles.
+    `idle_in_recompute`: in a checkpoint's recompute of its layer (layers.RECOMPUTING) only x is saved again and y is a
+    zero that takes no memory: backward recomputes every tile anyway, and nothing after the MLP saves y or draws a
+    random number (mlp_output_unsaved). Computed there, y's tiles and their concatenation were two [tokens x hidden]
+    tensors beside everything the layer saved, the top rung's peak under flex_attention (the fourth lease's 384K and
+    751K rows, 1.06-1.08x the plan), and one more forward of the MLP."""
 
     @staticmethod
-    def forward(ctx, forward, x, tiles, params):
+    def forward(ctx, forward, x, tiles, params, idle_in_recompute=False):
+        ctx.save_for_backward(x)
+        if idle_in_recompute and RECOMPUTING.get():  # (this ctx is thrown away: only x, saved again, is kept)
+            return x.new_zeros(()).expand(x.shape)
         device = x.device.type
         ctx.forward, ctx.tiles, ctx.device, ctx.params = forward, tiles, device, params
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -34,7 +44,6 @@ class TiledMLP(torch.autograd.Function):
         for part in x.reshape(-1, x.shape[-1]).chunk(tiles):
             ctx.states.append(random_state(x.device))
             outputs.append(forward(part))
-        ctx.save_for_backward(x)
         return torch.cat(outputs).view(*x.shape[:-1], -1)
 
     @staticmethod
@@ -60,7 +69,7 @@ class TiledMLP(torch.autograd.Function):
                     # of its uses would then be summed in 16 bits instead of 32
                     output = ctx.forward(leaf.view_as(leaf))
                 torch.autograd.backward(output, tile_grad)
-        return None, x_grad.view_as(x) if x_grad is not None else None, None, None
+        return None, x_grad.view_as(x) if x_grad is not None else None, None, None, None
 
 
 def random_state(device):
@@ -74,21 +83,36 @@ def set_random_state(device, state) -> None:
         torch.set_rng_state(state)
 
 
-def tiled_forward(forward, tiles, x, params=None, agree=False):
+def tiled_forward(forward, tiles, x, params=None, agree=False, idle_in_recompute=False):
     """`params`: the MLP's trained weights under DeepSpeed (None: no engine waits for them); `agree`: several
-    processes, which must run as many tiles as each other."""
+    processes, which must run as many tiles as each other; `idle_in_recompute`: TiledMLP's."""
     n = tile_count(tiles, x.numel() // x.shape[-1], x.shape[-1])
     if agree:  # every process the same count: ZeRO-3 gathers the weights at each tile's calls
         agreed = torch.tensor(n, device=x.device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
         n = int(agreed)
-    return forward(x) if n == 1 else TiledMLP.apply(forward, x, n, params or [])
+    return forward(x) if n == 1 else TiledMLP.apply(forward, x, n, params or [], idle_in_recompute)
 
 
-def tile_mlps(model, tiles: bool | int, deepspeed: bool = False) -> int:
+def mlp_output_unsaved(layer) -> bool:
+    """Whether the decoder layer's code after its MLP is the residual add alone (Llama's, and the models transformers
+    copies it to: Qwen, Mistral, ...), so that nothing saves the MLP's output or draws a random number after it.
+    Gemma's and OLMo 2's norm after the MLP saves its input: their recompute runs the MLP."""
+    try:
+        source = inspect.getsource(type(layer).forward)
+    except (OSError, TypeError):
+        return False
+    _, found, after = source.partition("self.mlp(hidden_states)")
+    rest = [line.strip() for line in after.splitlines() if line.strip()]
+    return bool(found) and rest == ["hidden_states = residual + hidden_states", "return hidden_states"]
+
+
+def tile_mlps(model, tiles: bool | int, deepspeed: bool = False, checkpointed: bool = False) -> int:
     """Each decoder layer's dense MLP (a module named `mlp` whose class is an MLP: LlamaMLP, Qwen2MLP, ...) runs
     tiled; returns how many. A model whose layers route tokens to experts instead is refused in one line. Several
-    processes only under DeepSpeed (`deepspeed`), told to wait for a weight's last tile."""
+    processes only under DeepSpeed (`deepspeed`), told to wait for a weight's last tile. `checkpointed`: the layers
+    are recomputed whole by the loop's checkpointing (layers.marked), where an MLP whose output nothing saves is left
+    out (TiledMLP); DeepSpeed's recompute stops early at the MLP's save instead."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     several = distributed and torch.distributed.get_world_size() > 1
     if several and not deepspeed:
@@ -100,9 +124,12 @@ def tile_mlps(model, tiles: bool | int, deepspeed: bool = False) -> int:
         kinds = sorted({type(m).__name__ for m in mlps if m not in dense}) or ["no module named mlp"]
         raise RecipeError(f"tiled_mlp tiles dense MLPs; this model's layers have {', '.join(kinds)}: "
                           "set tiled_mlp=false")
+    owners = {m: model.get_submodule(name.rpartition(".")[0]) for name, m in model.named_modules() if m in dense}
     for mlp in dense:  # (ZeRO's gradient hooks run on one process too)
         params = [p for p in mlp.parameters() if p.requires_grad] if deepspeed else None
-        mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles, params=params, agree=several)
+        idle = checkpointed and not deepspeed and mlp_output_unsaved(owners[mlp])
+        mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles, params=params, agree=several,
+                                        idle_in_recompute=idle)
     return len(dense)
 
 
@@ -134,4 +161,5 @@ def apply(model, recipe, accelerator) -> int:
     """The tiled MLP rung (planning/rungs.py): every dense MLP in tiles of tokens, and LoRA's redrawn dropout outside
     them; returns how many MLPs."""
     tile_redraws(model, recipe.tiled_mlp)
-    return tile_mlps(model, recipe.tiled_mlp, deepspeed=accelerator.distributed_type.value == "DEEPSPEED")
+    return tile_mlps(model, recipe.tiled_mlp, deepspeed=accelerator.distributed_type.value == "DEEPSPEED",
+                     checkpointed=recompute_skips_tiles(recipe))

@@ -389,6 +389,40 @@ def test_on_a_gpu_the_plan_is_a_steps_peak_with_stand_ins_for_the_cuda_kernels(w
     assert (plans[2048] - plans[1024]) / 1024 == pytest.approx((peaks[2048] - peaks[1024]) / 1024, rel=0.02)
 
 
+def test_a_layers_recompute_leaves_out_the_tiled_mlp_and_the_peak_is_the_plans(wide, monkeypatch):
+    """The fourth lease's flex_attention rows peaked 1.06-1.08x over the plan at the end of a layer's recompute: the
+    tiled MLP ran again there and its tiles' outputs and their concatenation (two [tokens x hidden]) sat beside
+    everything the layer saved (snapshot_peak.txt: tiling.py's forward). The recompute now leaves the MLP out
+    (tiling.TiledMLP's idle_in_recompute: backward recomputes each tile anyway, and nothing after a Llama layer's MLP
+    saves its output). At 8K tokens (32 tiles; the place binds once the sequence is long beside a tile) the step's
+    peak is the plan's within 1.5% (0.997x) with the flex_attention stand-in; computing the MLP in the recompute puts it over (1.03x)."""
+    import standins
+    from helpers import loop_model
+    from measuring import step_peak
+    from memrecipe.planning.activations import activation_bytes, activation_mode
+    from memrecipe.training import tiling
+
+    monkeypatch.setattr(torch.nn.functional, "dropout", standins.cuda_dropout)
+    standins.use_cuda_random_states(monkeypatch)
+    s, length = structure(read_config(wide)), 8192
+    r = load_recipe("single-gpu-lora", ["gradient_checkpointing=true", "lean_norms=true", "tiled_mlp=true",
+                                        "lora.dropout=0", f"max_seq_length={length}", "packing=false",
+                                        "per_device_train_batch_size=1", "optimizer_in_backward=false"])
+    plan = activation_bytes(r, s, activation_mode(r, 2), 1, length, attention="flex_attention", cuda=True)["working"]
+    ids = torch.randint(0, s.vocab, (1, length), generator=torch.Generator().manual_seed(0))
+    b = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids),
+         "position_ids": torch.arange(length)[None]}
+    peaks = []
+    for idle in (True, False):
+        monkeypatch.setattr(tiling, "mlp_output_unsaved", lambda layer, idle=idle: idle)
+        model, _ = loop_model(r, wide, "bf16")
+        standins.use(model, "standin_flex_attention")
+        model.train()
+        peaks.append(step_peak(model, b, autocast=True))
+    assert peaks[0] == pytest.approx(plan, rel=0.015), (peaks[0], plan)
+    assert peaks[1] > 1.02 * plan, (peaks[1], plan)  # the recompute's MLP: over the plan
+
+
 def test_the_fused_dropout_stand_in_allocates_what_cudas_kernel_does():
     """CUDA's native_dropout: the output and a bool mask, 5 bytes an fp32 element at its peak (CPU's makes an fp32
     noise on the way: 9); its backward one gradient."""

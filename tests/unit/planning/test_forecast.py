@@ -37,7 +37,13 @@ def test_matmul_flops_count_each_pass_the_recipe_runs():
     selective = load_recipe("single-gpu-lora", [*PLAIN, "gradient_checkpointing=selective"])
     assert fc.matmul_flops(selective, s) == fc.matmul_flops(lora, s)  # it keeps the matmuls' outputs
     tiled = load_recipe("single-gpu-lora", [*PLAIN[1:], "gradient_checkpointing=true", "tiled_mlp=true"])
-    assert fc.matmul_flops(tiled, s) - fc.matmul_flops(on, s) == 2 * mlps  # the MLP again, tile by tile
+    # the tiles' recompute in backward takes the place of the MLP in the layer's recompute, which leaves it out
+    assert fc.matmul_flops(tiled, s) == fc.matmul_flops(on, s)
+    assert fc.matmul_flops(tiled, s, tiles_recomputed=True) - fc.matmul_flops(on, s) == 2 * mlps  # (recorded rows)
+    for words in (["gradient_checkpointing=selective"], ["gradient_checkpointing=false"]):  # where a recompute runs it
+        again = load_recipe("single-gpu-lora", [*PLAIN[1:], "gradient_checkpointing=true", "tiled_mlp=true", *words])
+        plain = load_recipe("single-gpu-lora", [*PLAIN[1:], "gradient_checkpointing=true", *words])
+        assert fc.matmul_flops(again, s) - fc.matmul_flops(plain, s) == 2 * mlps, words
     fused = load_recipe("single-gpu-lora", [*PLAIN, "fused_loss=true"])
     assert fc.matmul_flops(fused, s) - fc.matmul_flops(lora, s) == 2 * head  # the logits again in backward
 

@@ -148,6 +148,24 @@ def test_a_steps_measured_peak_holds_the_tiled_inputs_gradient_and_not_the_param
     assert by_category < by_address - gradient / 2, (by_category, by_address)  # (its peak: the forward's)
 
 
+def test_only_a_layer_whose_mlp_output_nothing_saves_leaves_it_out_of_its_recompute():
+    """Llama's and Qwen's layers end `hidden_states = residual + hidden_states` after the MLP: the recompute may leave
+    the MLP out. Gemma 2's norm after the MLP saves its output: its recompute runs the MLP."""
+    from transformers import Gemma2Config, LlamaConfig
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from memrecipe.training.tiling import mlp_output_unsaved
+
+    tiny = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 8}
+    assert mlp_output_unsaved(LlamaDecoderLayer(LlamaConfig(**tiny), 0))
+    assert mlp_output_unsaved(Qwen3DecoderLayer.__new__(Qwen3DecoderLayer))  # (read off its class's forward)
+    assert not mlp_output_unsaved(Gemma2DecoderLayer(Gemma2Config(**tiny), 0))
+    assert not mlp_output_unsaved(torch.nn.Linear(2, 2))
+
+
 def test_tiles_are_about_a_hidden_size_of_tokens_or_the_number_given():
     assert (tile_count(True, 131072, 4096), tile_count(True, 100, 4096), tile_count(6, 100, 4096)) == (32, 1, 6)
 
