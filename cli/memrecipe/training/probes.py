@@ -254,6 +254,13 @@ class MemorySnapshot:
         return str(path)
 
 
+def kernel_seconds(events) -> float:
+    """Seconds the device's kernels ran, from the profiler's averages: the kernels' own events (as torch's table sums
+    its "Self CUDA time total"), not the ops that launched them, which carry the same time again."""
+    return sum(e.self_device_time_total for e in events
+               if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation) / 1e6
+
+
 class StepProfile:
     """Where one step's time goes (--profile): a run's second optimizer step (the first is warm-up: caches, compiles)
     under torch's profiler, a GPU's kernels too. Writes profile_rank{R}.json, a Chrome trace (https://ui.perfetto.dev),
@@ -284,7 +291,7 @@ class StepProfile:
         key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         lines = [f"step {self.step}: {wall:.3f} s of wall time, process {self.rank}"]
         if self.cuda:
-            busy = sum(e.self_device_time_total for e in events) / 1e6
+            busy = kernel_seconds(events)
             lines.append(f"the GPU's kernels: {busy:.3f} s ({busy / wall:.0%} of the step); gaps between them: "
                          f"{max(wall - busy, 0):.3f} s")
         lines.append(events.table(sort_by=key, row_limit=self.ROWS, max_name_column_width=60))

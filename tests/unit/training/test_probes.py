@@ -1,6 +1,7 @@
 """training/probes.py: what a process really holds, read off the tensors themselves (each storage once, a tied weight
 once, views and a model kept beside counted as they are held), and its peaks."""
 
+import pytest
 import torch
 
 from memrecipe.training.probes import held_bytes
@@ -75,3 +76,19 @@ def test_the_device_sampler_keeps_the_most_in_use_and_samples_nothing_off_cuda()
     time.sleep(0.05)
     assert sampler.stop() == 30
     assert DeviceSampler(torch.device("cpu")).stop() is None
+
+
+def test_a_profiles_kernel_time_counts_each_kernel_once():
+    """The H200's adamw-8bit profile read 'the GPU's kernels: 1.901 s (108% of the step)': every op's device time was
+    summed beside its kernels' own. The kernels alone are counted (torch's "Self CUDA time total"), not the op that
+    launched them nor a compiled graph's annotation."""
+    from types import SimpleNamespace
+
+    from memrecipe.training.probes import kernel_seconds
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = [SimpleNamespace(device_type=cpu, self_device_time_total=90_000, is_user_annotation=False),  # aten op
+              SimpleNamespace(device_type=cuda, self_device_time_total=90_000, is_user_annotation=False),  # its kernel
+              SimpleNamespace(device_type=cuda, self_device_time_total=60_000, is_user_annotation=True),  # a graph
+              SimpleNamespace(device_type=cuda, self_device_time_total=10_000, is_user_annotation=False)]
+    assert kernel_seconds(events) == pytest.approx(0.1)
