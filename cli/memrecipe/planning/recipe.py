@@ -385,7 +385,8 @@ class Recipe:
     activation_offload: bool = spec(False, shown='false',
         help=('the checkpointed inputs wait in host RAM (needs `gradient_checkpointing`)'))
     # each layer's MLP runs a tile of tokens at a time, recomputed in backward: its [tokens x intermediate] tensors
-    # exist one tile at a time (true: tiles of about hidden_size tokens; or a number of tiles), for one more MLP forward
+    # exist one tile at a time (true: tiles of about hidden_size tokens; or a number of tiles); the layer's recompute
+    # leaves the MLP out under full checkpointing (no extra forward), DeepSpeed's runs it (one more MLP forward)
     tiled_mlp: bool | int = spec(False, low=2, shown='false',
         help=("each decoder layer's MLP runs a tile of tokens at a time, recomputed in backward (`true`: tiles of about"
               ' `hidden_size` tokens; or a number >= 2): its [tokens x intermediate] tensors exist one tile at a time; '
