@@ -5,6 +5,7 @@ forward and backward. Ratios are against full checkpointing, measured in the sam
 
     python benchmarks/long_context.py [--lengths 1024 2048 4096] [--steps 3]
     python benchmarks/long_context.py --price 8192 16384 [--repeats 3]   (each rung's step time only)
+    python benchmarks/long_context.py --redraw 256 2048 [--repeats 5]   (LoRA's dropout redrawn vs peft's, step time)
 
 The model is the embedded Llama's shape widened so that per-token costs dominate (hidden 512, intermediate 1536,
 4 layers), trained by single-gpu-lora's model code (LoRA on every linear, bf16 autocast), micro batch 1.
@@ -117,14 +118,19 @@ def library_peak(model_path: str, length: int, library: str) -> int:
         return profiled_peak(lambda: trainer.training_step(prepared, inputs))
 
 
-def price(model_path: str, length: int, repeats: int) -> dict:
+# LoRA's dropout redrawn in backward (the default) against peft's own (--redraw), under full checkpointing
+DROPOUTS = {"redrawn": ["gradient_checkpointing=true"],
+            "peft's": ["gradient_checkpointing=true", "lora.redraw_dropout=false"]}
+
+
+def price(model_path: str, length: int, repeats: int, rungs: dict = RUNGS, base: str = "full") -> dict:
     """Each rung's median step time over `repeats` rounds, the rungs interleaved within each round (one model each,
     built first, one warm-up step), so that the machine's drift over the minutes this takes falls on every rung
-    alike; ratios to full checkpointing's."""
+    alike; ratios to `base`'s."""
     batch = None
     models = {}
-    for rung in RUNGS:
-        recipe = load_recipe("single-gpu-lora", [*RUNGS[rung], f"max_seq_length={length}",
+    for rung in rungs:
+        recipe = load_recipe("single-gpu-lora", [*rungs[rung], f"max_seq_length={length}",
                                                  "per_device_train_batch_size=1", "lora.target_modules=all-linear",
                                                  "packing=false"])
         models[rung], _ = loop_model(recipe, model_path, "bf16")
@@ -133,7 +139,7 @@ def price(model_path: str, length: int, repeats: int) -> dict:
         batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
                  "position_ids": torch.arange(length)[None]}
         step(models[rung], batch)  # warm-up
-    seconds = {rung: [] for rung in RUNGS}
+    seconds = {rung: [] for rung in rungs}
     for _ in range(repeats):
         for rung, model in models.items():
             model.zero_grad(set_to_none=True)
@@ -141,7 +147,7 @@ def price(model_path: str, length: int, repeats: int) -> dict:
             step(model, batch)
             seconds[rung].append(time.perf_counter() - start)
     medians = {rung: statistics.median(times) for rung, times in seconds.items()}
-    return {rung: (median, median / medians["full"]) for rung, median in medians.items()}
+    return {rung: (median, median / medians[base]) for rung, median in medians.items()}
 
 
 def main():
@@ -154,15 +160,18 @@ def main():
                         "read at: extrapolated along each trainer's measured peaks (first to last length)")
     parser.add_argument("--price", type=int, nargs="*", metavar="LENGTH", help="only each rung's step time against "
                         "full checkpointing's at these lengths (e.g. 8192 16384), the rungs interleaved")
-    parser.add_argument("--repeats", type=int, default=3, help="--price's rounds (the median is read)")
+    parser.add_argument("--redraw", type=int, nargs="*", metavar="LENGTH", help="only the step time of LoRA's "
+                        "dropout redrawn in backward against peft's own, at these lengths, interleaved")
+    parser.add_argument("--repeats", type=int, default=3, help="--price's and --redraw's rounds (the median is read)")
     args = parser.parse_args()
-    if args.price:
+    if args.price or args.redraw:
+        rungs, base = (RUNGS, "full") if args.price else (DROPOUTS, "redrawn")
         with tempfile.TemporaryDirectory() as tmp:
             path = wide_model(Path(tmp) / "wide")
-            print(f"{'length':>7} {'rung':>10} {'step s':>8} {'x full':>7}")
-            for length in args.price:
-                for rung, (seconds, ratio) in price(path, length, args.repeats).items():
-                    print(f"{length:>7} {rung:>10} {seconds:>8.2f} {ratio:>7.2f}", flush=True)
+            print(f"{'length':>7} {'rung':>10} {'step s':>8} {'x ' + base:>9}")
+            for length in args.price or args.redraw:
+                for rung, (seconds, ratio) in price(path, length, args.repeats, rungs, base).items():
+                    print(f"{length:>7} {rung:>10} {seconds:>8.2f} {ratio:>9.2f}", flush=True)
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = wide_model(Path(tmp) / "wide")

@@ -46,6 +46,13 @@ SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # linears
 KEEPS_ITS_OUTPUT = ("sdpa", "flash_attention_2", "flex_attention")  # kernels whose saved output o_proj reads
 
 
+def keeps_dropout(recipe: Recipe) -> bool:
+    """Whether LoRA's adapters keep peft's dropout (each its mask and dropped input) rather than redrawing it in
+    backward (training.adapters.share_inputs): compiled layers, or `lora.redraw_dropout: false`."""
+    lora = recipe.lora
+    return bool(lora and lora.dropout) and (recipe.torch_compile or not lora.redraw_dropout)
+
+
 def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str = "sdpa") -> int:
     """Per token, what a layer's adapters on `linears` keep for backward: each its rank-r output, and its input. Under
     autocast (training.adapters.share_inputs) the adapters read their input as it comes and redraw their dropout in
@@ -54,10 +61,10 @@ def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str
     head_dim] layout: transformers' transpose and reshape copy nothing; eager's copy). Compiled flex_attention writes
     its output in the query's stride order (torch/_inductor/kernel/flex/flex_attention.py:
     infer_dense_strides(out_size, q_strides)), and the query after RoPE is [tokens x heads x head_dim] in memory, as
-    q_proj wrote it. Compiled layers keep peft's dropout: each adapter its 16-bit copy of the dropped input and the
-    mask. Measured on CPU:
+    q_proj wrote it. Compiled layers, and `lora.redraw_dropout: false`, keep peft's dropout: each adapter its 16-bit
+    copy of the dropped input and the mask. Measured on CPU:
     tests/unit/planning/test_activations.py."""
-    kept_dropout = bool(recipe.lora.dropout) and recipe.torch_compile
+    kept_dropout = keeps_dropout(recipe)
     mask = dropout_bytes(cuda) if kept_dropout else 0
     shared = mode == "lora" and not kept_dropout
     kept, read = 0, set[str | frozenset[str]]({"o_proj"} if attention in KEEPS_ITS_OUTPUT else ())
@@ -117,7 +124,7 @@ def shared_mlp_input_bytes(recipe: Recipe, s: Structure, mode: str) -> int:
     """Per token, the MLP's input as mlp_bytes counts it: the one tensor LoRA's adapters on gate and up keep (16-bit
     LoRA: adapter_bytes), which the tiled MLP keeps whole, not a tile of it (training.tiling.TiledMLP saves its
     input; found live at a tiled step's peak on CPU). 0 where mlp_bytes counts no input of the MLP's."""
-    if mode != "lora" or recipe.torch_compile and recipe.lora.dropout:
+    if mode != "lora" or keeps_dropout(recipe):
         return 0
     reads = {lin.name for lin in s.lora_linears(recipe.lora.target_modules)} & {"gate_proj", "up_proj"}
     return 2 * s.hidden if reads else 0
@@ -335,7 +342,7 @@ def redrawn_mask_bytes(recipe: Recipe, mode: str, cuda: bool) -> int:
     """Bytes an element of the mask LoRA's dropout draws again in backward (training.adapters.recompute_dropout:
     under autocast, not compiled), 0 where it is not redrawn."""
     lora = recipe.lora
-    redraws = lora and lora.dropout and not recipe.torch_compile and mode in ("lora", "qlora")
+    redraws = lora and lora.dropout and not keeps_dropout(recipe) and mode in ("lora", "qlora")
     return dropout_bytes(cuda) if redraws else 0
 
 

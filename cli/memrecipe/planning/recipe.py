@@ -79,6 +79,13 @@ class Lora:
         help="rank, scale (alpha / r), dropout on the adapter's input")
     alpha: float = spec(32.0, low=0, low_open=True, row=False)
     dropout: float = spec(0.05, low=0, high=0.99, row=False)
+    # dropout's mask drawn again in backward, under autocast: each adapter keeps only its input, shared with its
+    # siblings (less memory in a recomputed layer, the binding place at long context), for one more pass of its cast
+    # and dropout and a checkpoint of its own (host time in a launch-bound step)
+    redraw_dropout: bool = spec(True, shown='true',
+        help=("`true`: under autocast each adapter redraws its dropout mask in backward and keeps only its input (shared "
+              "by q/k/v and by gate/up); `false`: peft's dropout, each adapter keeping its mask and a 16-bit copy of its "
+              "dropped input, for one pass fewer of its cast and dropout (planned either way)"))
     target_modules: tuple[str, ...] | Literal["all-linear"] = spec(
         ("q_proj", "k_proj", "v_proj", "o_proj"), shown='q/k/v/o_proj',
         help='module names, or `all-linear` (every linear of the decoder layers)')

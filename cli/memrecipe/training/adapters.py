@@ -31,8 +31,8 @@ def add_lora(model, lora, reference: bool = False, autocast: bool = False, compi
     the adapters are: peft upcasts its adapter layers, not the copies of modules_to_save nor the biases that
     `bias` trains, which would otherwise take AdamW's updates in the base's 16 bits. `autocast`: the forward runs
     under autocast, where adapters read their input as it comes and redraw their dropout in backward (share_inputs;
-    not when `compiled`: the layers will be compiled, and the compiler's handling of random ops inside a checkpoint
-    is not checked here, so dropout stays peft's)."""
+    not under `lora.redraw_dropout: false`, nor when `compiled`: the layers will be compiled, and the compiler's
+    handling of random ops inside a checkpoint is not checked here, so dropout stays peft's)."""
     from peft import PeftModel, get_peft_model
 
     if lora.adapter:
@@ -45,7 +45,7 @@ def add_lora(model, lora, reference: bool = False, autocast: bool = False, compi
         if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
             p.data = p.data.float()
     if autocast:
-        share_inputs(model, redraw=not compiled)
+        share_inputs(model, redraw=lora.redraw_dropout and not compiled)
     if not compiled:  # (compiled, every layer's input requires grad, the first's too: one graph serves them all)
         drop_input_grads(model)
     return model
