@@ -82,16 +82,6 @@ def tile_count(tiles: bool | int, tokens: int, hidden: int) -> int:
     return max(1, -(-tokens // hidden)) if tiles is True else int(tiles)
 
 
-def recompute_skips_tiles(recipe: Recipe) -> bool:
-    """Whether a layer's recompute leaves its tiled MLP out (training.tiling.TiledMLP, told when a recompute runs by
-    training.layers.marked): backward recomputes the MLP tile by tile anyway. Under the loop's full checkpointing;
-    not where the layers compile (dynamo will not trace the marker inside torch's checkpoint: a graph break) nor
-    under DeepSpeed (its recompute stops early, at the MLP's save, after the MLP ran). For Llama's layers and their
-    copies: a layer whose norm after the MLP saves its output (Gemma 2, OLMo 2) still runs it there."""
-    return (recipe.tiled_mlp is not False and recipe.gradient_checkpointing is True and not recipe.torch_compile
-            and recipe.deepspeed is None)
-
-
 def tile_tokens(tiles: bool | int, tokens: int, hidden: int) -> int:
     """The tokens of the largest tile (training.tiling chunks the rows: ceil(tokens / tile_count) each, the last fewer)."""
     return -(-tokens // tile_count(tiles, tokens, hidden))

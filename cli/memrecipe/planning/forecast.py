@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .activations import recompute_skips_tiles
 from .architecture import Structure
 from .gpus import GPUS, Gpu
 from .recipe import Recipe, method
@@ -119,10 +118,10 @@ def _linear_params(s: Structure, mlp_only: bool = False) -> int:
 def tiles_again(recipe: Recipe, recomputed: bool | None = None) -> bool:
     """Whether the tiled MLP runs one forward more than the layer's other ops: its backward recomputes it tile by
     tile, and the layer's recompute (or no checkpointing at all) runs it as well, except where the recompute leaves
-    it out (activations.recompute_skips_tiles). `recomputed`: what a recorded run did (True: the code before the
+    it out (Recipe.recompute_skips_tiles). `recomputed`: what a recorded run did (True: the code before the
     fifth lease, whose recompute always ran it); None: what the loop does now."""
     if recomputed is None:
-        recomputed = not recompute_skips_tiles(recipe)
+        recomputed = not recipe.recompute_skips_tiles
     return recipe.tiled_mlp is not False and recomputed
 
 

@@ -482,6 +482,17 @@ class Recipe:
         return bool(self.gradient_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing))
 
     @property
+    def recompute_skips_tiles(self) -> bool:
+        """A layer's recompute leaves its tiled MLP out (training.tiling.TiledMLP, told when a recompute runs by
+        training.layers.marked): backward recomputes the MLP tile by tile anyway. Under the loop's full
+        checkpointing; not where the layers compile (dynamo will not trace the marker inside torch's checkpoint: a
+        graph break) nor under DeepSpeed (its recompute stops early, at the MLP's save, after the MLP ran). For
+        Llama's layers and their copies: a layer whose norm after the MLP saves its output (Gemma 2, OLMo 2) still
+        runs it there."""
+        return (self.tiled_mlp is not False and self.gradient_checkpointing is True and not self.torch_compile
+                and self.deepspeed is None)
+
+    @property
     def tensor_parallel(self) -> int:
         """parallelism.tp_size (1: none)."""
         return self.parallelism.tp_size if self.parallelism else 1

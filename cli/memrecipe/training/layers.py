@@ -9,7 +9,6 @@ import itertools
 import torch
 
 from ..errors import RecipeError
-from ..planning.activations import recompute_skips_tiles
 
 # True while torch's checkpoint runs a layer again in backward to rebuild what it saved (marked, below)
 RECOMPUTING = contextvars.ContextVar("recomputing", default=False)
@@ -279,4 +278,4 @@ def apply(model, recipe, accelerator) -> HostOffload | None:
         return None
     return enable_checkpointing(model, recipe.activation_offload, recipe.gradient_checkpointing == "selective",
                                 stop_early=recipe.tiled_mlp is False or recipe.deepspeed is not None,
-                                mark=recompute_skips_tiles(recipe))
+                                mark=recipe.recompute_skips_tiles)

@@ -17,7 +17,7 @@ import inspect
 import torch
 
 from ..errors import RecipeError
-from ..planning.activations import recompute_skips_tiles, tile_count
+from ..planning.activations import tile_count
 from .adapters import dropped, dropped_forward
 from .layers import RECOMPUTING
 
@@ -162,4 +162,4 @@ def apply(model, recipe, accelerator) -> int:
     them; returns how many MLPs."""
     tile_redraws(model, recipe.tiled_mlp)
     return tile_mlps(model, recipe.tiled_mlp, deepspeed=accelerator.distributed_type.value == "DEEPSPEED",
-                     checkpointed=recompute_skips_tiles(recipe))
+                     checkpointed=recipe.recompute_skips_tiles)
