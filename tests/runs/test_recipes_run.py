@@ -399,6 +399,9 @@ def test_sharded_recipes_hold_half_the_parameters_per_process(runs, name, bytes_
     zero = r["processes"][0]["held"]
     if name == "zero3-offload":  # fp32 master + two moments of this rank's half
         assert zero["optimizer_state"] == pytest.approx(12 * params / 2, rel=0.05)
+        # its gradients: the partitions beside the reduce bucket stage3.py allocates (5e8 bf16 elements), as planned
+        plan = r["plan"]
+        assert zero["gradients"] == plan["gradients"] - plan["gathered_grads"] > 2 * 500_000_000
 
 
 def test_report_json_and_card_hold_what_was_measured(runs, cli, tmp_path):

@@ -252,13 +252,19 @@ class Sizes:
 def zero3_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
     """DeepSpeed's own accounting (estimate_zero3_model_states_mem_needs): 16-bit params and grads of the largest
     layer gathered on the GPU; 2 bytes/param of 16-bit weights, 16 of fp32 state per trained param (master, two
-    moments, fp32 grad) partitioned, or offloaded to host RAM."""
+    moments, fp32 grad) partitioned, or offloaded to host RAM. Beside them what its estimator leaves out: the
+    reduce bucket, `reduce_bucket_size` elements of the gradients' communication dtype that stage3.py allocates on
+    the device at start-up when `contiguous_gradients` is on: the compute dtype (engine.py communication_data_type),
+    fp32 under Ulysses (seq_parallel_communication_data_type's default): 0.93 / 1.86 GiB at the default 5e8."""
     ds, layer, n = recipe.deepspeed, s.largest_module, z.processes
-    out = States(2 * layer, 2 * layer, 0, gathered_params=2 * layer, gathered_grads=2 * layer,
-                 notes=["ZeRO-3 model states follow DeepSpeed's estimate_zero3_model_states_mem_needs"])
-    # LoRA: peft's adapters are fp32 (adapters.add_lora) and ZeRO-3 partitions each parameter in its own dtype, beside
-    # the 16-bit frozen base (measured on CPU: 4 bytes an adapter parameter, 2 a base one)
-    adapters = 4 * z.trained if recipe.lora is not None else 0
+    comm = 4 if recipe.sequence_group(n) > 1 else z.compute_bytes
+    bucket = ds.reduce_bucket_size * comm if ds.contiguous_gradients else 0
+    out = States(2 * layer, 2 * layer + bucket, 0, gathered_params=2 * layer, gathered_grads=2 * layer,
+                 notes=["ZeRO-3 model states follow DeepSpeed's estimate_zero3_model_states_mem_needs, with its "
+                        "reduce bucket"])
+    # LoRA: the adapters in the compute dtype (adapters.add_lora: the engine's own), partitioned beside the 16-bit
+    # frozen base (measured on CPU: 2 bytes an adapter parameter in bf16)
+    adapters = z.compute_bytes * z.trained if recipe.lora is not None else 0
     if ds.offload_param != "none":
         out.host = (16 * z.trained + 2 * z.params + adapters) // z.machines  # = 18 P when everything trains
     elif ds.offload_optimizer != "none":

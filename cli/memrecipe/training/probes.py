@@ -167,7 +167,7 @@ def ddp_buckets(model) -> int:
 
 def held_bytes(model, optimizer, beside=()) -> dict:
     """Bytes of parameters, gradients and optimizer state this process really holds right after an
-    optimizer step (before zero_grad): FSDP's local shards, DeepSpeed ZeRO-3's partitions and its
+    optimizer step (before zero_grad): FSDP's local shards, DeepSpeed ZeRO-3's partitions, its reduce buckets and its
     (possibly offloaded) fp32 master weights, gradients and moments, torchao's 8-bit state tensors,
     APOLLO's projection matrices, DDP's gradient buckets, and the parameters of models kept `beside` it. Each storage
     counted once. With the step in backward no gradient
@@ -201,7 +201,8 @@ def held_bytes(model, optimizer, beside=()) -> dict:
                              for m in other.modules())
     inner = getattr(optimizer, "optimizer", optimizer)
     if engine_optimizer is not None and hasattr(engine_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3
-        out["gradients"] = size(getattr(engine_optimizer, "grad_partitions_flat_buffer", None))
+        out["gradients"] = size(getattr(engine_optimizer, "grad_partitions_flat_buffer", None)) + sum(
+            size(bucket.buffer) for bucket in getattr(engine_optimizer, "ipg_buckets", {}).values())  # reduce buckets
         inner = engine_optimizer.optimizer
         state = sum(size(v) for s in inner.state.values() for v in s.values())
         out["optimizer_state"] = sum(size(t) for t in engine_optimizer.fp32_partitioned_groups_flat) + state
