@@ -434,6 +434,11 @@ def is_long(overrides: list) -> bool:
     return "tiled_mlp=true" in overrides
 
 
+def length_word(overrides: list) -> str:
+    """A long row's `max_seq_length=N` word, wherever it stands: which long documents it runs on."""
+    return next(word for word in overrides if word.startswith("max_seq_length="))
+
+
 def case_name(script: str, recipe: str, overrides: list) -> str:
     """A row's name in the table: `dpo` for preference tuning, the recipe, its overrides."""
     return " ".join(["dpo"] * (script == "dpo") + [recipe, *overrides])
@@ -560,7 +565,7 @@ def main():
             name = case_name(script, recipe, overrides)
             words = [*overrides, *extra, f"max_steps={steps}", "save_steps=null", "eval_steps=null",
                      *([] if model is None else ["--model", model]),
-                     *(["--dataset", str(long_data[overrides[-1]])] if is_long(overrides) else
+                     *(["--dataset", str(long_data[length_word(overrides)])] if is_long(overrides) else
                        [] if args.cpu else ["--dataset", str(data[script])])]
             reason = skip_reason(recipe, [*overrides, *extra], processes, model, args.cpu)
             if reason:

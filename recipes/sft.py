@@ -215,8 +215,8 @@ def setup_model(recipe, model_path, accelerator, run, say):
     if recipe.lora:  # peft, configured by the recipe's lora: section, or a saved adapter trained on (lora.adapter)
         # (under DPO, a saved adapter is also kept frozen beside it: the reference, as TRL's ref_adapter_name)
         model = add_lora(model, recipe.lora, reference=recipe.dpo is not None and not recipe.dpo.reference_free,
-                         autocast=accelerator.native_amp,  # adapters share their layer's inputs (not DeepSpeed's bf16)
-                         compiled=recipe.torch_compile)  # (and redraw their dropout in backward, uncompiled)
+                         accelerator=accelerator,  # (autocast, or DeepSpeed's 16-bit engine: adapters in its dtype)
+                         compiled=recipe.torch_compile)
         if recipe.lora.adapter:
             say(f"lora: trains on the saved adapter {recipe.lora.adapter} (r {recipe.lora.r})")
     # ... and those that wrap the adapted layers: the tiled MLP (each MLP a tile of tokens at a time, recomputed in

@@ -39,7 +39,8 @@ for length in lengths:
     part = slice(rank * length // sp, (rank + 1) * length // sp)
     batch = {"input_ids": ids[:, part], "shift_labels": shifted[:, part], "attention_mask": torch.ones_like(ids[:, part]),
              "position_ids": torch.arange(length)[None, part]}
-    measured[length] = {"forward_saved": saved_at_forward_end(model, batch, autocast=True)}
+    # (DeepSpeed's bf16 engine computes without autocast: accelerate's native_amp is off under it)
+    measured[length] = {"forward_saved": saved_at_forward_end(model, batch, autocast=False)}
     model.zero_grad(set_to_none=True)
 if rank == 0:
     with open(out, "w") as f:

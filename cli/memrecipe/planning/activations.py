@@ -22,13 +22,14 @@ def activation_mode(recipe: Recipe, compute_bytes: int) -> str:
     return "mixed"
 
 
-def dropout_bytes(cuda: bool) -> int:
+def dropout_bytes(cuda: bool, element: int = 4) -> int:
     """Bytes per element a training-mode dropout keeps for backward. On CUDA torch runs the fused kernel,
     native_dropout, which keeps a bool mask (ATen's Dropout.cpp, is_fused_kernel_acceptable: CUDA/XPU inputs only;
     derivatives.yaml: native_dropout's backward reads result1, the mask); on CPU it multiplies by a noise tensor
-    of the input's dtype, fp32 for peft's adapters (which cast their input to the adapter's dtype first).
-    Both measured on CPU (tests/unit/planning/test_activations.py calls native_dropout there)."""
-    return 1 if cuda else 4
+    of the input's dtype (`element` bytes): fp32 for peft's adapters, which cast their input to the adapter's dtype
+    first (16 bits under DeepSpeed's engine: training.adapters.add_lora). Both measured on CPU
+    (tests/unit/planning/test_activations.py calls native_dropout there)."""
+    return 1 if cuda else element
 
 
 def residual_bytes(mode: str) -> int:
@@ -46,11 +47,18 @@ SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # linears
 KEEPS_ITS_OUTPUT = ("sdpa", "flash_attention_2", "flex_attention")  # kernels whose saved output o_proj reads
 
 
+def half_adapters(recipe: Recipe, mode: str) -> bool:
+    """LoRA's adapters in the 16 bits the layers compute in (DeepSpeed's engine: training.adapters.add_lora), where
+    everywhere else they are fp32 and peft casts each input to fp32 before their dropout and A."""
+    return recipe.deepspeed is not None and mode == "lora"
+
+
 def keeps_dropout(recipe: Recipe) -> bool:
     """Whether LoRA's adapters keep peft's dropout (each its mask and dropped input) rather than redrawing it in
-    backward (training.adapters.share_inputs): compiled layers, or `lora.redraw_dropout: false`."""
+    backward (training.adapters.add_lora): compiled layers, DeepSpeed's engine, or `lora.redraw_dropout: false`."""
     lora = recipe.lora
-    return bool(lora and lora.dropout) and (recipe.torch_compile or not lora.redraw_dropout)
+    return bool(lora and lora.dropout) and (recipe.torch_compile or recipe.deepspeed is not None
+                                            or not lora.redraw_dropout)
 
 
 def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str = "sdpa") -> int:
@@ -65,7 +73,7 @@ def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str
     copy of the dropped input and the mask. Measured on CPU:
     tests/unit/planning/test_activations.py."""
     kept_dropout = keeps_dropout(recipe)
-    mask = dropout_bytes(cuda) if kept_dropout else 0
+    mask = dropout_bytes(cuda, 2 if half_adapters(recipe, mode) else 4) if kept_dropout else 0
     shared = mode == "lora" and not kept_dropout
     kept, read = 0, set[str | frozenset[str]]({"o_proj"} if attention in KEEPS_ITS_OUTPUT else ())
     for lin in linears:
@@ -233,6 +241,20 @@ def replicated_kv_bytes(s: Structure, mode: str, tokens: int, sp: int) -> int:
     return 2 * tokens * compute_bytes(mode) * max(0, sp - s.kv_heads) * s.head_dim
 
 
+def exchanged_output_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int, sp: int, attention: str) -> int:
+    """Under Ulysses o_proj reads the exchange's output (deepspeed/runtime/sequence_parallel/ulysses_sp.py,
+    _partition_global_sequence: an all-to-all, then a contiguous copy), not the kernel's saved output it reads on one
+    process (adapter_bytes, KEEPS_ITS_OUTPUT): where o_proj keeps its input for backward (it trains, or its adapter
+    reads its input as it comes), one [tokens x heads x head_dim] more, kept beside the kernel's."""
+    if sp == 1 or attention not in KEEPS_ITS_OUTPUT:
+        return 0
+    if mode in ("lora", "qlora"):  # (an adapter keeping peft's dropout or QLoRA's cast keeps its own copy anyway)
+        targets = s.lora_linears(recipe.lora.target_modules)
+        if mode == "qlora" or keeps_dropout(recipe) or not any(lin.name == "o_proj" for lin in targets):
+            return 0
+    return tokens * compute_bytes(mode) * s.heads * s.head_dim
+
+
 def ring_bytes(s: Structure, mode: str, tokens: int, cp: int) -> int:
     """Ring attention's buffers in a layer's backward, on a process holding `tokens` of a sequence split `cp` ways
     (torch's _context_parallel/_attention.py, _templated_ring_attention_backward, with accelerate's default
@@ -257,7 +279,7 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
       gradient (whole from the first tile) and the tile's own sum of it;
     - the down projection's adapter in the recompute, where peft casts its 16-bit input (the MLP's product, held by
       nothing else) to fp32 (with dropout, and under QLoRA: training.adapters.share_inputs) and dropout writes its
-      mask and its fp32 output;
+      mask and its fp32 output (mlp_places: with adapters in 16 bits, what peft's kept dropout leaves live there);
     - the norm after attention, the MLP's tensors freed: RMSNorm's backward works in fp32 (five [tokens x hidden]);
       under lean_norms, four over a tile of hidden_size tokens (training.norms.LeanRMSNorm.backward: the normed
       input, the upstream gradient, and two of the three products after them), beside its output's gradient (the MLP
@@ -310,7 +332,9 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
 def mlp_places(recipe: Recipe, s: Structure, mode: str, tokens: int, mlp_tokens: int, saved: int,
                cuda: bool) -> list[int]:
     """backward_peak's places in a dense MLP's backward, over `mlp_tokens` (a tile's under tiled_mlp): its product's
-    gradients, and the down projection's redrawn dropout."""
+    gradients, and the down projection's redrawn dropout; with adapters in 16 bits (DeepSpeed's engine) keeping
+    peft's dropout, the recompute at the down projection's A: the product, the frozen linear's output, the layer's
+    residual and the MLP's input beside what the layer keeps."""
     cb, i, lora = compute_bytes(mode), s.intermediate, recipe.lora
     down = [lin for lin in s.lora_linears(lora.target_modules) if lin.name == "down_proj"] if lora else []
     if down:  # what the down projection keeps of its input, freed once its backward ran
@@ -321,10 +345,17 @@ def mlp_places(recipe: Recipe, s: Structure, mode: str, tokens: int, mlp_tokens:
     # before autograd adds it in (training.tiling.TiledMLP)
     input_gradient = (tokens + mlp_tokens) * residual_bytes(mode) * s.hidden if mlp_tokens < tokens else 0
     places = [saved + mlp_tokens * (3 * cb * i - kept) + input_gradient]
-    if down and (mode == "qlora" or (mode == "lora" and lora.dropout)):
+    if down and (mode == "qlora" or (mode == "lora" and lora.dropout and not half_adapters(recipe, mode))):
         # a redrawn dropout's mask, which the layer does not keep, is made again beside them
         places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn_mask_bytes(recipe, mode, cuda) + cb)
                       * i + input_gradient)
+    elif down and lora.dropout and recipe.checkpoints and recipe.gradient_checkpointing != "selective":
+        # adapters in 16 bits keep peft's dropout: at the down projection's A in the layer's recompute, its input
+        # (the MLP's product, which nothing keeps) and its frozen linear's output (peft's `result =
+        # self.base_layer(x)`), and the layer's residual and the MLP's input, which the layer's forward holds while
+        # the MLP runs and nothing saves, beside what the layer keeps (each found live there on CPU)
+        places.append(saved + mlp_tokens * cb * (i + s.hidden) + tokens * (residual_bytes(mode) + cb) * s.hidden
+                      + input_gradient)
     return places
 
 
@@ -408,6 +439,15 @@ def embedding_gradient_bytes(recipe: Recipe, s: Structure, mode: str) -> tuple[i
     return (gradient, 2 * gradient) if s.tied_embeddings else (0, gradient)
 
 
+def slice_layer_bytes(recipe: Recipe, g: Structure, mode: str, b: int, seq: int, attention: str, cuda: bool,
+                      sp: int) -> int:
+    """What one layer of the group `g` keeps on a process holding `seq` tokens of each row (a slice under Ulysses):
+    layer_activation_bytes, split by tensor parallelism, and what Ulysses adds beside it."""
+    T = b * seq
+    return (layer_activation_bytes(recipe, g, mode, b, seq, attention, cuda) // recipe.tensor_parallel
+            + replicated_kv_bytes(g, mode, T, sp) + exchanged_output_bytes(recipe, g, mode, T, sp, attention))
+
+
 def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, attention: str | None = None,
                      cuda: bool = False, sp: int = 1) -> dict:
     """One micro batch on one process: `activations` and `logits` (the categories), `saved_peak` (most
@@ -426,8 +466,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
     # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
     tp = recipe.tensor_parallel
-    layers = [(g.layers, layer_activation_bytes(recipe, g, mode, b, seq, attention, cuda) // tp
-               + replicated_kv_bytes(g, mode, T, sp), g) for g in s.groups()]
+    layers = [(g.layers, slice_layer_bytes(recipe, g, mode, b, seq, attention, cuda, sp), g) for g in s.groups()]
     layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
     # a layer's backward; selectively checkpointed, its matmuls' outputs are counted in `inputs` below
     selective = recipe.gradient_checkpointing == "selective"

@@ -85,7 +85,8 @@ class Lora:
     redraw_dropout: bool = spec(True, shown='true',
         help=("`true`: under autocast each adapter redraws its dropout mask in backward and keeps only its input (shared "
               "by q/k/v and by gate/up); `false`: peft's dropout, each adapter keeping its mask and a 16-bit copy of its "
-              "dropped input, for one pass fewer of its cast and dropout (planned either way)"))
+              "dropped input, for one pass fewer of its cast and dropout (planned either way). Under DeepSpeed the "
+              "adapters always keep peft's dropout (ZeRO-3 releases the weight a redraw's recompute reads)"))
     target_modules: tuple[str, ...] | Literal["all-linear"] = spec(
         ("q_proj", "k_proj", "v_proj", "o_proj"), shown='q/k/v/o_proj',
         help='module names, or `all-linear` (every linear of the decoder layers)')
@@ -485,12 +486,11 @@ class Recipe:
     def recompute_skips_tiles(self) -> bool:
         """A layer's recompute leaves its tiled MLP out (training.tiling.TiledMLP, told when a recompute runs by
         training.layers.marked): backward recomputes the MLP tile by tile anyway. Under the loop's full
-        checkpointing; not where the layers compile (dynamo will not trace the marker inside torch's checkpoint: a
-        graph break) nor under DeepSpeed (its recompute stops early, at the MLP's save, after the MLP ran). For
-        Llama's layers and their copies: a layer whose norm after the MLP saves its output (Gemma 2, OLMo 2) still
-        runs it there."""
-        return (self.tiled_mlp is not False and self.gradient_checkpointing is True and not self.torch_compile
-                and self.deepspeed is None)
+        checkpointing (under DeepSpeed too, where the recompute stops early at the MLP's save: the MLP ran before
+        that save); not where the layers compile (dynamo will not trace the marker inside torch's checkpoint: a
+        graph break). For Llama's layers and their copies: a layer whose norm after the MLP saves its output
+        (Gemma 2, OLMo 2) still runs it there."""
+        return self.tiled_mlp is not False and self.gradient_checkpointing is True and not self.torch_compile
 
     @property
     def tensor_parallel(self) -> int:

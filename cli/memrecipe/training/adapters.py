@@ -24,15 +24,21 @@ def lora_config(lora):
 REFERENCE_ADAPTER = "reference"  # a saved adapter's frozen copy beside the one that trains (DPO's reference model)
 
 
-def add_lora(model, lora, reference: bool = False, autocast: bool = False, compiled: bool = False):
+def add_lora(model, lora, reference: bool = False, accelerator=None, compiled: bool = False):
     """The model with peft's adapters: new ones, or a saved adapter's weights to train on (`lora.adapter`) and, with
     `reference`, a frozen copy of them beside it (named REFERENCE_ADAPTER: under DPO the reference is the model
     the adapter makes, as TRL's ref_adapter_name; a few MB, no second model). Everything that trains is fp32, as
     the adapters are: peft upcasts its adapter layers, not the copies of modules_to_save nor the biases that
-    `bias` trains, which would otherwise take AdamW's updates in the base's 16 bits. `autocast`: the forward runs
-    under autocast, where adapters read their input as it comes and redraw their dropout in backward (share_inputs;
-    not under `lora.redraw_dropout: false`, nor when `compiled`: the layers will be compiled, and the compiler's
-    handling of random ops inside a checkpoint is not checked here, so dropout stays peft's)."""
+    `bias` trains, which would otherwise take AdamW's updates in the base's 16 bits. `accelerator`: the run's. Under
+    DeepSpeed's 16-bit engine (engine_dtype), which keeps fp32 master weights of what trains in its optimizer and
+    computes in 16 bits, what trains is held in that dtype, as the engine casts a model itself (engine.py,
+    _cast_module_mixed_precision) except one ZeRO-3 built partitioned (zero.Init), where fp32 adapters without
+    autocast cast every adapter's input to fp32 and keep that copy (measured on CPU: a layer's saved bytes 1.6x, 2.3x
+    with dropout). Elsewhere in 16 bits the forward runs under autocast (accelerate's native_amp). Under either the
+    adapters read their input as it comes (share_inputs); under autocast they
+    also redraw their dropout in backward (not under `lora.redraw_dropout: false`, nor when `compiled`: the layers
+    will be compiled, and the compiler's handling of random ops inside a checkpoint is not checked here; nor under
+    DeepSpeed, whose ZeRO-3 releases a weight the redraw's own recompute would read: dropout stays peft's)."""
     from peft import PeftModel, get_peft_model
 
     if lora.adapter:
@@ -41,14 +47,24 @@ def add_lora(model, lora, reference: bool = False, autocast: bool = False, compi
             model.load_adapter(lora.adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
     else:
         model = get_peft_model(model, lora_config(lora))
+    autocast, half = bool(accelerator and accelerator.native_amp), engine_dtype(accelerator) if accelerator else None
+    trained = half or torch.float32
     for p in model.parameters():
-        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
-            p.data = p.data.float()
-    if autocast:
-        share_inputs(model, redraw=lora.redraw_dropout and not compiled)
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16, torch.float32) and p.dtype != trained:
+            p.data = p.data.to(trained)
+    if autocast or half:
+        share_inputs(model, redraw=autocast and lora.redraw_dropout and not compiled)
     if not compiled:  # (compiled, every layer's input requires grad, the first's too: one graph serves them all)
         drop_input_grads(model)
     return model
+
+
+def engine_dtype(accelerator) -> torch.dtype | None:
+    """The 16-bit dtype DeepSpeed's engine computes in (its model runs in it, without autocast: accelerate's
+    native_amp is off under DeepSpeed); None under any other engine, or in fp32."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
 
 
 def drop_input_grads(model) -> int:
@@ -75,7 +91,8 @@ def share_inputs(model, redraw: bool = True) -> None:
     reading one tensor save that one tensor. With dropout, each adapter's cast, dropout and A run inside a checkpoint
     of their own (recompute_dropout): the same masks from the same random state, nothing kept but the shared input.
     The same values reach every matmul: loss and gradients are bitwise peft's (tests/unit/training/test_adapters.py).
-    Only for a forward under autocast (the fp32 adapters' matmul needs it); the run's setup counts the layers and
+    Only for a forward under autocast (the fp32 adapters' matmul needs it), or with adapters in the 16 bits their input
+    comes in (DeepSpeed's engine, add_lora); the run's setup counts the layers and
     adapters changed (facts.describe_setup: lora_shared_inputs, lora_recomputed_dropout)."""
     from peft.tuners.lora import LoraLayer
 

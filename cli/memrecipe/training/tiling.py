@@ -94,12 +94,10 @@ def tiled_forward(forward, tiles, x, params=None, agree=False, idle_in_recompute
     return forward(x) if n == 1 else TiledMLP.apply(forward, x, n, params or [], idle_in_recompute)
 
 
-def mlp_output_unsaved(layer) -> bool:
-    """Whether the decoder layer's code after its MLP is the residual add alone (Llama's, and the models transformers
-    copies it to: Qwen, Mistral, ...), so that nothing saves the MLP's output or draws a random number after it.
-    Gemma's and OLMo 2's norm after the MLP saves its input: their recompute runs the MLP."""
+@functools.cache
+def _mlp_output_unsaved(layer_class) -> bool:
     try:
-        source = inspect.getsource(type(layer).forward)
+        source = inspect.getsource(layer_class.forward)
     except (OSError, TypeError):
         return False
     _, found, after = source.partition("self.mlp(hidden_states)")
@@ -107,27 +105,33 @@ def mlp_output_unsaved(layer) -> bool:
     return bool(found) and rest == ["hidden_states = residual + hidden_states", "return hidden_states"]
 
 
+def mlp_output_unsaved(layer) -> bool:
+    """Whether the decoder layer's code after its MLP is the residual add alone (Llama's, and the models transformers
+    copies it to: Qwen, Mistral, ...), so that nothing saves the MLP's output or draws a random number after it.
+    Gemma's and OLMo 2's norm after the MLP saves its input: their recompute runs the MLP. (Read once a class.)"""
+    return _mlp_output_unsaved(type(layer))
+
+
 def tile_mlps(model, tiles: bool | int, deepspeed: bool = False, checkpointed: bool = False) -> int:
     """Each decoder layer's dense MLP (a module named `mlp` whose class is an MLP: LlamaMLP, Qwen2MLP, ...) runs
     tiled; returns how many. A model whose layers route tokens to experts instead is refused in one line. Several
     processes only under DeepSpeed (`deepspeed`), told to wait for a weight's last tile. `checkpointed`: the layers
     are recomputed whole by the loop's checkpointing (layers.marked), where an MLP whose output nothing saves is left
-    out (TiledMLP); DeepSpeed's recompute stops early at the MLP's save instead."""
+    out (TiledMLP); under DeepSpeed too, whose recompute stops early at the MLP's save, after the MLP ran."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     several = distributed and torch.distributed.get_world_size() > 1
     if several and not deepspeed:
         raise RecipeError("tiled_mlp runs on one process or under DeepSpeed: DDP syncs each weight's gradient once, "
                           "and the tiles give it in parts: launch 1 process, or set tiled_mlp=false")
-    mlps = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "mlp"]
-    dense = [m for m in mlps if type(m).__name__.endswith("MLP")]
+    mlps = {name: m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "mlp"}
+    dense = {name: m for name, m in mlps.items() if type(m).__name__.endswith("MLP")}
     if not dense or len(dense) < len(mlps):
-        kinds = sorted({type(m).__name__ for m in mlps if m not in dense}) or ["no module named mlp"]
+        kinds = sorted({type(m).__name__ for name, m in mlps.items() if name not in dense}) or ["no module named mlp"]
         raise RecipeError(f"tiled_mlp tiles dense MLPs; this model's layers have {', '.join(kinds)}: "
                           "set tiled_mlp=false")
-    owners = {m: model.get_submodule(name.rpartition(".")[0]) for name, m in model.named_modules() if m in dense}
-    for mlp in dense:  # (ZeRO's gradient hooks run on one process too)
+    for name, mlp in dense.items():  # (ZeRO's gradient hooks run on one process too)
         params = [p for p in mlp.parameters() if p.requires_grad] if deepspeed else None
-        idle = checkpointed and not deepspeed and mlp_output_unsaved(owners[mlp])
+        idle = checkpointed and mlp_output_unsaved(model.get_submodule(name.rpartition(".")[0]))
         mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles, params=params, agree=several,
                                         idle_in_recompute=idle)
     return len(dense)

@@ -267,6 +267,34 @@ def test_peft_dropout_kept_by_each_adapter_is_planned_as_measured(wide, rung):
     assert plans["false"] - plans["true"] == pytest.approx(kept, rel=0.15 if rung == "none" else 0.25), (plans, peaks)
 
 
+@pytest.mark.parametrize("rung", ["none", "full"])
+def test_lora_under_deepspeeds_bf16_engine_keeps_what_the_plan_says(wide, rung):
+    """DeepSpeed's bf16 engine computes without autocast, and ZeRO-3 built partitioned (zero.Init) leaves peft's fp32
+    adapters uncast (engine.py, _cast_module_mixed_precision): each adapter cast its input to fp32 and kept that copy,
+    a layer's saved bytes 1.6x the plan's (2.3x with dropout) where the 8-GPU long-context rows are planned. The
+    adapters now hold the engine's bf16 (training.adapters.add_lora), read their input as it comes and keep peft's
+    dropout (activations.keeps_dropout): the step's peak is the plan's within 5% (0.99-1.02x), with and without
+    dropout. Under full checkpointing with dropout the peak is in the layer's recompute, at the down projection's A:
+    without that place (mlp_places) the plan was 1.10x under it."""
+    from helpers import loop_model
+    from measuring import step_peak
+    from memrecipe.planning.activations import activation_bytes, activation_mode
+
+    s, length = structure(read_config(wide)), 1024
+    for dropout in (0, 0.05):
+        r = load_recipe("zero3-ulysses", [*LADDER[rung], "activation_offload=false", "lora.r=16", f"lora.dropout={dropout}",
+                                          "lora.target_modules=all-linear", f"max_seq_length={length}", "tiled_mlp=false",
+                                          "lean_norms=false"])
+        model, _ = loop_model(r, wide, "bf16", engine="DEEPSPEED")
+        model.train()
+        assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.bfloat16}
+        ids = torch.randint(0, s.vocab, (1, length), generator=torch.Generator().manual_seed(0))
+        b = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids),
+             "position_ids": torch.arange(length)[None]}
+        peak, plan = step_peak(model, b, autocast=False), activation_bytes(r, s, activation_mode(r, 2), 1, length)["working"]
+        assert plan == pytest.approx(peak, rel=0.05), (dropout, plan, peak)
+
+
 def test_a_packed_row_under_sdpa_is_planned_with_its_boolean_mask(wide):
     """Rows packed with four documents under sdpa: transformers builds a 1-byte [S x S] mask once a forward, which
     each layer's checkpoint keeps for its recompute to the end of backward (attention.kept_mask_bytes; without
@@ -422,13 +450,16 @@ def test_on_a_gpu_the_plan_is_a_steps_peak_with_stand_ins_for_the_cuda_kernels(w
     assert (plans[2048] - plans[1024]) / 1024 == pytest.approx((peaks[2048] - peaks[1024]) / 1024, rel=0.02)
 
 
-def test_a_layers_recompute_leaves_out_the_tiled_mlp_and_the_peak_is_the_plans(wide, monkeypatch):
+@pytest.mark.parametrize("recipe, engine", [("single-gpu-lora", "NO"), ("zero3-ulysses", "DEEPSPEED")])
+def test_a_layers_recompute_leaves_out_the_tiled_mlp_and_the_peak_is_the_plans(wide, monkeypatch, recipe, engine):
     """The fourth lease's flex_attention rows peaked 1.06-1.08x over the plan at the end of a layer's recompute: the
     tiled MLP ran again there and its tiles' outputs and their concatenation (two [tokens x hidden]) sat beside
     everything the layer saved (snapshot_peak.txt: tiling.py's forward). The recompute now leaves the MLP out
     (tiling.TiledMLP's idle_in_recompute: backward recomputes each tile anyway, and nothing after a Llama layer's MLP
     saves its output). At 8K tokens (32 tiles; the place binds once the sequence is long beside a tile) the step's
-    peak is the plan's within 1.5% (0.997x) with the flex_attention stand-in; computing the MLP in the recompute puts it over (1.03x)."""
+    peak is the plan's within 1.5% (0.997x) with the flex_attention stand-in; computing the MLP in the recompute puts
+    it over (1.03x). Under DeepSpeed's engine too (its bf16 without autocast; its recompute stops early at the MLP's
+    save, which comes after the MLP ran): 1.001x, 1.04x with the MLP."""
     import standins
     from helpers import loop_model
     from measuring import step_peak
@@ -438,9 +469,9 @@ def test_a_layers_recompute_leaves_out_the_tiled_mlp_and_the_peak_is_the_plans(w
     monkeypatch.setattr(torch.nn.functional, "dropout", standins.cuda_dropout)
     standins.use_cuda_random_states(monkeypatch)
     s, length = structure(read_config(wide)), 8192
-    r = load_recipe("single-gpu-lora", ["gradient_checkpointing=true", "lean_norms=true", "tiled_mlp=true",
-                                        "lora.dropout=0", f"max_seq_length={length}", "packing=false",
-                                        "per_device_train_batch_size=1", "optimizer_in_backward=false"])
+    r = load_recipe(recipe, ["gradient_checkpointing=true", "lean_norms=true", "tiled_mlp=true", "activation_offload=false",
+                             "lora.r=16", "lora.target_modules=all-linear", "lora.dropout=0", f"max_seq_length={length}",
+                             "packing=false", "per_device_train_batch_size=1", "optimizer_in_backward=false"])
     plan = activation_bytes(r, s, activation_mode(r, 2), 1, length, attention="flex_attention", cuda=True)["working"]
     ids = torch.randint(0, s.vocab, (1, length), generator=torch.Generator().manual_seed(0))
     b = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids),
@@ -448,10 +479,10 @@ def test_a_layers_recompute_leaves_out_the_tiled_mlp_and_the_peak_is_the_plans(w
     peaks = []
     for idle in (True, False):
         monkeypatch.setattr(tiling, "mlp_output_unsaved", lambda layer, idle=idle: idle)
-        model, _ = loop_model(r, wide, "bf16")
+        model, _ = loop_model(r, wide, "bf16", engine=engine)
         standins.use(model, "standin_flex_attention")
         model.train()
-        peaks.append(step_peak(model, b, autocast=True))
+        peaks.append(step_peak(model, b, autocast=engine == "NO"))
     assert peaks[0] == pytest.approx(plan, rel=0.015), (peaks[0], plan)
     assert peaks[1] > 1.02 * plan, (peaks[1], plan)  # the recompute's MLP: over the plan
 

@@ -72,6 +72,23 @@ def test_the_backward_draws_the_forwards_dropout_masks_and_runs_under_its_autoca
         torch.testing.assert_close(tiled[name], grad, rtol=0, atol=tolerance * grad.abs().max().item(), msg=name)
 
 
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_a_recompute_without_the_tiled_mlp_gives_its_gradients_with_dropout(monkeypatch, precision):
+    """The layer's recompute leaves the tiled MLP out (TiledMLP's idle_in_recompute): with LoRA's dropout (p 0.3, in
+    the MLP's adapters and before it) the loss and every gradient are those of a recompute that runs it, bitwise:
+    the masks before the MLP are drawn again from the checkpoint's random state, the tiles' backward replays the
+    forward's own, and nothing after a Llama layer's MLP draws."""
+    from memrecipe.training import tiling
+
+    words = ["lora.dropout=0.3", "gradient_checkpointing=true"]
+    skipped = trained(4, precision, *words)
+    monkeypatch.setattr(tiling, "mlp_output_unsaved", lambda layer: False)
+    computed = trained(4, precision, *words)
+    assert skipped[0] == computed[0] and skipped[2].keys() == computed[2].keys() and skipped[2]
+    for name, grad in computed[2].items():
+        assert torch.equal(skipped[2][name], grad), name
+
+
 def test_the_adapters_outside_the_mlp_redraw_their_dropout_a_tile_at_a_time():
     """Under tiled_mlp with LoRA's dropout, in bf16 (where the adapters redraw their dropout: adapters.share_inputs),
     the adapters of q, k, v and o_proj (the MLP's are inside its tiles) run their cast, dropout and A a tile at a
