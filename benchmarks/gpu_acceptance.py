@@ -42,7 +42,8 @@ ONE_GPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation
            ("single-gpu-lora", ["lora.redraw_dropout=false"], 1), ("qlora", [], 1),
            ("qlora", ["activation_offload=true"], 1), ("single-gpu-full", [], 1),
            ("single-gpu-full", ["optim=apollo_adamw", "optim_args.rank=128"], 1), ("adamw-8bit", [], 1),
-           ("zero3-offload", [], 1), ("ddp", [], 1)]
+           ("zero3-offload", [], 1), ("zero3-offload", ["lora.r=16", "lora.target_modules=all-linear"], 1),
+           ("ddp", [], 1)]  # (ZeRO-3's LoRA: the adapters in the engine's bf16, peft's dropout, its reduce bucket)
 SEVERAL_GPUS = [("ddp", [], 0), ("fsdp", [], 0), ("fsdp-lora", [], 0), ("fsdp-qlora", [], 0), ("zero2", [], 0),
                 ("tp", [], 4), ("zero3-ulysses", [], 2),  # 0: every GPU; zero3-ulysses: each sequence split 2 ways
                 ("fsdp-lora", ["parallelism.cp_size=2", "packing=false"], 2)]  # ... and by ring attention
