@@ -205,8 +205,8 @@ def cpu_rates() -> fc.Rates:
     from peft import LoraConfig, get_peft_model
 
     base = torch.nn.Sequential(torch.nn.Linear(width, out, bias=False)).requires_grad_(False)  # frozen, as under LoRA
-    lora = get_peft_model(torch.nn.Sequential(torch.nn.Linear(width, out, bias=False)),
-                          LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["0"]))
+    lora = get_peft_model(torch.nn.Sequential(torch.nn.Linear(width, out, bias=False)),  # (its dropout: below)
+                          LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["0"]))
 
     def through(module):
         def run():
@@ -216,12 +216,15 @@ def cpu_rates() -> fc.Rates:
         return run
 
     extra = max(timed(through(lora)) - timed(through(base)), 1e-9)
-    recipe = load_recipe("single-gpu-lora", ["lora.target_modules=[x]", "gradient_checkpointing=false"])
+    recipe = load_recipe("single-gpu-lora", ["lora.target_modules=[x]", "gradient_checkpointing=false",
+                                             "lora.dropout=0"])
     one = replace(shape("1b"), linears=(Linear("x", width, out),), layers=1, blocks=())
     adapters = fc.adapter_bytes(recipe, one) * tokens / extra  # (its passes: one forward, a backward of two)
+    noise = torch.randn(tokens, width)  # dropout as peft's adapters draw it: over their fp32 input
+    dropout = noise.numel() / timed(lambda: F.dropout(noise, 0.05, training=True))
     layer, adapter, rest = dispatch()
     return fc.Rates("this CPU (measured)", matmul, {"sdpa": sdpa}, adapters, copy, copy, copy, copy,
-                    layer_dispatch=layer, adapter_dispatch=adapter, model_dispatch=rest)
+                    layer_dispatch=layer, adapter_dispatch=adapter, model_dispatch=rest, dropout=dropout)
 
 
 def dispatch(tokens: int = 8) -> tuple[float, float, float]:
@@ -295,7 +298,8 @@ def cpu_table(rates: fc.Rates, lengths: dict) -> list:
                 measured = timed(partial(step, model, batch), repeats=3)
                 est = estimate(recipe, s, make_topology(1, 1, 0, None, None, True), attention="sdpa")
                 f = fc.forecast(recipe, s, est, rates)
-                forecast = sum(v for k, v in f.parts.items() if k in ("matmuls", "attention", "adapters", "dispatch"))
+                forecast = sum(v for k, v in f.parts.items()
+                               if k in ("matmuls", "attention", "adapters", "dispatch", "dropout"))
                 rung = " ".join(w.split("=")[0] for w in words if w.endswith("true")) or "no checkpointing"
                 body.append([label, length, name, rung, f"{length / measured:,.0f}", f"{length / forecast:,.0f}",
                              f"{measured / forecast:.2f}"])
@@ -311,7 +315,8 @@ def main():
     if args.cpu:
         rates = cpu_rates()
         print(f"this CPU: matmuls {rates.matmul / 1e9:.0f} GFLOP/s, causal sdpa {rates.attention['sdpa'] / 1e9:.0f} "
-              f"GFLOP/s, LoRA's adapters {rates.adapters / 1e9:.1f} GB/s, copies {rates.bandwidth / 1e9:.1f} GB/s; "
+              f"GFLOP/s, LoRA's adapters {rates.adapters / 1e9:.1f} GB/s, dropout {rates.dropout / 1e6:.0f}M "
+              f"elements/s, copies {rates.bandwidth / 1e9:.1f} GB/s; "
               f"dispatch a pass: {rates.layer_dispatch * 1e3:.2f} ms a layer, {rates.adapter_dispatch * 1e3:.2f} ms "
               f"an adapter, {rates.model_dispatch * 1e3:.2f} ms the rest of a micro batch")
         body = cpu_table(rates, {"embedded": 256, "wide": 2048})

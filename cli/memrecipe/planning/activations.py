@@ -53,14 +53,6 @@ def half_adapters(recipe: Recipe, mode: str) -> bool:
     return recipe.deepspeed is not None and mode == "lora"
 
 
-def keeps_dropout(recipe: Recipe) -> bool:
-    """Whether LoRA's adapters keep peft's dropout (each its mask and dropped input) rather than redrawing it in
-    backward (training.adapters.add_lora): compiled layers, DeepSpeed's engine, or `lora.redraw_dropout: false`."""
-    lora = recipe.lora
-    return bool(lora and lora.dropout) and (recipe.torch_compile or recipe.deepspeed is not None
-                                            or not lora.redraw_dropout)
-
-
 def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str = "sdpa") -> int:
     """Per token, what a layer's adapters on `linears` keep for backward: each its rank-r output, and its input. Under
     autocast (training.adapters.share_inputs) the adapters read their input as it comes and redraw their dropout in
@@ -72,7 +64,7 @@ def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str
     q_proj wrote it. Compiled layers, and `lora.redraw_dropout: false`, keep peft's dropout: each adapter its 16-bit
     copy of the dropped input and the mask. Measured on CPU:
     tests/unit/planning/test_activations.py."""
-    kept_dropout = keeps_dropout(recipe)
+    kept_dropout = recipe.keeps_dropout
     mask = dropout_bytes(cuda, 2 if half_adapters(recipe, mode) else 4) if kept_dropout else 0
     shared = mode == "lora" and not kept_dropout
     kept, read = 0, set[str | frozenset[str]]({"o_proj"} if attention in KEEPS_ITS_OUTPUT else ())
@@ -122,7 +114,7 @@ def shared_mlp_input_bytes(recipe: Recipe, s: Structure, mode: str) -> int:
     """Per token, the MLP's input as mlp_bytes counts it: the one tensor LoRA's adapters on gate and up keep (16-bit
     LoRA: adapter_bytes), which the tiled MLP keeps whole, not a tile of it (training.tiling.TiledMLP saves its
     input; found live at a tiled step's peak on CPU). 0 where mlp_bytes counts no input of the MLP's."""
-    if mode != "lora" or keeps_dropout(recipe):
+    if mode != "lora" or recipe.keeps_dropout:
         return 0
     reads = {lin.name for lin in s.lora_linears(recipe.lora.target_modules)} & {"gate_proj", "up_proj"}
     return 2 * s.hidden if reads else 0
@@ -250,7 +242,7 @@ def exchanged_output_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int,
         return 0
     if mode in ("lora", "qlora"):  # (an adapter keeping peft's dropout or QLoRA's cast keeps its own copy anyway)
         targets = s.lora_linears(recipe.lora.target_modules)
-        if mode == "qlora" or keeps_dropout(recipe) or not any(lin.name == "o_proj" for lin in targets):
+        if mode == "qlora" or recipe.keeps_dropout or not any(lin.name == "o_proj" for lin in targets):
             return 0
     return tokens * compute_bytes(mode) * s.heads * s.head_dim
 
@@ -363,7 +355,7 @@ def redrawn_mask_bytes(recipe: Recipe, mode: str, cuda: bool) -> int:
     """Bytes an element of the mask LoRA's dropout draws again in backward (training.adapters.recompute_dropout:
     under autocast, not compiled), 0 where it is not redrawn."""
     lora = recipe.lora
-    redraws = lora and lora.dropout and not keeps_dropout(recipe) and mode in ("lora", "qlora")
+    redraws = lora and lora.dropout and not recipe.keeps_dropout and mode in ("lora", "qlora")
     return dropout_bytes(cuda) if redraws else 0
 
 

@@ -10,7 +10,7 @@ docs/speed.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .architecture import Structure
@@ -75,6 +75,9 @@ class Rates:
     layer_dispatch: float = 0.0
     adapter_dispatch: float = 0.0
     model_dispatch: float = 0.0  # a micro batch's ops outside the layers (embedding, final norm, loss), all passes
+    # elements/s LoRA's dropout draws, where drawing random numbers is a cost of its own (a CPU's bernoulli: a third
+    # of the embedded single-gpu-lora step); 0: in the adapters' bytes, as a GPU's fused dropout is
+    dropout: float = 0.0
 
 
 def gpu_rates(gpu: Gpu) -> Rates:
@@ -87,8 +90,8 @@ def gpu_rates(gpu: Gpu) -> Rates:
 REFERENCE = gpu_rates(GPUS["H100"])
 # `plan --cpu`: the rates of this project's 2-core machine, as `python benchmarks/forecast.py --cpu` measured them
 # (a CPU's own differ: that command prints them, and the ratio of forecast to measured on it).
-CPU_RATES = Rates("this project's 2-core CPU", 3.1e11, {"sdpa": 1.4e11}, 1.05e10, 6.4e9, 6.4e9, 6.4e9, 6.4e9,
-                  layer_dispatch=0.55e-3, adapter_dispatch=0.23e-3, model_dispatch=1.5e-3)
+CPU_RATES = Rates("this project's 2-core CPU", 3.14e11, {"sdpa": 1.19e11}, 1.91e10, 4.9e9, 4.9e9, 4.9e9, 4.9e9,
+                  layer_dispatch=0.74e-3, adapter_dispatch=0.23e-3, model_dispatch=0.61e-3, dropout=1.73e8)
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,21 @@ def attention_flops(recipe: Recipe, s: Structure, seq: int) -> float:
     return float(s.layers * per_layer * (forwards + 2.5))
 
 
+def dropout_draws(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = None) -> float:
+    """Random numbers LoRA's dropout draws a trained token: each adapter its input's width, in the forward, again in
+    a recomputed forward (full checkpointing; the tiled MLP's again where tiles_again), and once more in backward
+    where the adapter redraws its mask (training.adapters.recompute_dropout: not where peft's dropout is kept)."""
+    if recipe.lora is None or not recipe.lora.dropout:
+        return 0.0
+    redraw, again = not recipe.keeps_dropout, tiles_again(recipe, tiles_recomputed)
+    total = 0.0
+    for g in s.groups():
+        for lin in g.lora_linears(recipe.lora.target_modules):
+            draws = 1 + (1 if _recomputes(recipe) else 0) + (1 if again and _mlp(lin, g) else 0)
+            total += g.layers * lin.in_features * draws * (2 if redraw else 1)
+    return total
+
+
 def adapter_bytes(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = None) -> float:
     """Bytes LoRA's adapters move a token, in 16 bits: forward, each adapted linear reads its input for A (and,
     with dropout, reads it and writes the dropped copy and its mask), writes B's output, scales it and adds it into
@@ -212,9 +230,14 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
         attn = slower * attention_flops(recipe, s, seq) * tokens / tp / rates.attention[attention]
     else:  # eager: every score computed (no causal skip), as plain batched matmuls
         attn = slower * 2 * attention_flops(recipe, s, seq) * tokens / tp / rates.matmul
+    drawn = recipe  # (where drawing is a cost of its own, the adapters' bytes are counted without their dropout's)
+    if rates.dropout and recipe.lora and recipe.lora.dropout:
+        drawn = replace(recipe, lora=replace(recipe.lora, dropout=0.0))
     parts = {"matmuls": mm, "attention": attn,
-             "adapters": adapter_bytes(recipe, s, tiles_recomputed) * tokens / rates.adapters,
+             "adapters": adapter_bytes(drawn, s, tiles_recomputed) * tokens / rates.adapters,
              "loss": s.vocab * LOSS_BYTES * tokens / tp / rates.bandwidth}
+    if drawn is not recipe:
+        parts["dropout"] = dropout_draws(recipe, s, tiles_recomputed) * tokens / rates.dropout
     if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch:
         adapters = len(s.lora_linears(recipe.lora.target_modules)) if recipe.lora else 0
         parts["dispatch"] = rates.model_dispatch + s.layers * (3 + (1 if recipe.checkpoints else 0)) * (

@@ -483,6 +483,14 @@ class Recipe:
         return bool(self.gradient_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing))
 
     @property
+    def keeps_dropout(self) -> bool:
+        """Whether LoRA's adapters keep peft's dropout (each its mask and dropped input) rather than redrawing it in
+        backward (training.adapters.add_lora): compiled layers, DeepSpeed's engine, or `lora.redraw_dropout: false`."""
+        lora = self.lora
+        return bool(lora and lora.dropout) and (self.torch_compile or self.deepspeed is not None
+                                                or not lora.redraw_dropout)
+
+    @property
     def recompute_skips_tiles(self) -> bool:
         """A layer's recompute leaves its tiled MLP out (training.tiling.TiledMLP, told when a recompute runs by
         training.layers.marked): backward recomputes the MLP tile by tile anyway. Under the loop's full

@@ -237,7 +237,7 @@ def test_the_plans_working_peak_is_a_steps_allocation_peak_at_every_length(wide,
 @pytest.mark.parametrize("rung", ["none", "full"])
 def test_peft_dropout_kept_by_each_adapter_is_planned_as_measured(wide, rung):
     """lora.redraw_dropout=false: peft's own dropout, each adapter keeping its mask and its 16-bit dropped input
-    (activations.keeps_dropout), where the redraw keeps only the input its siblings share. The plan is the step's
+    (Recipe.keeps_dropout), where the redraw keeps only the input its siblings share. The plan is the step's
     peak within 10% either way, and what peft's dropout adds to it (every layer's adapters without checkpointing, a
     recomputed layer's with it) is the plan's difference within 15% without checkpointing. Under full checkpointing
     the plan's difference is 0.79x the measured one (8.4 of 10.7 MB at 1,024 tokens; the plan 6.5% under the peak):
@@ -273,7 +273,7 @@ def test_lora_under_deepspeeds_bf16_engine_keeps_what_the_plan_says(wide, rung):
     adapters uncast (engine.py, _cast_module_mixed_precision): each adapter cast its input to fp32 and kept that copy,
     a layer's saved bytes 1.6x the plan's (2.3x with dropout) where the 8-GPU long-context rows are planned. The
     adapters now hold the engine's bf16 (training.adapters.add_lora), read their input as it comes and keep peft's
-    dropout (activations.keeps_dropout): the step's peak is the plan's within 5% (0.99-1.02x), with and without
+    dropout (Recipe.keeps_dropout): the step's peak is the plan's within 5% (0.99-1.02x), with and without
     dropout. Under full checkpointing with dropout the peak is in the layer's recompute, at the down projection's A:
     without that place (mlp_places) the plan was 1.10x under it."""
     from helpers import loop_model

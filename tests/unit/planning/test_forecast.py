@@ -97,6 +97,32 @@ def test_a_named_gpu_forecasts_at_its_own_rates():
     assert estimate(recipe, s, Topology(1, cpu=True)).forecast_on == fc.CPU_RATES.name
 
 
+@pytest.mark.parametrize("recipe, words, draws", [
+    ("single-gpu-lora", ["gradient_checkpointing=true"], 2 * 2),  # forward, recompute; each redrawn in backward
+    ("single-gpu-lora", ["gradient_checkpointing=false"], 1 * 2),
+    ("single-gpu-lora", ["gradient_checkpointing=true", "lora.redraw_dropout=false"], 2),  # peft's masks kept
+    ("zero3-offload", ["lora.r=16", "gradient_checkpointing=true"], 2),  # DeepSpeed keeps peft's dropout
+    ("single-gpu-lora", ["lora.dropout=0"], 0)])
+def test_loras_dropout_is_a_cost_of_its_own_where_drawing_is(recipe, words, draws):
+    """A CPU draws dropout's random numbers slowly (the embedded single-gpu-lora step's bernoulli: a third of it): its
+    rates count the elements drawn apart from the adapters' bytes, each adapter's input width a draw (forward, the
+    recompute, the redraw in backward). A GPU's fused dropout stays in the adapters' bytes."""
+    s = structure(read_config(None))
+    r = load_recipe(recipe, ["lora.target_modules=all-linear", "tiled_mlp=false", *words])
+    widths = s.layers * sum(lin.in_features for lin in s.lora_linears(r.lora.target_modules))
+    assert fc.dropout_draws(r, s) == draws * widths
+    est = estimate(r, s, Topology(1, cpu=True))
+    cpu, gpu = fc.forecast(r, s, est, fc.CPU_RATES), fc.forecast(r, s, est, fc.REFERENCE)
+    assert "dropout" not in gpu.parts
+    if draws:
+        assert cpu.parts["dropout"] == pytest.approx(r.gradient_accumulation_steps * draws * widths * est.micro_batch
+                                                     * est.seq_length / fc.CPU_RATES.dropout)
+        undropped = fc.adapter_bytes(load_recipe(recipe, ["lora.target_modules=all-linear", "tiled_mlp=false",
+                                                          *words, "lora.dropout=0"]), s)
+        assert cpu.parts["adapters"] == pytest.approx(r.gradient_accumulation_steps * undropped * est.micro_batch
+                                                      * est.seq_length / fc.CPU_RATES.adapters)
+
+
 def test_the_recommendation_is_the_fastest_forecast_that_fits():
     s = structure(LLAMA_8B)
     slow, fast = (estimate(load_recipe("single-gpu-lora", [f"gradient_checkpointing={c}", "max_seq_length=1024"]), s,
