@@ -84,6 +84,13 @@ ROWS = [
         "flex_attention", 7_234, "2026-11-28-h200-long8b", warm=False),
     Row("long-8b flex 751K, one step", "H200", "long-8b", "single-gpu-lora", long8b("flex_attention", 769024),
         "flex_attention", 4_853, "2026-11-28-h200-long8b", warm=False),
+    # the fifth lease: the 1B rows on another box's host (the H100 rows' own ran 1.25x as fast: a launch-bound LoRA
+    # step, 1.08 s of kernels in 1.82 s, waits on its host), and a long row slowed by the allocator's history recorded
+    Row("single-gpu-lora (H200)", "H200", "1b", "single-gpu-lora", (), "flex_attention", 17_840,
+        "2026-11-28-h200-speed"),
+    Row("adamw-8bit (H200)", "H200", "1b", "adamw-8bit", (), "flex_attention", 31_355, "2026-11-28-h200-speed"),
+    Row("long-8b flex 128K, history recorded", "H200", "long-8b", "single-gpu-lora", long8b("flex_attention", 131072),
+        "flex_attention", 15_395, "2026-11-28-h200-speed"),
 ]
 
 
