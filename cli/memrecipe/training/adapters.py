@@ -49,8 +49,10 @@ def add_lora(model, lora, reference: bool = False, accelerator=None, compiled: b
         model = get_peft_model(model, lora_config(lora))
     autocast, half = bool(accelerator and accelerator.native_amp), engine_dtype(accelerator) if accelerator else None
     trained = half or torch.float32
-    for p in model.parameters():
-        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16, torch.float32) and p.dtype != trained:
+    for name, p in model.named_parameters():  # (under the engine the frozen reference adapter too: no autocast
+        # casts its input for it)
+        moved = p.requires_grad or (half and ".lora_" in name)
+        if moved and p.dtype in (torch.bfloat16, torch.float16, torch.float32) and p.dtype != trained:
             p.data = p.data.to(trained)
     if autocast or half:
         share_inputs(model, redraw=autocast and lora.redraw_dropout and not compiled)

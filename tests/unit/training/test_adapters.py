@@ -196,3 +196,31 @@ def test_a_frozen_embeddings_output_is_not_held_to_the_end_of_backward():
     assert grads[True].keys() == grads[False].keys() and len(grads[True]) > 0
     for name, grad in grads[True].items():
         assert torch.equal(grad, grads[False][name]), name
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_under_deepspeeds_bf16_engine_every_adapter_holds_bf16_the_frozen_reference_too(tmp_path, dropout):
+    """DeepSpeed's bf16 engine computes without autocast, and ZeRO-3 built under zero.Init leaves parameters as they
+    come (engine.py, _cast_module_mixed_precision): the adapters take the engine's bf16 (add_lora), the one that trains
+    and DPO's frozen reference beside it, which would otherwise meet its bf16 input in fp32 ("expected m1 and m2 to
+    have the same dtype" where the adapters read their input uncast). A forward and backward run in bf16, the
+    reference's log-probs too, and the adapters keep peft's dropout (nothing redraws under the engine)."""
+    from memrecipe.training.adapters import REFERENCE_ADAPTER, add_lora
+    from memrecipe.training.loading import embedded_model
+
+    words = ["lora.r=4", "lora.target_modules=all-linear", f"lora.dropout={dropout}"]
+    model, _ = loop_model(load_recipe("single-gpu-lora", words), embedded_model(), "bf16")
+    model.save_pretrained(tmp_path / "saved")
+    base = AutoModelForCausalLM.from_pretrained(embedded_model(), dtype=torch.bfloat16)
+    engine = SimpleNamespace(native_amp=False, mixed_precision="bf16", distributed_type=SimpleNamespace(value="DEEPSPEED"))
+    lora = load_recipe("single-gpu-lora", [*words, f"lora.adapter={tmp_path / 'saved'}"]).lora
+    model = add_lora(base, lora, reference=True, accelerator=engine)
+    assert REFERENCE_ADAPTER in model.peft_config
+    assert {p.dtype for n, p in model.named_parameters() if ".lora_" in n} == {torch.bfloat16}
+    assert not any(hasattr(m, "input_dropout") for m in model.modules())  # peft's own dropout
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.set_adapter(REFERENCE_ADAPTER)  # (DPO's reference pass: the frozen copy, no gradient)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
