@@ -216,7 +216,7 @@ def setup_model(recipe, model_path, accelerator, run, say):
         # (under DPO, a saved adapter is also kept frozen beside it: the reference, as TRL's ref_adapter_name)
         model = add_lora(model, recipe.lora, reference=recipe.dpo is not None and not recipe.dpo.reference_free,
                          accelerator=accelerator,  # (autocast, or DeepSpeed's 16-bit engine: adapters in its dtype)
-                         compiled=recipe.torch_compile)
+                         compiled=recipe.torch_compile, redraw=not recipe.keeps_dropout)
         if recipe.lora.adapter:
             say(f"lora: trains on the saved adapter {recipe.lora.adapter} (r {recipe.lora.r})")
     # ... and those that wrap the adapted layers: the tiled MLP (each MLP a tile of tokens at a time, recomputed in

@@ -341,9 +341,9 @@ def mlp_places(recipe: Recipe, s: Structure, mode: str, tokens: int, mlp_tokens:
         # a redrawn dropout's mask, which the layer does not keep, is made again beside them
         places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn_mask_bytes(recipe, mode, cuda) + cb)
                       * i + input_gradient)
-    elif down and lora.dropout and recipe.checkpoints and recipe.gradient_checkpointing != "selective":
+    elif down and lora.dropout and recipe.recomputes:
         # adapters in the compute dtype (16 bits under DeepSpeed's engine; fp32 runs too, which no autocast casts for)
-        # keep peft's dropout: at the down projection's A in the layer's recompute, its input
+        # keep peft's dropout (Recipe.keeps_dropout): at the down projection's A in the layer's recompute, its input
         # (the MLP's product, which nothing keeps) and its frozen linear's output (peft's `result =
         # self.base_layer(x)`), and the layer's residual and the MLP's input, which the layer's forward holds while
         # the MLP runs and nothing saves, beside what the layer keeps (each found live there on CPU)

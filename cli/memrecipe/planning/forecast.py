@@ -106,12 +106,6 @@ def _mlp(lin, g: Structure) -> bool:
     return g.intermediate in (lin.in_features, lin.out_features)
 
 
-def _recomputes(recipe: Recipe) -> bool:
-    """Each layer's forward runs again in backward: full checkpointing (selective keeps the matmuls' and attention's
-    outputs)."""
-    return recipe.checkpoints and recipe.gradient_checkpointing != "selective"
-
-
 def _linear_params(s: Structure, mlp_only: bool = False) -> int:
     """The decoder layers' matmul parameters a token multiplies by (routed experts at top_k), or their MLPs' alone."""
     return sum(g.layers * (sum(lin.params for lin in g.linears if not mlp_only or _mlp(lin, g))
@@ -137,7 +131,7 @@ def matmul_flops(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = N
     layers, head = _linear_params(s), s.vocab * s.hidden
     passes = 2 + 2 + (2 if method(recipe) == "full" else 0)
     flops = passes * (layers + head)
-    if _recomputes(recipe):
+    if recipe.recomputes:
         flops += 2 * layers
     if tiles_again(recipe, tiles_recomputed):
         flops += 2 * _linear_params(s, mlp_only=True)
@@ -152,7 +146,7 @@ def attention_flops(recipe: Recipe, s: Structure, seq: int) -> float:
     then dV, dP, dQ, dK), and the forward again under full checkpointing. A packed row's documents attend only
     within themselves: counted as one document of the row's length, an upper bound."""
     per_layer = 2 * seq * s.heads * s.head_dim
-    forwards = 1 + (1 if _recomputes(recipe) else 0)
+    forwards = 1 + (1 if recipe.recomputes else 0)
     return float(s.layers * per_layer * (forwards + 2.5))
 
 
@@ -166,7 +160,7 @@ def dropout_draws(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = 
     total = 0.0
     for g in s.groups():
         for lin in g.lora_linears(recipe.lora.target_modules):
-            draws = 1 + (1 if _recomputes(recipe) else 0) + (1 if again and _mlp(lin, g) else 0)
+            draws = 1 + (1 if recipe.recomputes else 0) + (1 if again and _mlp(lin, g) else 0)
             total += g.layers * lin.in_features * draws * (2 if redraw else 1)
     return total
 

@@ -483,12 +483,20 @@ class Recipe:
         return bool(self.gradient_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing))
 
     @property
+    def recomputes(self) -> bool:
+        """Full checkpointing: each decoder layer's forward runs again in backward (the loop's or FSDP's), where
+        selective checkpointing recomputes only the cheap ops."""
+        return self.checkpoints and self.gradient_checkpointing != "selective"
+
+    @property
     def keeps_dropout(self) -> bool:
         """Whether LoRA's adapters keep peft's dropout (each its mask and dropped input) rather than redrawing it in
-        backward (training.adapters.add_lora): compiled layers, DeepSpeed's engine, or `lora.redraw_dropout: false`."""
+        backward: the one rule the loop follows too (training.adapters.add_lora's `redraw`). Kept by compiled layers,
+        under DeepSpeed's engine, in fp32 (`mixed_precision: no`: no autocast, so peft's forward runs as it is), and
+        with `lora.redraw_dropout: false`."""
         lora = self.lora
         return bool(lora and lora.dropout) and (self.torch_compile or self.deepspeed is not None
-                                                or not lora.redraw_dropout)
+                                                or self.mixed_precision == "no" or not lora.redraw_dropout)
 
     @property
     def recompute_skips_tiles(self) -> bool:

@@ -107,7 +107,7 @@ LADDER = (
               phrase=lambda f, r: "selective checkpointing (each layer keeps its matmuls' and attention's outputs)"
               if f.gradient_checkpointing == "selective" else None),
     # each layer's input kept (the loop's, or FSDP's own wrapper)
-    Technique("full checkpointing", on=lambda r, n: r.checkpoints and r.gradient_checkpointing != "selective",
+    Technique("full checkpointing", on=lambda r, n: r.recomputes,
               offered=lambda r, topo: not r.checkpoints or r.gradient_checkpointing == "selective",
               words=lambda r, topo, below: ("gradient_checkpointing=true",),
               said=lambda r: "gradient checkpointing" if r.gradient_checkpointing is True else None,

@@ -24,7 +24,7 @@ def lora_config(lora):
 REFERENCE_ADAPTER = "reference"  # a saved adapter's frozen copy beside the one that trains (DPO's reference model)
 
 
-def add_lora(model, lora, reference: bool = False, accelerator=None, compiled: bool = False):
+def add_lora(model, lora, reference: bool = False, accelerator=None, compiled: bool = False, redraw: bool = True):
     """The model with peft's adapters: new ones, or a saved adapter's weights to train on (`lora.adapter`) and, with
     `reference`, a frozen copy of them beside it (named REFERENCE_ADAPTER: under DPO the reference is the model
     the adapter makes, as TRL's ref_adapter_name; a few MB, no second model). Everything that trains is fp32, as
@@ -35,10 +35,11 @@ def add_lora(model, lora, reference: bool = False, accelerator=None, compiled: b
     _cast_module_mixed_precision) except one ZeRO-3 built partitioned (zero.Init), where fp32 adapters without
     autocast cast every adapter's input to fp32 and keep that copy (measured on CPU: a layer's saved bytes 1.6x, 2.3x
     with dropout). Elsewhere in 16 bits the forward runs under autocast (accelerate's native_amp). Under either the
-    adapters read their input as it comes (share_inputs); under autocast they
-    also redraw their dropout in backward (not under `lora.redraw_dropout: false`, nor when `compiled`: the layers
-    will be compiled, and the compiler's handling of random ops inside a checkpoint is not checked here; nor under
-    DeepSpeed, whose ZeRO-3 releases a weight the redraw's own recompute would read: dropout stays peft's)."""
+    adapters read their input as it comes (share_inputs); with `redraw` (the loop passes `not
+    Recipe.keeps_dropout`, the rule the plan counts by) they also redraw their dropout in backward, under autocast
+    only (a copied script's launch config may turn it off). Kept as peft's when `compiled` (the compiler's handling of
+    random ops inside a checkpoint is not checked here), under DeepSpeed (its ZeRO-3 releases a weight the redraw's
+    own recompute would read), in fp32 and with `lora.redraw_dropout: false`. `compiled`: the layers will be compiled."""
     from peft import PeftModel, get_peft_model
 
     if lora.adapter:
@@ -55,7 +56,7 @@ def add_lora(model, lora, reference: bool = False, accelerator=None, compiled: b
         if moved and p.dtype in (torch.bfloat16, torch.float16, torch.float32) and p.dtype != trained:
             p.data = p.data.to(trained)
     if autocast or half:
-        share_inputs(model, redraw=autocast and lora.redraw_dropout and not compiled)
+        share_inputs(model, redraw=autocast and redraw)
     if not compiled:  # (compiled, every layer's input requires grad, the first's too: one graph serves them all)
         drop_input_grads(model)
     return model

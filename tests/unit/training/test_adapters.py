@@ -141,7 +141,9 @@ def test_adapters_share_their_input_redraw_their_dropout_and_train_bitwise_as_pe
     assert runs[True][1] < (0.6 if dropout else 0.9) * runs[False][1], (runs[True][1], runs[False][1])
 
 
-def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs():
+def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs_and_redraw_as_the_plan_says():
+    """The loop redraws LoRA's dropout exactly where the plan counts a redraw (Recipe.keeps_dropout, one rule): not
+    with compiled layers, not in fp32 (no autocast), not with lora.redraw_dropout=false."""
     from types import SimpleNamespace
 
     from helpers import loop_model
@@ -149,17 +151,23 @@ def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs():
     from memrecipe.training.loading import embedded_model
     from memrecipe.training.facts import describe_setup
 
-    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value="NO"), num_processes=1, process_index=0,
-                                  device="cpu", mixed_precision="bf16", unwrap_model=lambda m: m)
-    counted = {}
-    for words in (["lora.dropout=0.0"], ["lora.dropout=0.05"], ["lora.dropout=0.05", "torch_compile=true"]):
-        model, _ = loop_model(load_recipe("single-gpu-lora", words), embedded_model(), "bf16")
+    counted, planned = {}, {}
+    for words in (["lora.dropout=0.0"], ["lora.dropout=0.05"], ["lora.dropout=0.05", "torch_compile=true"],
+                  ["lora.dropout=0.05", "mixed_precision=no"], ["lora.dropout=0.05", "lora.redraw_dropout=false"]):
+        recipe, precision = load_recipe("single-gpu-lora", words), "no" if "mixed_precision=no" in words else "bf16"
+        model, _ = loop_model(recipe, embedded_model(), precision)
+        accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value="NO"), num_processes=1, process_index=0,
+                                      device="cpu", mixed_precision=precision, unwrap_model=lambda m: m)
         setup = describe_setup(accelerator, model, None)
         counted[" ".join(words)] = setup.lora_shared_inputs, setup.lora_recomputed_dropout
+        planned[" ".join(words)] = not recipe.keeps_dropout and bool(recipe.lora.dropout)
     layers = sum(1 for name, _ in model.named_modules() if name.endswith(("q_proj", "down_proj")))  # 2 a decoder layer
     linears = 7 * layers // 2  # every linear of every layer
     assert counted == {"lora.dropout=0.0": (linears, 0), "lora.dropout=0.05": (linears, linears),
-                       "lora.dropout=0.05 torch_compile=true": (0, 0)}  # compiled layers keep peft's dropout
+                       "lora.dropout=0.05 torch_compile=true": (0, 0),  # compiled layers keep peft's dropout
+                       "lora.dropout=0.05 mixed_precision=no": (0, 0),  # fp32: peft's forward as it is
+                       "lora.dropout=0.05 lora.redraw_dropout=false": (0, 0)}
+    assert {words: bool(redrawn) for words, (_, redrawn) in counted.items()} == planned
 
 
 def test_a_frozen_embeddings_output_is_not_held_to_the_end_of_backward():
