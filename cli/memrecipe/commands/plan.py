@@ -323,6 +323,10 @@ def echo_table(rows, gpu, host, topo, global_batch, shapes, gpu_name=None):
     click.echo(table(headers, body))
     for line in dict.fromkeys(n for _, v, _ in rows for n in v.estimate.notes if n.startswith(SAID_NOTES)):
         click.echo(line)  # what attn_implementation: auto resolves to here, a knob the model cannot take: as planned
+    nccl = {r.name: v.estimate.nccl for r, v, _ in rows if v.estimate.nccl}
+    if nccl:  # outside torch's allocator, in TOTAL
+        click.echo("NCCL's buffers in TOTAL, GiB a GPU (planning/nccl.py, docs/memory.md): "
+                   + ", ".join(f"{name} {b / GiB:.1f}" for name, b in nccl.items()))
     click.echo("GiB per process (HOST: per machine); TOTAL counts ACTIV and LOGITS at their joint peak (with "
                "checkpointing the loss and a layer's recompute come one after the other); FITS: spare GiB on the "
                "tightest of GPU and host; BATCH: micro batch x tokens per sequence, per process")

@@ -16,12 +16,13 @@ from .activations import activation_mode, plan_attention
 from .architecture import Structure
 from .attention import square_bytes, square_note
 from .forecast import CPU_RATES, REFERENCE, Rates, forecast
+from .nccl import nccl_bytes
 from .recipe import METHODS, Recipe, method
 from .states import (Sizes, add_reference, engine_states, loading_bytes, optimizer_state_bytes, step_temporaries,
                      trainable_tensors, weight_bytes)
 from .topology import Topology, check_supported, resolve_precision
 
-GPU_OVERHEAD = 1 * GiB  # CUDA context, kernels, cuBLAS/NCCL workspaces, allocator slack
+GPU_OVERHEAD = 1 * GiB  # CUDA context, kernels, cuBLAS workspaces, allocator slack (NCCL's buffers: planning.nccl)
 CPU_OVERHEAD = GiB // 2  # per process on CPU: torch, transformers, accelerate, DeepSpeed (measured RSS ~0.45 GiB)
 TIE = 0.05  # forecast tokens/s this close to the fastest's are a tie in the recommendation
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits", "overhead")
@@ -58,6 +59,7 @@ class Estimate:
     refused: str | None = None  # why it cannot run whatever the memory (the attention kernel's 32-bit offsets)
     trainable: int = 0  # parameters trained (all processes'), for the step-time forecast's optimizer step
     step_seconds: float = 0.0  # the forecast (planning.forecast): one optimizer step, per process
+    nccl: int = 0  # of `overhead`: NCCL's buffers on the GPU, outside torch's allocator (planning.nccl)
     tokens_per_second: float = 0.0  # ... and the tokens all processes train a second
     forecast_on: str = ""  # the device whose rates it is at
 
@@ -80,7 +82,7 @@ class Estimate:
         out = {k: getattr(self, k) for k in ("recipe", "processes", "machines", "micro_batch", "seq_length",
                                              *CATEGORIES, "host_offload", "host_load", "cpu", "step_seconds", "tokens_per_second",
                                              "forecast_on", "saved_peak",
-                                             "working", "step", "attention", "gathered_params",
+                                             "working", "step", "attention", "nccl", "gathered_params",
                                              "gathered_grads", "refused")}
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
 
@@ -138,11 +140,15 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         notes.append("activation offload: each layer's checkpointed input waits in host memory")
     if topo.cpu:
         notes.append("CPU smoke-test mode: every figure is host RAM")
+    nccl = 0 if topo.cpu else nccl_bytes(z.processes, z.machines, sp, recipe.context_parallel, recipe.tensor_parallel)
+    if nccl:
+        notes.append(f"NCCL's buffers: {nccl / GiB:.1f} GiB a GPU beside the allocator's (its communicators' "
+                     "channels on an NVSwitch machine: docs/memory.md)")
     est = Estimate(
         recipe=recipe.name, processes=z.processes, machines=z.machines, micro_batch=batch, seq_length=seq,
         parameters=int(states.params), gradients=int(states.grads), optimizer_state=int(states.optimizer),
         activations=int(act["activations"]), logits=int(act["logits"]),
-        overhead=CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD, host_offload=int(states.host), cpu=topo.cpu,
+        overhead=CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD + nccl, nccl=nccl, host_offload=int(states.host), cpu=topo.cpu,
         saved_peak=int(act["saved_peak"]), working=int(working),
         host_load=int(load), notes=tuple(notes), step=int(step), attention=attention, refused=wraps,
         gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads), trainable=trained)

@@ -264,3 +264,19 @@ def test_a_gpu_named_is_planned_at_what_cuda_shows_of_it(cli):
     assert done.returncode == 0 and "79.2 GiB per GPU (H100, as CUDA shows it)" in done.stdout, done.stderr
     data = json.loads(cli("plan", "--recipe", "single-gpu-lora", "--gpu", "A100 40GB", "--json").stdout)
     assert (data["gpu"], data["gpu_memory"]) == ("A100-40GB", 40_960 * 2**20)
+
+
+def test_plan_says_ncclS_share_of_each_rows_total_on_several_gpus(cli, tmp_path):
+    """NCCL's buffers sit outside torch's allocator, in TOTAL: the table says each row's share under it and --json
+    gives `nccl`; one GPU opens no communicator."""
+    from memrecipe.planning.nccl import collectives_bytes, exchange_bytes
+
+    model = eight_b(tmp_path)
+    args = ["plan", "--model", model, "--gpu-memory", "80GB", "max_seq_length=65536"]
+    eight = {e["recipe"]: e for e in json.loads(cli(*args, "--num-processes", "8", "--json").stdout)["estimates"]}
+    assert eight["zero3-ulysses"]["nccl"] == 2 * collectives_bytes(8, 8) + exchange_bytes(8, 8)
+    assert eight["ddp+norms"]["nccl"] == collectives_bytes(8, 8)  # (at 64K the climbed row)
+    assert "NCCL's buffers in TOTAL, GiB a GPU" in cli(*args, "--num-processes", "8").stdout
+    one = cli(*args, "--num-processes", "1")
+    assert "NCCL" not in one.stdout
+    assert all(e["nccl"] == 0 for e in json.loads(cli(*args, "--num-processes", "1", "--json").stdout)["estimates"])
