@@ -32,13 +32,18 @@ def text(path) -> str:
 
 
 def longest(recipe, gpu, *overrides, model=LLAMA_8B) -> str:
-    """'222K, activation offload, 55.5 GiB': plan --longest's row for the model (the 8B) on one GPU of `gpu` GB."""
+    """'222K, activation offload, flex_attention, 55.5 GiB': plan --longest's row for the model (the 8B) on one GPU of
+    `gpu` GB, with the kernel it planned (`auto`: the worst a GPU box may take there)."""
     from memrecipe.planning.ladder import longest_per_recipe, tokens
 
     row = longest_per_recipe(load_recipe(recipe, list(overrides)), structure(model), Topology(1), gpu * 10**9, None)
     if not row.seq_length:
         return "does not fit"
-    return f"{tokens(row.seq_length)}, {row.rung.name}, {row.verdict.estimate.host_total() / GiB:.1f} GiB"
+    kernel = KERNELS[row.verdict.estimate.attention]
+    return f"{tokens(row.seq_length)}, {row.rung.name}, {kernel}, {row.verdict.estimate.host_total() / GiB:.1f} GiB"
+
+
+KERNELS = {"flash_attention_2": "flash-attn 2", "flex_attention": "flex_attention", "sdpa": "sdpa"}
 
 
 LONG_CONTEXT = [("docs/long-context.md", f"| {gpu} GB | {{}} | {{}} | {{}} | {{}} |",
