@@ -17,10 +17,15 @@ EMBEDDING_BITS = 32  # 8-bit optimizers keep embeddings' state in 32 bits (as tr
 
 
 def is_matrix(p) -> bool:
-    """A weight matrix (decayed), not a norm or a bias. FSDP1's flat parameters are 1-D: their original
-    tensors' shapes decide (all matrices, as PEFT's wrap policy gives the adapters units of their own)."""
+    """A weight matrix (decayed), not a norm or a bias, by the shape the parameter has in the model. FSDP1's flat
+    parameters are 1-D: their original tensors' shapes decide (all matrices, as PEFT's wrap policy gives the
+    adapters units of their own). ZeRO-3 built partitioned (zero.Init) leaves every parameter an empty 1-D tensor
+    and keeps its shape in `ds_shape` (deepspeed/runtime/zero/partition_parameters.py): read there, or no weight
+    would decay."""
     shapes = getattr(p, "_shapes", None)  # torch's FlatParameter: the shapes of the tensors it flattens
-    return all(len(shape) >= 2 for shape in shapes) if shapes else p.ndim >= 2
+    if shapes:
+        return all(len(shape) >= 2 for shape in shapes)
+    return len(getattr(p, "ds_shape", p.shape)) >= 2
 
 
 def projected_names(model, targets) -> set[str]:

@@ -130,6 +130,39 @@ def test_fsdp_counts_the_copies_of_the_model_its_ranks_load(monkeypatch, tmp_pat
     assert not (tmp_path / "r").exists()
 
 
+def test_zero3s_partitioned_parameters_keep_weight_decay_for_the_matrices():
+    """ZeRO-3 built partitioned (zero.Init: zero3-offload, zero3-ulysses) leaves every parameter an empty 1-D tensor,
+    its shape in `ds_shape`: the matrices keep the recipe's weight decay and the norms none (read off the 1-D
+    tensors, every weight went undecayed: `weight_decay=0.1` did nothing under ZeRO-3). The model is built as the
+    loop builds it, under DeepSpeed's zero.Init on one gloo process (a child: the process group stays there)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        os.environ["LOCAL_RANK"] = "0"  # (as a launcher sets it)
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29613", rank=0, world_size=1)
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+        from memrecipe.planning.registry import load_recipe
+        from memrecipe.training.loading import embedded_model
+        from memrecipe.training.optimizers import param_groups
+        zero3 = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+        model = AutoModelForCausalLM.from_pretrained(embedded_model())  # under zero.Init, as accelerate loads it
+        assert all(p.ndim == 1 and p.numel() == 0 for p in model.parameters())  # partitioned: empty 1-D tensors
+        decay = {n: g["weight_decay"] for g in param_groups(load_recipe("zero3-offload", ["weight_decay=0.1"]), model)
+                 for n, p in model.named_parameters() if any(p is q for q in g["params"])}
+        matrices = {n for n, p in model.named_parameters() if len(p.ds_shape) == 2}
+        assert matrices and {n for n, d in decay.items() if d == 0.1} == matrices, decay
+        assert {d for n, d in decay.items() if n not in matrices} == {0.0} and len(decay) == len(list(model.parameters()))
+        print("decayed", len(matrices), "of", len(decay))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "decayed 30 of 39" in done.stdout  # 4 layers x 7 linears, the embedding and the head
+
+
 def test_fsdp1_flat_parameters_keep_weight_decay_for_the_matrices_they_flatten():
     """FSDP1 (fsdp-qlora) hands the optimizer 1-D flat parameters; torch's FlatParameter keeps the
     original shapes in `_shapes` (torch/distributed/fsdp/_flat_param.py): adapters' units are all
