@@ -32,9 +32,14 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 # out-of-memory at a planned 90% (single-gpu-full allocates ~17 GiB of optimizer state inside its first
 # backward, between the activations). Set here, before torch is imported: in the loop (however it was
 # launched) and in `memrecipe run`, whose launch inherits it. No effect without CUDA; report.json's setup says it.
+# With it the host allocator keeps pinned blocks above PINNED_CACHE_MB at their size and frees them when freed, where
+# it rounds every pinned block up to a power of two and caches it: DeepSpeed's offload pins its flat buffers through
+# it (planning/states.py: the 70B's flat 17.6 GB gradient buffer would take 32 GiB), and frees each parameter's first pinned
+# partition once moved into them.
 ALLOCATOR_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+PINNED_CACHE_MB = 64
 if not set(ALLOCATOR_CONF) & set(os.environ):
-    os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    os.environ["PYTORCH_ALLOC_CONF"] = f"expandable_segments:True,pinned_max_cached_size_mb:{PINNED_CACHE_MB}"
 # numpy's BLAS computes the bf16 matmuls of a CPU without a bf16 GEMM (training/cpu_matmul.py) on the calling thread:
 # its own pool would spin beside torch's threads on the same cores (a step 3.5x slower measured on 2 cores). Read
 # when numpy is first imported; only numpy's OpenBLAS reads it (torch's matmuls are MKL's, threaded by torch).

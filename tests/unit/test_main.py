@@ -136,7 +136,7 @@ def test_bad_input_is_one_line_exit_2_no_traceback(cli, tmp_path):
 
 
 @pytest.mark.parametrize("given, expected", [
-    ({}, "PYTORCH_ALLOC_CONF=expandable_segments:True"),
+    ({}, "PYTORCH_ALLOC_CONF=expandable_segments:True,pinned_max_cached_size_mb:64"),
     ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128"),
     ({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, "PYTORCH_ALLOC_CONF=backend:cudaMallocAsync"),
 ])
@@ -148,3 +148,17 @@ def test_the_cuda_allocator_grows_segments_in_place_unless_the_user_configured_i
             "('PYTORCH_ALLOC_CONF', 'PYTORCH_CUDA_ALLOC_CONF') if k in os.environ))")
     done = subprocess.run([sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == expected, done.stderr
+
+
+def test_the_default_allocator_settings_are_keys_torch_parses():
+    """A key torch does not know is ignored off CUDA and refused on it: each of memrecipe's is one of the keys
+    torch's c10 allocator config reads (a string of its library)."""
+    from pathlib import Path
+
+    import torch
+
+    from memrecipe import PINNED_CACHE_MB
+
+    c10 = next((Path(torch.__file__).parent / "lib").glob("libc10.*")).read_bytes()
+    for setting in ("expandable_segments:True", f"pinned_max_cached_size_mb:{PINNED_CACHE_MB}"):
+        assert setting.split(":")[0].encode() in c10, setting

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .. import PINNED_CACHE_MB
 from ..errors import RecipeError
 from ..units import GiB
 from .architecture import Structure, Tensor, lora_tensors_on_meta
@@ -249,13 +250,82 @@ class Sizes:
         return self.processes // self.machines
 
 
-def zero3_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
+# Host memory as it is pinned: DeepSpeed's ZeRO-3 offload pins the tensors zero3_host_tensors lists through torch's
+# caching host allocator (its accelerator's pin_memory: `tensor.pin_memory()` unless DS_PIN_MEMORY_BACKEND=native), which
+# rounds a block up to a power of two and keeps a freed one cached, pinned, up to `pinned_max_cached_size_mb`:
+# memrecipe sets it (PINNED_CACHE_MB, memrecipe/__init__.py), so the large blocks take their own size and are released
+# when freed. (The activation offload pins one registered block of its own: training/layers.py HostArena.) A CPU pins
+# nothing, and counts the same tensors unrounded.
+CACHED = PINNED_CACHE_MB * 2**20
+
+
+def host_block(request: int) -> int:
+    """Bytes torch's CachingHostAllocator holds for a pinned request (aten/src/ATen/core/CachingHostAllocator.h:
+    PowerOf2Ceil up to pinned_max_cached_size, then the request as it is)."""
+    return 1 << (request - 1).bit_length() if 1 < request <= CACHED else request
+
+
+def pinned_bytes(kept: list[int], freed: list[int]) -> int:
+    """What the host allocator holds for these requests: each kept one its block, and each freed one its block
+    where it is small enough to stay cached."""
+    return sum(map(host_block, kept)) + sum(host_block(b) for b in freed if b <= CACHED)
+
+
+def sub_groups(partitions: list[int], size: int) -> list[int]:
+    """ZeRO-3's sub groups of one optimizer parameter group, in elements (stage3.py _create_fp16_sub_groups): whole
+    parameters' partitions in order, a group closed once it reaches `size`."""
+    groups, open_ = [], 0
+    for i, numel in enumerate(partitions):
+        open_ += numel
+        if open_ >= size or i == len(partitions) - 1:
+            groups.append(open_)
+            open_ = 0
+    return groups
+
+
+def optimizer_groups(train: list[Tensor]) -> list[list[Tensor]]:
+    """The loop's optimizer groups as DeepSpeed receives them (training/optimizers.py param_groups: decayed matrices,
+    then undecayed norms and biases), each in the model's order: the token embedding first, the layers, the rest."""
+    ordered = [t for t in train if t.name == "embed_tokens"] + [t for t in train if t.name != "embed_tokens"]
+    groups = [[t for t in ordered if len(t.shape) >= 2], [t for t in ordered if len(t.shape) < 2]]
+    return [g for g in groups if g]
+
+
+def zero3_host_tensors(recipe: Recipe, s: Structure, train: list[Tensor], processes: int,
+                       compute_bytes: int) -> dict[str, list[int]]:
+    """The bytes of each host tensor a process's ZeRO-3 offload makes, each pinned with `pin_memory: true`, each
+    parameter's partition ceil(numel / processes) elements: "params", the 16-bit parameters (with them offloaded:
+    every frozen parameter's partition as zero.Init makes it, partition_parameters.py `_partition_param`, and a flat
+    buffer per optimizer group the trained ones move into, stage3.py `_create_param_groups_fp16_flat_cpu_memory`);
+    "freed", the trained ones' own partitions, freed once moved (into torch's cache where pinned); "grads", with the
+    optimizer offloaded, the trained partitions' gradients in one flat buffer of the 16-bit accumulation dtype
+    (stage3.py `grad_partitions_flat_buffer`) and an fp32 one per sub group (stage3.py `initialize_optimizer_states`).
+    Recorded on CPU through `memrecipe run`, DeepSpeed's own calls (tests/unit/planning/test_pinned.py)."""
+    ds = recipe.deepspeed
+    part = lambda numel: -(-numel // processes)  # noqa: E731
+    groups = [[part(t.numel) for t in g] for g in optimizer_groups(train)]
+    out: dict[str, list[int]] = {"params": [], "freed": [], "grads": []}
+    if ds is None or ds.zero_stage != 3:
+        return out
+    if ds.offload_param != "none":
+        frozen = [] if recipe.lora is None else [part(t.numel) for t in s.tensors()]
+        out["params"] = [compute_bytes * numel for numel in frozen] + [compute_bytes * sum(g) for g in groups]
+        out["freed"] = [compute_bytes * p for g in groups for p in g]
+    if ds.offload_optimizer != "none":
+        out["grads"] = [compute_bytes * sum(p for g in groups for p in g)]
+        out["grads"] += [4 * numel for g in groups for numel in sub_groups(g, ds.sub_group_size)]
+    return out
+
+
+def zero3_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
     """DeepSpeed's own accounting (estimate_zero3_model_states_mem_needs): 16-bit params and grads of the largest
     layer gathered on the GPU; 2 bytes/param of 16-bit weights, 16 of fp32 state per trained param (master, two
-    moments, fp32 grad) partitioned, or offloaded to host RAM. Beside them what its estimator leaves out: the
-    reduce bucket, `reduce_bucket_size` elements of the gradients' communication dtype that stage3.py allocates on
-    the device at start-up when `contiguous_gradients` is on: the compute dtype (engine.py communication_data_type),
-    fp32 under Ulysses (seq_parallel_communication_data_type's default): 0.93 / 1.86 GiB at the default 5e8."""
+    moments, fp32 grad) partitioned. Beside them what its estimator leaves out: the reduce bucket,
+    `reduce_bucket_size` elements of the gradients' communication dtype that stage3.py allocates on the device at
+    start-up when `contiguous_gradients` is on: the compute dtype (engine.py communication_data_type), fp32 under
+    Ulysses (seq_parallel_communication_data_type's default): 0.93 / 1.86 GiB at the default 5e8. Offloaded, the host
+    holds the fp32 master and moments (pageable) and the tensors zero3_host_tensors lists, pinned with `pin_memory:
+    true` (host_block)."""
     ds, layer, n = recipe.deepspeed, s.largest_module, z.processes
     comm = 4 if recipe.sequence_group(n) > 1 else z.compute_bytes
     bucket = ds.reduce_bucket_size * comm if ds.contiguous_gradients else 0
@@ -265,25 +335,27 @@ def zero3_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
     # LoRA: the adapters in the compute dtype (adapters.add_lora: the engine's own), partitioned beside the 16-bit
     # frozen base (measured on CPU: 2 bytes an adapter parameter in bf16)
     adapters = z.compute_bytes * z.trained if recipe.lora is not None else 0
-    if ds.offload_param != "none":
-        out.host = (16 * z.trained + 2 * z.params + adapters) // z.machines  # = 18 P when everything trains
-    elif ds.offload_optimizer != "none":
-        out.params += (2 * z.params + adapters) // n
-        out.host = 16 * z.trained // z.machines
-    else:
+    if ds.offload_param == "none" and ds.offload_optimizer == "none":
         out.params, out.grads, out.optimizer = out.params + (2 * z.params + adapters) // n, \
             out.grads + 4 * z.trained // n, 12 * z.trained // n
         if ds.zero3_init:
             out.host = 4 * layer * z.local  # zero.Init materialises one layer at a time per process
-    if z.cpu and ds.offload_optimizer != "none":  # the host is the device: what is offloaded is held beside the
-        # rest, in the rows a run measures it in: the trained parameters' 16-bit gradient partitions (stage3.py
-        # grad_partitions_flat_buffer, on the optimizer's device), CPU Adam's fp32 master and moments, and with
-        # parameter offload the parameters' partitions
-        moved = (2 * z.params + adapters) // n if ds.offload_param != "none" else 0
-        out.params += moved
-        out.grads += 2 * z.trained // n
-        out.optimizer += 12 * z.trained // n
-        out.host = max(0, out.host - moved * z.local - (2 + 12) * z.trained // z.machines)
+        return out
+    if ds.offload_param == "none":
+        out.params += (2 * z.params + adapters) // n
+    moments = 12 * z.trained // n  # CPU Adam's fp32 master and two moments, pageable
+    if ds.offload_optimizer == "none":
+        out.grads, out.optimizer, moments = out.grads + 4 * z.trained // n, out.optimizer + moments, 0
+    host = zero3_host_tensors(recipe, s, train, n, z.compute_bytes)
+    if z.cpu:  # the host is the device: what is offloaded is held beside the rest, in the rows a run measures it in
+        # (probes.held_bytes); nothing pinned
+        out.params += sum(host["params"])
+        out.grads += sum(host["grads"])
+        out.optimizer += moments
+    elif ds.pin_memory:  # each tensor as torch's host allocator holds it, the small freed ones cached
+        out.host = z.local * (moments + pinned_bytes(host["params"] + host["grads"], host["freed"]))
+    else:
+        out.host = z.local * (moments + sum(host["params"]) + sum(host["grads"]))
     return out
 
 
@@ -361,7 +433,7 @@ def add_reference(recipe: Recipe, z: Sizes, states: States) -> None:
 
 def engine_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
     if recipe.deepspeed is not None:
-        return zero3_states(recipe, s, z) if recipe.deepspeed.zero_stage == 3 else zero2_states(recipe, z)
+        return zero3_states(recipe, s, z, train) if recipe.deepspeed.zero_stage == 3 else zero2_states(recipe, z)
     if recipe.fsdp:
         return fsdp_states(recipe, s, z)
     return plain_states(recipe, s, z, train)

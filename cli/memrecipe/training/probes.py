@@ -202,7 +202,9 @@ def held_bytes(model, optimizer, beside=()) -> dict:
     inner = getattr(optimizer, "optimizer", optimizer)
     if engine_optimizer is not None and hasattr(engine_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3
         out["gradients"] = size(getattr(engine_optimizer, "grad_partitions_flat_buffer", None)) + sum(
-            size(bucket.buffer) for bucket in getattr(engine_optimizer, "ipg_buckets", {}).values())  # reduce buckets
+            size(bucket.buffer) for bucket in getattr(engine_optimizer, "ipg_buckets", {}).values()) + sum(
+            size(t.grad) for t in engine_optimizer.fp32_partitioned_groups_flat)  # reduce buckets; offloaded, the
+        # fp32 gradient each sub group keeps for CPU Adam (stage3.py initialize_optimizer_states)
         inner = engine_optimizer.optimizer
         state = sum(size(v) for s in inner.state.values() for v in s.values())
         out["optimizer_state"] = sum(size(t) for t in engine_optimizer.fp32_partitioned_groups_flat) + state

@@ -40,6 +40,12 @@ def test_model_states_equal_the_bytes_held_after_a_real_step(models, name, recip
     assert est.optimizer_state == pytest.approx(state, rel=0.01)
 
 
+def r_words(offload):
+    optimizer_offload, param_offload = offload
+    return [f"deepspeed.offload_optimizer={'cpu' if optimizer_offload else 'none'}",
+            f"deepspeed.offload_param={'cpu' if param_offload else 'none'}"]
+
+
 @pytest.mark.parametrize("offload", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("nodes, gpus", [(1, 1), (1, 8), (2, 8)])
 def test_zero3_model_states_agree_with_deepspeeds_own_estimator(offload, nodes, gpus):
@@ -47,8 +53,7 @@ def test_zero3_model_states_agree_with_deepspeeds_own_estimator(offload, nodes, 
 
     optimizer_offload, param_offload = offload
     s = structure(read_config(None) | {"num_hidden_layers": 6}) if gpus == 1 else structure(MEDIUM)
-    r = load_recipe("zero3-offload", [f"deepspeed.offload_optimizer={'cpu' if optimizer_offload else 'none'}",
-                                      f"deepspeed.offload_param={'cpu' if param_offload else 'none'}"])
+    r = load_recipe("zero3-offload", r_words(offload))
     topo = make_topology(nodes * gpus, nodes, 0, "10.0.0.1" if nodes > 1 else None, None)
     est = estimate(r, s, topo)
     cpu, gpu, _ = estimate_zero3_model_states_mem_needs(s.params, s.largest_module, num_gpus_per_node=gpus,
@@ -59,7 +64,16 @@ def test_zero3_model_states_agree_with_deepspeeds_own_estimator(offload, nodes, 
     # communication dtype (bf16 here) on the device when contiguous_gradients is on
     assert r.deepspeed.contiguous_gradients and r.deepspeed.reduce_bucket_size == 500_000_000
     assert est.model_states == pytest.approx(gpu + 2 * 500_000_000, rel=1e-6)
-    assert est.host_offload == pytest.approx(cpu, rel=1e-6)
+    # and on the host, unpinned, the flat 16-bit gradients of the offloaded optimizer (stage3.py
+    # grad_partitions_flat_buffer, on the optimizer's device); pinned, each tensor its power-of-two block, and with
+    # the parameters offloaded their first partitions too, freed into torch's cache (planning.states)
+    unpinned = estimate(load_recipe("zero3-offload", [*r_words(offload), "deepspeed.pin_memory=false"]), s, topo)
+    assert unpinned.host_offload == pytest.approx(cpu + (2 * s.params // nodes if optimizer_offload else 0), rel=1e-6)
+    freed = 2 * s.params // nodes if param_offload else 0
+    if optimizer_offload or param_offload:
+        assert unpinned.host_offload < est.host_offload < 2 * (unpinned.host_offload + freed)
+    else:  # nothing offloaded, nothing pinned
+        assert unpinned.host_offload == est.host_offload
 
 
 def test_sharding_divides_model_states_and_offload_moves_them_to_the_host():

@@ -1,0 +1,79 @@
+"""Host memory as ZeRO-3's offload pins it (planning/states.py): the tensors DeepSpeed asks its accelerator to pin,
+recorded from a real engine on CPU, are the plan's to the byte; the sub groups are DeepSpeed's own; each pinned
+request takes torch's power-of-two block on a GPU box (which a CPU cannot show: torch pins nothing there)."""
+
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from memrecipe.planning.architecture import read_config, structure
+from memrecipe.planning.states import host_block, pinned_bytes, sub_groups, zero3_host_tensors
+from memrecipe.planning.registry import load_recipe
+from memrecipe.planning.states import trainable_tensors
+from memrecipe.training.loading import embedded_model
+
+
+def test_a_pinned_request_takes_the_next_power_of_two_up_to_the_cache_limit_memrecipe_sets():
+    """torch's CachingHostAllocator rounds a pinned block up to a power of two and caches it when freed, below
+    pinned_max_cached_size_mb (memrecipe/__init__.py sets 64); above it a block is its request, released when freed."""
+    assert [host_block(n) for n in (1, 2, 3, 4096, 4097, 40 * 2**20)] == [1, 2, 4, 4096, 8192, 64 * 2**20]
+    assert host_block(64 * 2**20 + 1) == 64 * 2**20 + 1 and host_block(4_740_000_000) == 4_740_000_000
+    assert pinned_bytes([3, 100 * 2**20], [5, 200 * 2**20]) == 4 + 100 * 2**20 + 8  # the large freed one released
+
+
+def test_sub_groups_are_deepspeeds_own():
+    """stage3.py's _create_fp16_sub_groups, called on parameters of these partition sizes."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    partitions = [525_336_576, 16_777_216, 4_194_304, 4_194_304, 16_777_216, 58_720_256, 58_720_256, 58_720_256] * 3
+    for size in (100_000_000, 1_000_000_000, 10**12):
+        params = [SimpleNamespace(partition_numel=lambda n=n: n) for n in partitions]
+        theirs = DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(SimpleNamespace(sub_group_size=size), params)
+        assert sub_groups(partitions, size) == [sum(p.partition_numel() for p in g) for g in theirs]
+
+
+ENGINE = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    os.environ["LOCAL_RANK"] = "0"
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29614", rank=0, world_size=1)
+    import deepspeed
+    import deepspeed.accelerator.cpu_accelerator as cpu
+    from types import SimpleNamespace
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    from memrecipe.planning.configs import deepspeed_config
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.planning.topology import Topology
+    from memrecipe.training.adapters import add_lora
+    from memrecipe.training.loading import embedded_model
+    from memrecipe.training.optimizers import make_optimizer
+    recipe = load_recipe("zero3-offload", sys.argv[1:])
+    config = deepspeed_config(recipe, Topology(1, cpu=True))
+    pinned, pin = [], cpu.CPU_Accelerator.pin_memory
+    cpu.CPU_Accelerator.pin_memory = lambda self, t, *a, **k: pinned.append(t.numel() * t.element_size()) or pin(self, t, *a, **k)
+    keep = HfDeepSpeedConfig(config)
+    model = AutoModelForCausalLM.from_pretrained(embedded_model(), dtype=torch.bfloat16)  # under zero.Init
+    if recipe.lora:
+        engine = SimpleNamespace(native_amp=False, mixed_precision="bf16", distributed_type=SimpleNamespace(value="DEEPSPEED"))
+        model = add_lora(model, recipe.lora, accelerator=engine)
+    optimizer = make_optimizer(recipe, model, SimpleNamespace(device=torch.device("cpu")))
+    deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    print("PINNED", json.dumps(sorted(pinned)))
+""")
+
+
+@pytest.mark.parametrize("words", [[], ["lora.r=8", "lora.target_modules=all-linear"]], ids=["full", "lora"])
+def test_the_tensors_zero3s_offload_pins_are_the_plans(words):
+    """A ZeRO-3 engine with parameters and optimizer offloaded, built as the loop builds it (zero.Init, the loop's
+    optimizer groups, DeepSpeed's CPU Adam) on one gloo process: every tensor its accelerator is asked to pin (each
+    parameter's partition, the flat 16-bit buffers, the flat gradients, the fp32 gradient per sub group), recorded,
+    is a tensor planning.states lists, of the same bytes."""
+    done = subprocess.run([sys.executable, "-c", ENGINE, *words], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recorded = next(line for line in done.stdout.splitlines() if line.startswith("PINNED"))
+    recipe, s = load_recipe("zero3-offload", words), structure(read_config(embedded_model()))
+    planned = zero3_host_tensors(recipe, s, trainable_tensors(recipe, s), 1, 2)
+    assert recorded == "PINNED " + str(sorted(planned["params"] + planned["freed"] + planned["grads"]))
