@@ -254,7 +254,11 @@ def test_zero3_ulysses_splits_each_sequence_over_the_two_processes(runs):
     assert "batch: 4 sequences x 1 accumulation x 1 data-parallel process(es) per step" not in log  # micro batch 1
     assert "batch: 1 sequences x 1 accumulation x 1 data-parallel process(es) per step" in log
     assert "parallelism_config_sp_size: 2" in (folder / "accelerate_config.yaml").read_text()
-    assert_full_model_saved(folder, tolerance=1e-5)
+    # the run's eval split each sequence over 2 processes (heads exchanged, each process's loss summed apart, in bf16),
+    # the reload runs it whole on one: 0.6e-5 apart when every weight was in one optimizer group, 2.6e-5 with the two
+    # the loop makes (decayed matrices, undecayed norms), whose weights end a little apart; a wrong or untrained save
+    # is ~50% off
+    assert_full_model_saved(folder, tolerance=1e-4)
 
 
 def test_ddp_is_the_plain_data_parallel_baseline(runs):
