@@ -108,7 +108,7 @@ LADDER = (
               if f.gradient_checkpointing == "selective" else None),
     # each layer's input kept (the loop's, or FSDP's own wrapper)
     Technique("full checkpointing", on=lambda r, n: r.recomputes,
-              offered=lambda r, topo: not r.checkpoints or r.gradient_checkpointing == "selective",
+              offered=lambda r, topo: not r.recomputes,
               words=lambda r, topo, below: ("gradient_checkpointing=true",),
               said=lambda r: "gradient checkpointing" if r.gradient_checkpointing is True else None,
               term="activation_bytes", hook="layers", phrase=_full_phrase),

@@ -300,13 +300,11 @@ def zero3_host_tensors(recipe: Recipe, s: Structure, train: list[Tensor], proces
     "freed", the trained ones' own partitions, freed once moved (into torch's cache where pinned); "grads", with the
     optimizer offloaded, the trained partitions' gradients in one flat buffer of the 16-bit accumulation dtype
     (stage3.py `grad_partitions_flat_buffer`) and an fp32 one per sub group (stage3.py `initialize_optimizer_states`).
-    Recorded on CPU through `memrecipe run`, DeepSpeed's own calls (tests/unit/planning/test_pinned.py)."""
+    Each is what a real engine asks its accelerator to pin, recorded on CPU (tests/unit/planning/test_pinned.py)."""
     ds = recipe.deepspeed
     part = lambda numel: -(-numel // processes)  # noqa: E731
     groups = [[part(t.numel) for t in g] for g in optimizer_groups(train)]
     out: dict[str, list[int]] = {"params": [], "freed": [], "grads": []}
-    if ds is None or ds.zero_stage != 3:
-        return out
     if ds.offload_param != "none":
         frozen = [] if recipe.lora is None else [part(t.numel) for t in s.tensors()]
         out["params"] = [compute_bytes * numel for numel in frozen] + [compute_bytes * sum(g) for g in groups]
