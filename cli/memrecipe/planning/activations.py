@@ -307,8 +307,8 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
         lora.target_modules)) else 0
     places = [mlp_freed + norm,
               mlp_freed - after_attention - o_rank + attention_backward_bytes(s, mode, tokens, cuda, attention)]
-    redrawn = redrawn_mask_bytes(recipe, mode, cuda)
-    outside = outside_redraw_bytes(recipe, s, tokens, cb, redrawn) if redrawn else 0
+    redraw = redraw_bytes(recipe, mode, cuda)
+    outside = outside_redraw_bytes(recipe, s, tokens, cb, redraw) if redraw else 0
     if outside:
         places.append(mlp_freed - after_attention + outside)
     if sp > 1:  # the exchanges, after the kernel's backward: its gradients of q, k, v passing them
@@ -324,9 +324,9 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
 def mlp_places(recipe: Recipe, s: Structure, mode: str, tokens: int, mlp_tokens: int, saved: int,
                cuda: bool) -> list[int]:
     """backward_peak's places in a dense MLP's backward, over `mlp_tokens` (a tile's under tiled_mlp): its product's
-    gradients, and the down projection's redrawn dropout; with adapters in 16 bits (DeepSpeed's engine) keeping
-    peft's dropout, the recompute at the down projection's A: the product, the frozen linear's output, the layer's
-    residual and the MLP's input beside what the layer keeps."""
+    gradients, and the down projection's redrawn dropout; with adapters in 16 bits (DeepSpeed's engine) with
+    dropout, the recompute at the down projection's A: the product, the frozen linear's output, the layer's residual
+    and the MLP's input beside what the layer keeps."""
     cb, i, lora = compute_bytes(mode), s.intermediate, recipe.lora
     down = [lin for lin in s.lora_linears(lora.target_modules) if lin.name == "down_proj"] if lora else []
     if down:  # what the down projection keeps of its input, freed once its backward ran
@@ -337,32 +337,40 @@ def mlp_places(recipe: Recipe, s: Structure, mode: str, tokens: int, mlp_tokens:
     # before autograd adds it in (training.tiling.TiledMLP)
     input_gradient = (tokens + mlp_tokens) * residual_bytes(mode) * s.hidden if mlp_tokens < tokens else 0
     places = [saved + mlp_tokens * (3 * cb * i - kept) + input_gradient]
-    if down and (mode == "qlora" or (mode == "lora" and lora.dropout and not half_adapters(recipe, mode))):
-        # a redrawn dropout's mask, which the layer does not keep, is made again beside them
-        places.append(saved + mlp_tokens * ((8 if lora.dropout else 4) + redrawn_mask_bytes(recipe, mode, cuda) + cb)
-                      * i + input_gradient)
-    elif down and lora.dropout and recipe.recomputes:
-        # adapters in the compute dtype (16 bits under DeepSpeed's engine; fp32 runs too, which no autocast casts for)
-        # keep peft's dropout (Recipe.keeps_dropout): at the down projection's A in the layer's recompute, its input
-        # (the MLP's product, which nothing keeps) and its frozen linear's output (peft's `result =
-        # self.base_layer(x)`), and the layer's residual and the MLP's input, which the layer's forward holds while
-        # the MLP runs and nothing saves, beside what the layer keeps (each found live there on CPU)
-        places.append(saved + mlp_tokens * cb * (i + s.hidden) + tokens * (residual_bytes(mode) + cb) * s.hidden
-                      + input_gradient)
+    redraw, half = redraw_bytes(recipe, mode, cuda), half_adapters(recipe, mode)
+    if down and (mode == "qlora" or (mode == "lora" and lora.dropout and not half)):
+        # a redrawn dropout's mask, which the layer does not keep, is made again beside them (with fp32 adapters the
+        # cast copy of the product too, with or without dropout)
+        places.append(saved + mlp_tokens * ((redraw or (8 if lora.dropout else 4)) + cb) * i + input_gradient)
+    elif down and lora.dropout:
+        if redraw:  # 16-bit adapters (DeepSpeed's engine) redraw the mask and the dropped product beside its gradient
+            places.append(saved + mlp_tokens * (redraw + cb) * i + input_gradient)
+        if recipe.recomputes:
+            # adapters in the compute dtype (16 bits under DeepSpeed's engine; fp32 runs too, which no autocast casts
+            # for): at the down projection's A in the layer's recompute (a redraw's recompute stops at the A's own
+            # checkpoint, before its dropout: torch's early stop), its input (the MLP's product, which nothing keeps)
+            # and its frozen linear's output (peft's `result = self.base_layer(x)`), and the layer's residual and the
+            # MLP's input, which the layer's forward holds while the MLP runs and nothing saves, beside what the layer
+            # keeps (each found live there on CPU)
+            places.append(saved + mlp_tokens * cb * (i + s.hidden) + tokens * (residual_bytes(mode) + cb) * s.hidden
+                          + input_gradient)
     return places
 
 
-def redrawn_mask_bytes(recipe: Recipe, mode: str, cuda: bool) -> int:
-    """Bytes an element of the mask LoRA's dropout draws again in backward (training.adapters.recompute_dropout:
-    under autocast, not compiled), 0 where it is not redrawn."""
+def redraw_bytes(recipe: Recipe, mode: str, cuda: bool) -> int:
+    """Per element of an adapter's input, what its dropout redrawn in backward makes again (training.adapters.dropped:
+    not compiled, not `lora.redraw_dropout: false`, not in fp32): fp32 adapters (under autocast) an fp32 copy of the
+    input, the mask and the fp32 dropped input; 16-bit ones (DeepSpeed's engine) read their input as it comes, the
+    mask and the dropped input in 16 bits. 0 where it is not redrawn."""
     lora = recipe.lora
-    redraws = lora and lora.dropout and not recipe.keeps_dropout and mode in ("lora", "qlora")
-    return dropout_bytes(cuda) if redraws else 0
+    if not (lora and lora.dropout and not recipe.keeps_dropout and mode in ("lora", "qlora")):
+        return 0
+    return 2 + dropout_bytes(cuda, 2) if half_adapters(recipe, mode) else 8 + dropout_bytes(cuda)
 
 
-def outside_redraw_bytes(recipe: Recipe, s: Structure, tokens: int, cb: int, redrawn: int) -> int:
-    """The widest adapter outside the MLP redrawing its dropout in its backward (o_proj's: its fp32 input, the mask,
-    the fp32 dropped input), beside the frozen linear's output from the layer's recompute (backward_peak). Under
+def outside_redraw_bytes(recipe: Recipe, s: Structure, tokens: int, cb: int, redraw: int) -> int:
+    """The widest adapter outside the MLP redrawing its dropout in its backward (o_proj's: `redraw` bytes an element
+    of its input, redraw_bytes), beside the frozen linear's output from the layer's recompute (backward_peak). Under
     tiled_mlp the redraw runs a tile at a time (training.tiling.tile_redraws): a tile's, beside its input's gradient,
     whole from the first tile (training.tiling.TiledMLP)."""
     outside = [lin for lin in s.lora_linears(recipe.lora.target_modules)
@@ -371,11 +379,11 @@ def outside_redraw_bytes(recipe: Recipe, s: Structure, tokens: int, cb: int, red
         return 0
     widest = max(outside, key=lambda lin: lin.in_features)
     width = widest.in_features
-    redraw = tokens * (8 + redrawn) * width
+    made = tokens * redraw * width
     if recipe.tiled_mlp is not False:
         tile = tile_tokens(recipe.tiled_mlp, tokens, width)
-        redraw = tile * (8 + redrawn) * width + tokens * cb * width
-    return redraw + tokens * cb * widest.out_features
+        made = tile * redraw * width + tokens * cb * width
+    return made + tokens * cb * widest.out_features
 
 
 def selective_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int) -> int:

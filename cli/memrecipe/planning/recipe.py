@@ -83,10 +83,10 @@ class Lora:
     # siblings (less memory in a recomputed layer, the binding place at long context), for one more pass of its cast
     # and dropout and a checkpoint of its own (host time in a launch-bound step)
     redraw_dropout: bool = spec(True, shown='true',
-        help=("`true`: under autocast each adapter redraws its dropout mask in backward and keeps only its input (shared "
-              "by q/k/v and by gate/up); `false`: peft's dropout, each adapter keeping its mask and a 16-bit copy of its "
-              "dropped input, for one pass fewer of its cast and dropout (planned either way). Under DeepSpeed the "
-              "adapters always keep peft's dropout (ZeRO-3 releases the weight a redraw's recompute reads)"))
+        help=("`true`: in 16 bits (autocast, or DeepSpeed's engine) each adapter redraws its dropout mask in backward "
+              "and keeps only its input (shared by q/k/v and by gate/up); `false`: peft's dropout, each adapter keeping "
+              "its mask and a 16-bit copy of its dropped input, for one pass fewer of its cast and dropout (planned "
+              "either way). fp32 runs and compiled layers keep peft's"))
     target_modules: tuple[str, ...] | Literal["all-linear"] = spec(
         ("q_proj", "k_proj", "v_proj", "o_proj"), shown='q/k/v/o_proj',
         help='module names, or `all-linear` (every linear of the decoder layers)')
@@ -492,10 +492,11 @@ class Recipe:
     def keeps_dropout(self) -> bool:
         """Whether LoRA's adapters keep peft's dropout (each its mask and dropped input) rather than redrawing it in
         backward: the one rule the loop follows too (training.adapters.add_lora's `redraw`). Kept by compiled layers,
-        under DeepSpeed's engine, in fp32 (`mixed_precision: no`: no autocast, so peft's forward runs as it is), and
-        with `lora.redraw_dropout: false`."""
+        in fp32 (`mixed_precision: no`: no autocast, so peft's forward runs as it is), and with
+        `lora.redraw_dropout: false`. Under DeepSpeed's engine the 16-bit adapters redraw (a redraw reads the adapter's
+        weight inside the adapter's own backward, where ZeRO-3 has gathered it)."""
         lora = self.lora
-        return bool(lora and lora.dropout) and (self.torch_compile or self.deepspeed is not None
+        return bool(lora and lora.dropout) and (self.torch_compile
                                                 or self.mixed_precision == "no" or not lora.redraw_dropout)
 
     @property

@@ -36,10 +36,12 @@ def add_lora(model, lora, reference: bool = False, accelerator=None, compiled: b
     autocast cast every adapter's input to fp32 and keep that copy (measured on CPU: a layer's saved bytes 1.6x, 2.3x
     with dropout). Elsewhere in 16 bits the forward runs under autocast (accelerate's native_amp). Under either the
     adapters read their input as it comes (share_inputs); with `redraw` (the loop passes `not
-    Recipe.keeps_dropout`, the rule the plan counts by) they also redraw their dropout in backward, under autocast
-    only (a copied script's launch config may turn it off). Kept as peft's when `compiled` (the compiler's handling of
-    random ops inside a checkpoint is not checked here), under DeepSpeed (its ZeRO-3 releases a weight the redraw's
-    own recompute would read), in fp32 and with `lora.redraw_dropout: false`. `compiled`: the layers will be compiled."""
+    Recipe.keeps_dropout`, the rule the plan counts by) they also redraw their dropout in backward, in 16 bits only
+    (a copied script's launch config may turn them off). Under ZeRO-3 the redraw reads the adapter's weight in the
+    adapter's own backward, which ZeRO gathers for it (its pre-backward hook on the adapter's output; measured through
+    `memrecipe run` with every weight partitioned: the losses and adapters bitwise peft's dropout's). Kept as peft's
+    when `compiled` (the compiler's handling of random ops inside a checkpoint is not checked here), in fp32 and with
+    `lora.redraw_dropout: false`. `compiled`: the layers will be compiled."""
     from peft import PeftModel, get_peft_model
 
     if lora.adapter:
@@ -56,7 +58,7 @@ def add_lora(model, lora, reference: bool = False, accelerator=None, compiled: b
         if moved and p.dtype in (torch.bfloat16, torch.float16, torch.float32) and p.dtype != trained:
             p.data = p.data.to(trained)
     if autocast or half:
-        share_inputs(model, redraw=autocast and redraw)
+        share_inputs(model, redraw=redraw)
     if not compiled:  # (compiled, every layer's input requires grad, the first's too: one graph serves them all)
         drop_input_grads(model)
     return model

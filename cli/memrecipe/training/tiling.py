@@ -29,10 +29,15 @@ class TiledMLP(torch.autograd.Function):
     zero that takes no memory: backward recomputes every tile anyway, and nothing after the MLP saves y or draws a
     random number (mlp_output_unsaved). Computed there, y's tiles and their concatenation were two [tokens x hidden]
     tensors beside everything the layer saved, the top rung's peak under flex_attention (the fourth lease's 384K and
-    751K rows, 1.06-1.08x the plan), and one more forward of the MLP."""
+    751K rows, 1.06-1.08x the plan), and one more forward of the MLP.
+    `params`: under DeepSpeed, the trained weights the tiles read, each marked not ready until the last tile.
+    `trains`: where the tiles read a trained weight, an empty tensor that requires grad, so that y does too where x
+    does not (the first layer's q, k and v read the frozen embedding's normed output: their adapters' A trained
+    nothing, and an MLP-only LoRA's loss had no gradient at all). Not the weights themselves: each would then have
+    its gradient accumulated once more, empty, after the tiles', and ZeRO would take it twice."""
 
     @staticmethod
-    def forward(ctx, forward, x, tiles, params, idle_in_recompute=False):
+    def forward(ctx, forward, x, tiles, params, idle_in_recompute=False, trains=None):
         ctx.save_for_backward(x)
         if idle_in_recompute and RECOMPUTING.get():  # (this ctx is thrown away: only x, saved again, is kept)
             return x.new_zeros(()).expand(x.shape)
@@ -69,7 +74,7 @@ class TiledMLP(torch.autograd.Function):
                     # of its uses would then be summed in 16 bits instead of 32
                     output = ctx.forward(leaf.view_as(leaf))
                 torch.autograd.backward(output, tile_grad)
-        return None, x_grad.view_as(x) if x_grad is not None else None, None, None, None
+        return None, x_grad.view_as(x) if x_grad is not None else None, None, None, None, None
 
 
 def random_state(device):
@@ -83,15 +88,21 @@ def set_random_state(device, state) -> None:
         torch.set_rng_state(state)
 
 
-def tiled_forward(forward, tiles, x, params=None, agree=False, idle_in_recompute=False):
-    """`params`: the MLP's trained weights under DeepSpeed (None: no engine waits for them); `agree`: several
+def tiled_forward(forward, tiles, x, params=(), mark=False, agree=False, idle_in_recompute=False):
+    """`params`: the MLP's trained weights; `mark`: under DeepSpeed, which waits for their last tile; `agree`: several
     processes, which must run as many tiles as each other; `idle_in_recompute`: TiledMLP's."""
     n = tile_count(tiles, x.numel() // x.shape[-1], x.shape[-1])
     if agree:  # every process the same count: ZeRO-3 gathers the weights at each tile's calls
         agreed = torch.tensor(n, device=x.device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
         n = int(agreed)
-    return forward(x) if n == 1 else TiledMLP.apply(forward, x, n, params or [], idle_in_recompute)
+    return forward(x) if n == 1 else tiled(forward, x, n, params, mark, idle_in_recompute)
+
+
+def tiled(forward, x, tiles, params, mark, idle_in_recompute=False):
+    """TiledMLP over `tiles` tiles of x, reading the trained `params` (`mark`: under DeepSpeed)."""
+    trains = x.new_empty(0).requires_grad_() if params else None
+    return TiledMLP.apply(forward, x, tiles, list(params) if mark else [], idle_in_recompute, trains)
 
 
 @functools.cache
@@ -130,40 +141,42 @@ def tile_mlps(model, tiles: bool | int, deepspeed: bool = False, checkpointed: b
         raise RecipeError(f"tiled_mlp tiles dense MLPs; this model's layers have {', '.join(kinds)}: "
                           "set tiled_mlp=false")
     for name, mlp in dense.items():  # (ZeRO's gradient hooks run on one process too)
-        params = [p for p in mlp.parameters() if p.requires_grad] if deepspeed else None
+        params = [p for p in mlp.parameters() if p.requires_grad]
         idle = checkpointed and mlp_output_unsaved(model.get_submodule(name.rpartition(".")[0]))
-        mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles, params=params, agree=several,
-                                        idle_in_recompute=idle)
+        mlp.forward = functools.partial(tiled_forward, mlp.forward, tiles, params=params, mark=deepspeed,
+                                        agree=several, idle_in_recompute=idle)
     return len(dense)
 
 
-def tile_redraws(model, tiles: bool | int) -> int:
+def tile_redraws(model, tiles: bool | int, deepspeed: bool = False) -> int:
     """Each LoRA adapter outside the MLPs whose dropout is redrawn in backward (training.adapters.recompute_dropout:
-    o_proj's, q's, k's and v's) redraws it a tile of tokens at a time: its fp32 input, mask and dropped input (9 bytes
-    x its width a token on CUDA) exist for one tile, not the whole sequence, which bound the top rung under LoRA's
-    dropout (the third lease's flex_attention row: 9.0 of 14.1 GiB). Returns how many. Adapters redraw only under
-    native autocast, never under DeepSpeed's bf16 engine (recipes/sft.py: add_lora's autocast), so no engine waits
-    for a tile here."""
+    o_proj's, q's, k's and v's) redraws it a tile of tokens at a time: its input's cast, mask and dropped input (9
+    bytes x its width a token on CUDA with fp32 adapters) exist for one tile, not the whole sequence, which bound the
+    top rung under LoRA's dropout (the third lease's flex_attention row: 9.0 of 14.1 GiB). Returns how many. Under
+    DeepSpeed (`deepspeed`) the adapter's weight is marked not ready until the last tile, as the MLP's are (ZeRO took
+    the first tile's gradient for the whole one: stage3.py asserts a parameter once a bucket); no process need agree
+    on a count of tiles, as a tile calls no module (the weight is gathered once, for the adapter's own call)."""
     count = 0
     for name, module in model.named_modules():
         redraw = getattr(module, "forward", None)
         if not (isinstance(redraw, functools.partial) and redraw.func is dropped_forward) or ".mlp." in f".{name}.":
             continue
-        module.forward = functools.partial(tiled_redraw, *redraw.args, tiles)
+        module.forward = functools.partial(tiled_redraw, *redraw.args, tiles, deepspeed)
         count += 1
     return count
 
 
-def tiled_redraw(linear, casts, tiles, x):
+def tiled_redraw(linear, casts, tiles, mark, x):
     n = tile_count(tiles, x.numel() // x.shape[-1], x.shape[-1])
     if n == 1:
         return dropped_forward(linear, casts, x)
-    return TiledMLP.apply(functools.partial(dropped, linear, casts()), x, n, [])
+    params = [p for p in linear.parameters() if p.requires_grad]
+    return tiled(functools.partial(dropped, linear, casts()), x, n, params, mark)
 
 
 def apply(model, recipe, accelerator) -> int:
     """The tiled MLP rung (planning/rungs.py): every dense MLP in tiles of tokens, and LoRA's redrawn dropout outside
     them; returns how many MLPs."""
-    tile_redraws(model, recipe.tiled_mlp)
-    return tile_mlps(model, recipe.tiled_mlp, deepspeed=accelerator.distributed_type.value == "DEEPSPEED",
-                     checkpointed=recipe.recompute_skips_tiles)
+    deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
+    tile_redraws(model, recipe.tiled_mlp, deepspeed=deepspeed)
+    return tile_mlps(model, recipe.tiled_mlp, deepspeed=deepspeed, checkpointed=recipe.recompute_skips_tiles)

@@ -272,13 +272,15 @@ def test_lora_under_deepspeeds_bf16_engine_keeps_what_the_plan_says(wide, rung):
     """DeepSpeed's bf16 engine computes without autocast, and ZeRO-3 built partitioned (zero.Init) leaves peft's fp32
     adapters uncast (engine.py, _cast_module_mixed_precision): each adapter cast its input to fp32 and kept that copy,
     a layer's saved bytes 1.6x the plan's (2.3x with dropout) where the 8-GPU long-context rows are planned. The
-    adapters now hold the engine's bf16 (training.adapters.add_lora), read their input as it comes and keep peft's
-    dropout (Recipe.keeps_dropout): the step's peak is the plan's within 5% (0.99-1.02x), with and without
-    dropout. Under full checkpointing with dropout the peak is in the layer's recompute, at the down projection's A:
-    without that place (mlp_places) the plan was 1.10x under it."""
+    adapters now hold the engine's bf16 (training.adapters.add_lora), read their input as it comes and redraw their
+    dropout in backward, in bf16: the step's peak is the plan's within 5% (0.99-1.02x), with and without dropout.
+    Under full checkpointing with dropout the peak is the down projection's redraw (its bf16 mask and dropped product
+    beside the product's gradient: mlp_places; the plan 8% under the peak without it; peft's dropout kept plans
+    1.3x it)."""
     from helpers import loop_model
     from measuring import step_peak
     from memrecipe.planning.activations import activation_bytes, activation_mode
+    from memrecipe.training.adapters import dropped_forward
 
     s, length = structure(read_config(wide)), 1024
     for dropout in (0, 0.05):
@@ -288,6 +290,8 @@ def test_lora_under_deepspeeds_bf16_engine_keeps_what_the_plan_says(wide, rung):
         model, _ = loop_model(r, wide, "bf16", engine="DEEPSPEED")
         model.train()
         assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.bfloat16}
+        redraws = sum(getattr(m.forward, "func", None) is dropped_forward for m in model.modules())
+        assert redraws == (7 * s.layers if dropout else 0), redraws
         ids = torch.randint(0, s.vocab, (1, length), generator=torch.Generator().manual_seed(0))
         b = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids),
              "position_ids": torch.arange(length)[None]}

@@ -104,7 +104,8 @@ def test_a_named_gpu_forecasts_at_its_own_rates():
     ("single-gpu-lora", ["gradient_checkpointing=true"], 2 * 2),  # forward, recompute; each redrawn in backward
     ("single-gpu-lora", ["gradient_checkpointing=false"], 1 * 2),
     ("single-gpu-lora", ["gradient_checkpointing=true", "lora.redraw_dropout=false"], 2),  # peft's masks kept
-    ("zero3-offload", ["lora.r=16", "gradient_checkpointing=true"], 2),  # DeepSpeed keeps peft's dropout
+    ("zero3-offload", ["lora.r=16", "gradient_checkpointing=true"], 2 * 2),  # DeepSpeed's bf16 adapters redraw too
+    ("zero3-offload", ["lora.r=16", "gradient_checkpointing=true", "lora.redraw_dropout=false"], 2),
     ("single-gpu-lora", ["lora.dropout=0"], 0)])
 def test_loras_dropout_is_a_cost_of_its_own_where_drawing_is(recipe, words, draws):
     """A CPU draws dropout's random numbers slowly (the embedded single-gpu-lora step's bernoulli: a third of it): its

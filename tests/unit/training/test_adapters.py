@@ -142,8 +142,9 @@ def test_adapters_share_their_input_redraw_their_dropout_and_train_bitwise_as_pe
 
 
 def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs_and_redraw_as_the_plan_says():
-    """The loop redraws LoRA's dropout exactly where the plan counts a redraw (Recipe.keeps_dropout, one rule): not
-    with compiled layers, not in fp32 (no autocast), not with lora.redraw_dropout=false."""
+    """The loop redraws LoRA's dropout exactly where the plan counts a redraw (Recipe.keeps_dropout, one rule): under
+    autocast and under DeepSpeed's bf16 engine; not with compiled layers, not in fp32 (no autocast), not with
+    lora.redraw_dropout=false."""
     from types import SimpleNamespace
 
     from helpers import loop_model
@@ -153,10 +154,14 @@ def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs_and
 
     counted, planned = {}, {}
     for words in (["lora.dropout=0.0"], ["lora.dropout=0.05"], ["lora.dropout=0.05", "torch_compile=true"],
-                  ["lora.dropout=0.05", "mixed_precision=no"], ["lora.dropout=0.05", "lora.redraw_dropout=false"]):
-        recipe, precision = load_recipe("single-gpu-lora", words), "no" if "mixed_precision=no" in words else "bf16"
-        model, _ = loop_model(recipe, embedded_model(), precision)
-        accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value="NO"), num_processes=1, process_index=0,
+                  ["lora.dropout=0.05", "mixed_precision=no"], ["lora.dropout=0.05", "lora.redraw_dropout=false"],
+                  ["lora.dropout=0.05", "zero3-ulysses"]):
+        name, engine = ("zero3-ulysses", "DEEPSPEED") if "zero3-ulysses" in words else ("single-gpu-lora", "NO")
+        lora = ["lora.r=8", "lora.target_modules=all-linear"] if engine == "DEEPSPEED" else []
+        recipe = load_recipe(name, [*lora, *(w for w in words if w != name)])
+        precision = "no" if "mixed_precision=no" in words else "bf16"
+        model, _ = loop_model(recipe, embedded_model(), precision, engine=engine)
+        accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value=engine), num_processes=1, process_index=0,
                                       device="cpu", mixed_precision=precision, unwrap_model=lambda m: m)
         setup = describe_setup(accelerator, model, None)
         counted[" ".join(words)] = setup.lora_shared_inputs, setup.lora_recomputed_dropout
@@ -166,7 +171,8 @@ def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs_and
     assert counted == {"lora.dropout=0.0": (linears, 0), "lora.dropout=0.05": (linears, linears),
                        "lora.dropout=0.05 torch_compile=true": (0, 0),  # compiled layers keep peft's dropout
                        "lora.dropout=0.05 mixed_precision=no": (0, 0),  # fp32: peft's forward as it is
-                       "lora.dropout=0.05 lora.redraw_dropout=false": (0, 0)}
+                       "lora.dropout=0.05 lora.redraw_dropout=false": (0, 0),
+                       "lora.dropout=0.05 zero3-ulysses": (linears, linears)}  # the engine's bf16 adapters
     assert {words: bool(redrawn) for words, (_, redrawn) in counted.items()} == planned
 
 
@@ -212,7 +218,7 @@ def test_under_deepspeeds_bf16_engine_every_adapter_holds_bf16_the_frozen_refere
     come (engine.py, _cast_module_mixed_precision): the adapters take the engine's bf16 (add_lora), the one that trains
     and DPO's frozen reference beside it, which would otherwise meet its bf16 input in fp32 ("expected m1 and m2 to
     have the same dtype" where the adapters read their input uncast). A forward and backward run in bf16, the
-    reference's log-probs too, and the adapters keep peft's dropout (nothing redraws under the engine)."""
+    reference's log-probs too, and with dropout the adapters redraw it in backward, in bf16."""
     from memrecipe.training.adapters import REFERENCE_ADAPTER, add_lora
     from memrecipe.training.loading import embedded_model
 
@@ -225,7 +231,7 @@ def test_under_deepspeeds_bf16_engine_every_adapter_holds_bf16_the_frozen_refere
     model = add_lora(base, lora, reference=True, accelerator=engine)
     assert REFERENCE_ADAPTER in model.peft_config
     assert {p.dtype for n, p in model.named_parameters() if ".lora_" in n} == {torch.bfloat16}
-    assert not any(hasattr(m, "input_dropout") for m in model.modules())  # peft's own dropout
+    assert any(hasattr(m, "input_dropout") for m in model.modules()) == bool(dropout)  # redrawn (recompute_dropout)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()

@@ -89,6 +89,67 @@ def test_a_recompute_without_the_tiled_mlp_gives_its_gradients_with_dropout(monk
         assert torch.equal(skipped[2][name], grad), name
 
 
+@pytest.mark.parametrize("words", [["lora.dropout=0.3"], ["lora.dropout=0", "lora.target_modules=[gate_proj,up_proj,down_proj]"]])
+def test_every_adapter_trains_under_the_tiled_rung_the_first_layers_too(words):
+    """Tiles read trained weights that their input need not lead to: the first layer's q, k and v read the frozen
+    embedding's normed output, and an MLP-only LoRA's first MLP reads that plus a frozen attention's, none of which
+    requires grad. Their tiles' output then required none either: under the top rung with LoRA's dropout (redrawn a
+    tile at a time) those three adapters' A trained nothing, a wrong result, and an MLP-only LoRA died in backward
+    ("element 0 of tensors does not require grad"). The trained weights are now the tiles' inputs (TiledMLP): every
+    adapter has a gradient, and without dropout the MLP-only one is the untiled model's to bf16's rounding."""
+    grads = {}
+    for tiles in ("false", "4"):
+        recipe = load_recipe("single-gpu-lora", [f"tiled_mlp={tiles}", *words])
+        torch.manual_seed(0)
+        model, _ = loop_model(recipe, embedded_model(), "bf16")
+        model.train()
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # (B starts at zero, and A's gradient with it)
+                p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+        ids = torch.randint(4, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(2))
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids).loss.backward()
+        grads[tiles] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    untrained = [n for n, g in grads["4"].items() if g is None or not g.any()]
+    assert not untrained and len(grads["4"]) == len(grads["false"]), untrained
+    if "lora.dropout=0" in words:
+        for name, grad in grads["4"].items():
+            plain = grads["false"][name]
+            torch.testing.assert_close(grad, plain, rtol=0, atol=2e-2 * plain.abs().max().item()), name
+
+
+def test_under_deepspeed_a_tiled_redraw_gives_zero_the_adapters_gradient_once_whole():
+    """ZeRO takes a parameter's gradient at each accumulation unless it is marked not ready (`ds_grad_is_ready`,
+    stage3.py), and asserts a parameter once a bucket: with o_proj's and q/k/v's redraws in tiles under zero3-ulysses
+    on 2 processes, `memrecipe run` died at its first backward. Under DeepSpeed (tiling.tile_redraws) each
+    accumulation of an adapter's gradient but its last tile's is marked not ready, and the last holds the whole: the
+    gradient equal to the same tiles' without the marks."""
+    from memrecipe.training.adapters import dropped_forward
+    from memrecipe.training.tiling import tile_redraws
+
+    recipe = load_recipe("single-gpu-lora", ["lora.dropout=0.3"])
+    grads, seen = [], []
+    for deepspeed in (False, True):
+        torch.manual_seed(0)
+        model, _ = loop_model(recipe, embedded_model(), "bf16")
+        assert tile_redraws(model, 4, deepspeed=deepspeed) == 4 * model.config.num_hidden_layers
+        adapter = model.base_model.model.model.layers[0].self_attn.o_proj.lora_A["default"]
+        assert adapter.forward.func is not dropped_forward
+        marks = []
+        adapter.weight.register_post_accumulate_grad_hook(
+            lambda p, marks=marks: marks.append(getattr(p, "ds_grad_is_ready", True)))
+        x = torch.randn(2, 40, adapter.in_features, generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = adapter(x)
+        (y.float() ** 2).sum().backward()
+        grads.append(adapter.weight.grad.clone())
+        seen.append(marks)
+    assert seen == [[True] * 4, [False, False, False, True]]
+    assert torch.equal(grads[1], grads[0]) and grads[0].abs().sum() > 0
+
+
 def test_the_adapters_outside_the_mlp_redraw_their_dropout_a_tile_at_a_time():
     """Under tiled_mlp with LoRA's dropout, in bf16 (where the adapters redraw their dropout: adapters.share_inputs),
     the adapters of q, k, v and o_proj (the MLP's are inside its tiles) run their cast, dropout and A a tile at a
@@ -105,7 +166,7 @@ def test_the_adapters_outside_the_mlp_redraw_their_dropout_a_tile_at_a_time():
                if getattr(getattr(module, "forward", None), "func", None) is tiled_redraw]
     assert len(redraws) == 4 * model.config.num_hidden_layers and not any(".mlp." in name for name in redraws)
     adapter = model.base_model.model.model.layers[0].self_attn.o_proj.lora_A["default"]
-    _, casts, _ = adapter.forward.args
+    _, casts, *_ = adapter.forward.args
     x = torch.randn(2, 40, adapter.in_features, requires_grad=True)
     results = []
     for tiled in (False, True):
