@@ -56,7 +56,7 @@ LONG_TOKENS = {"gpu": 16384, "cpu": 1024}
 # long-8b: Llama-3.1-8B's widths cut to LONG_8B_LAYERS layers (random weights), one document a step on the top rung,
 # under each kernel named: with the layers' inputs offloaded, the GPU's per-token working bytes are the 32-layer
 # model's, so the allocator's peak at the 32-layer plan's longest length checks the plan where it binds; the pinned
-# host bytes (torch's host allocator, power-of-two blocks) against the plan's host figure. Each row two steps, with
+# host bytes (the offload's registered arena, torch's host allocator) against the plan's pinned host figure. Each row two steps, with
 # the allocator's history recorded (snapshot_peak.py reads its peak blocks). --cpu: the embedded model at 1K, sdpa.
 LONG_8B_LAYERS = 2
 LONG_8B_KERNELS = {"gpu": ("sdpa", "flex_attention"), "cpu": ("sdpa",)}
@@ -245,11 +245,12 @@ def row(name: str, shape: str, processes: int, report: dict, busy: int | None = 
                                   plan.get("overhead") or 0, peak_key)
     if shared:
         why += f"; device used not judged: {busy / GiB:.2g} GiB was in use on the device before the run (not its own)"
-    # pinned: the activation offload's block (registered host memory, layers.HostArena) and what torch's pinned
-    # allocator holds beside it (DeepSpeed's offload buffers, the loader's batches), per process
-    host = {"host_planned": plan.get("host_offload"),
-            "host_pinned_peak": max(((p.get("offload_host_bytes") or 0) + (p.get("cuda_host_allocated_bytes_peak") or 0)
-                                     for p in procs), default=0) or None}
+    # pinned, on the machine: the activation offload's block (registered host memory, layers.HostArena) and what
+    # torch's pinned allocator holds beside it (DeepSpeed's offload buffers, the loader's batches), every process's,
+    # against the plan's pinned part of its host figure (Estimate.host_pinned: not CPU Adam's pageable state)
+    host = {"host_planned": plan.get("host_pinned"),
+            "host_pinned_peak": sum((p.get("offload_host_bytes") or 0) + (p.get("cuda_host_allocated_bytes_peak") or 0)
+                                    for p in procs) or None}
     return {"recipe": name, "shape": shape, "processes": processes, "status": "ran", **host,
             "memory_verdict": verdict, "memory_why": why,
             "attention": report["setup"].get("attention"),

@@ -41,7 +41,7 @@ class Estimate:
     activations: int
     logits: int  # logits and loss temporaries at the loss
     overhead: int
-    host_offload: int  # bytes per machine of host RAM for offloaded state (pinned)
+    host_offload: int  # bytes per machine of host RAM for offloaded state
     cpu: bool
     saved_peak: int = 0  # peak bytes saved for backward (activations + the saved log-softmax)
     # activations and logits at their joint peak: with checkpointing the loss (start of backward) and a
@@ -62,6 +62,9 @@ class Estimate:
     nccl: int = 0  # of `overhead`: NCCL's buffers on the GPU, outside torch's allocator (planning.nccl)
     tokens_per_second: float = 0.0  # ... and the tokens all processes train a second
     forecast_on: str = ""  # the device whose rates it is at
+    # of `host_offload`, what is page-locked on a GPU box (torch's pinned allocator's blocks, the activation offload's
+    # registered arena); None where the engine's pinning is not planned (ZeRO-1/2's and FSDP's offload); 0 on CPU
+    host_pinned: int | None = 0
 
     @property
     def total(self) -> int:
@@ -81,7 +84,7 @@ class Estimate:
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("recipe", "processes", "machines", "micro_batch", "seq_length",
                                              *CATEGORIES, "host_offload", "host_load", "cpu", "step_seconds", "tokens_per_second",
-                                             "forecast_on", "saved_peak",
+                                             "forecast_on", "saved_peak", "host_pinned",
                                              "working", "step", "attention", "nccl", "gathered_params",
                                              "gathered_grads", "refused")}
         return out | {"total": self.total, "host_total": self.host_total(), "notes": list(self.notes)}
@@ -120,7 +123,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     z = Sizes(s.params, trained, compute_bytes, weights, optimizer_state_bytes(recipe, train, weights),
               topo.num_processes, topo.num_machines, topo.cpu)
     states = engine_states(recipe, s, z, train)
-    add_reference(recipe, z, states)
+    add_reference(recipe, s, z, states)
     notes = states.notes + said
     load = loading_bytes(recipe, s, compute_bytes, z.local)
     step = step_temporaries(recipe, train, weights)  # (the model states' side: asked here, with the rest of them)
@@ -135,8 +138,10 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     working = max(act["working"], step + (act["forward_saved"] if recipe.optimizer_in_backward else 0))
     if step:
         notes.append(f"the optimizer's step allocates {step / GiB:.1f} GiB of temporaries at its largest tensor")
-    if act["host"]:
+    if act["host"]:  # (pinned on a GPU box: layers.HostArena registers its block)
         states.host += act["host"] * z.local
+        if states.pinned is not None and not topo.cpu:
+            states.pinned += act["host"] * z.local
         notes.append("activation offload: each layer's checkpointed input waits in host memory")
     if topo.cpu:
         notes.append("CPU smoke-test mode: every figure is host RAM")
@@ -148,7 +153,8 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         recipe=recipe.name, processes=z.processes, machines=z.machines, micro_batch=batch, seq_length=seq,
         parameters=int(states.params), gradients=int(states.grads), optimizer_state=int(states.optimizer),
         activations=int(act["activations"]), logits=int(act["logits"]),
-        overhead=CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD + nccl, nccl=nccl, host_offload=int(states.host), cpu=topo.cpu,
+        overhead=CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD + nccl, nccl=nccl, host_offload=int(states.host),
+        host_pinned=None if states.pinned is None else 0 if topo.cpu else int(states.pinned), cpu=topo.cpu,
         saved_peak=int(act["saved_peak"]), working=int(working),
         host_load=int(load), notes=tuple(notes), step=int(step), attention=attention, refused=wraps,
         gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads), trainable=trained)

@@ -228,6 +228,9 @@ class States:
     grads: int
     optimizer: int
     host: int = 0
+    # of `host`, what is page-locked (torch's pinned allocator, the activation offload's registered arena); None where
+    # the engine's pinning is not planned (ZeRO-1/2's optimizer offload, FSDP's parameter offload)
+    pinned: int | None = 0
     gathered_params: int = 0
     gathered_grads: int = 0
     notes: list[str] = field(default_factory=list)
@@ -351,7 +354,8 @@ def zero3_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) ->
         out.grads += sum(host["grads"])
         out.optimizer += moments
     elif ds.pin_memory:  # each tensor as torch's host allocator holds it, the small freed ones cached
-        out.host = z.local * (moments + pinned_bytes(host["params"] + host["grads"], host["freed"]))
+        out.pinned = z.local * pinned_bytes(host["params"] + host["grads"], host["freed"])
+        out.host = z.local * moments + out.pinned
     else:
         out.host = z.local * (moments + sum(host["params"]) + sum(host["grads"]))
     return out
@@ -363,7 +367,8 @@ def zero2_states(recipe: Recipe, z: Sizes) -> States:
     in host RAM; loading puts a full fp32 copy per process on the host."""
     notes = ["ZeRO-1/2 model states follow DeepSpeed's estimate_zero2_model_states_mem_needs"]
     if recipe.deepspeed.offload_optimizer != "none":
-        return States(2 * z.params, 0, 0, max(4 * z.params * z.local, 16 * z.trained // z.machines), notes=notes)
+        return States(2 * z.params, 0, 0, max(4 * z.params * z.local, 16 * z.trained // z.machines), pinned=None,
+                      notes=notes)
     n = z.processes
     return States(2 * z.params, 6 * z.trained // n, 12 * z.trained // n, 4 * z.params * z.local, notes=notes)
 
@@ -387,7 +392,8 @@ def fsdp_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
     units = 2 * unit_bytes if f.reshard_after_forward else (base or cb * z.params // tp)
     unit_grads = 0 if recipe.lora else cb * unit  # a full unit's gradients before the reduce-scatter
     if f.offload_params:
-        out = States(units + scales, unit_grads, 0, (sharded + 4 * z.trained // n + z.optimizer // n) * z.local)
+        out = States(units + scales, unit_grads, 0, (sharded + 4 * z.trained // n + z.optimizer // n) * z.local,
+                     pinned=None)
     else:
         out = States(sharded + units + scales, 4 * z.trained // n + unit_grads, z.optimizer // n)
     out.gathered_params, out.gathered_grads = units, unit_grads
@@ -408,15 +414,21 @@ def plain_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) ->
     return States(base + z.weight_bytes * z.trained, grads, z.optimizer)
 
 
-def add_reference(recipe: Recipe, z: Sizes, states: States) -> None:
+def add_reference(recipe: Recipe, s: Structure, z: Sizes, states: States) -> None:
     """DPO's reference, where it is a second copy: of the initial model (loaded as the policy is; sharded under
-    FSDP, partitioned under ZeRO-3 in the engine's compute dtype and offloaded with the policy's parameters), or
-    of a saved adapter (fp32, as loaded) beside the one that trains."""
+    FSDP, partitioned under ZeRO-3 in the engine's compute dtype and offloaded with the policy's parameters: each
+    parameter's partition pinned where `pin_memory`, as zero.Init pins the policy's frozen ones, its engine without
+    an optimizer making no flat buffers; recorded on CPU, tests/unit/planning/test_pinned.py), or of a saved adapter
+    (fp32, as loaded) beside the one that trains."""
     zero3 = recipe.deepspeed is not None and recipe.deepspeed.zero_stage == 3
     n = z.processes
     if recipe.dpo_reference == "copy":
         offloaded = zero3 and recipe.deepspeed.offload_param != "none"
         copy = z.compute_bytes * z.params // n if zero3 else z.weight_bytes * z.params // (n if recipe.fsdp else 1)
+        if offloaded and recipe.deepspeed.pin_memory and not z.cpu:
+            parts = [z.compute_bytes * -(-t.numel // n) for t in s.tensors()]
+            copy = pinned_bytes(parts, [])
+            states.pinned = None if states.pinned is None else states.pinned + copy * z.local
         if offloaded:
             states.host += copy * z.local
         else:

@@ -49,8 +49,9 @@ class HostArena:
     """The offload's host memory: one block, sliced per saved tensor in the order forward saves them, sized to the
     most one forward saved: the bytes the tensors hold. torch's pinned allocator (torch.empty(pin_memory=True), its
     CachingHostAllocator) rounds each block up to a power of two (aten/src/ATen/core/CachingHostAllocator.h:
-    PowerOf2Ceil up to pinned_max_round_threshold_mb, unset by default): a layer input of 4.74 GB took 8 GiB, and the
-    offload of an 8B at 565K tokens 256 GiB where it holds 141. On CUDA the block is a plain host tensor pinned by
+    PowerOf2Ceil up to pinned_max_round_threshold_mb, unset by default; memrecipe's pinned_max_cached_size_mb stops it
+    above 64 MB, but a freed block below that stays cached): a layer input of 4.74 GB took 8 GiB, and the offload of
+    an 8B at 565K tokens 256 GiB where it holds 141. On CUDA the block is a plain host tensor pinned by
     registering it (cudaHostRegister, as torch's checkpoint stager pins: torch/cuda/_pin_memory_utils.py). A forward
     that saves more than the block holds (the first; a longer batch) puts the rest in pageable tensors of their own,
     and the next forward's block holds it all."""

@@ -28,8 +28,9 @@ def peak_memory(device) -> dict:
     if device.type == "cuda":
         out |= {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
                 "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
-        # pinned host memory as torch's CachingHostAllocator holds it: blocks rounded up to a power of two
-        # (the activation offload's), what the plan's host figure must cover
+        # pinned host memory as torch's CachingHostAllocator holds it (DeepSpeed's offload buffers: blocks below
+        # pinned_max_cached_size_mb rounded up to a power of two, planning.states.host_block), beside the activation
+        # offload's registered arena (offload_host_bytes): what the plan's pinned host figure must cover
         host = getattr(torch.cuda, "host_memory_stats", dict)()
         out |= {f"cuda_host_{key.replace('.', '_')}": host[key] for key in ("allocated_bytes.peak", "active_bytes.peak")
                 if isinstance(host.get(key), int)}

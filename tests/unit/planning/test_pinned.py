@@ -2,6 +2,7 @@
 recorded from a real engine on CPU, are the plan's to the byte; the sub groups are DeepSpeed's own; each pinned
 request takes torch's power-of-two block on a GPU box (which a CPU cannot show: torch pins nothing there)."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -50,7 +51,8 @@ ENGINE = textwrap.dedent("""
     from memrecipe.training.adapters import add_lora
     from memrecipe.training.loading import embedded_model
     from memrecipe.training.optimizers import make_optimizer
-    recipe = load_recipe("zero3-offload", sys.argv[1:])
+    words = [w for w in sys.argv[1:] if w != "--copy"]
+    recipe = load_recipe("zero3-offload", words)
     config = deepspeed_config(recipe, Topology(1, cpu=True))
     pinned, pin = [], cpu.CPU_Accelerator.pin_memory
     cpu.CPU_Accelerator.pin_memory = lambda self, t, *a, **k: pinned.append(t.numel() * t.element_size()) or pin(self, t, *a, **k)
@@ -62,6 +64,14 @@ ENGINE = textwrap.dedent("""
     optimizer = make_optimizer(recipe, model, SimpleNamespace(device=torch.device("cpu")))
     deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     print("PINNED", json.dumps(sorted(pinned)))
+    if "--copy" in sys.argv:  # DPO's frozen copy, as training/reference.py makes it: loaded partitioned, no optimizer
+        pinned.clear()
+        copy = AutoModelForCausalLM.from_pretrained(embedded_model(), dtype=torch.bfloat16).requires_grad_(False)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        deepspeed.initialize(model=copy, config=config)
+        print("COPY", json.dumps(sorted(pinned)))
 """)
 
 
@@ -77,3 +87,41 @@ def test_the_tensors_zero3s_offload_pins_are_the_plans(words):
     recipe, s = load_recipe("zero3-offload", words), structure(read_config(embedded_model()))
     planned = zero3_host_tensors(recipe, s, trainable_tensors(recipe, s), 1, 2)
     assert recorded == "PINNED " + str(sorted(planned["params"] + planned["freed"] + planned["grads"]))
+
+
+def test_dpos_offloaded_reference_copy_pins_each_partition_as_planned():
+    """DPO's frozen copy of the model under zero3-offload (training/reference.py: loaded under zero.Init, an engine of
+    its own without an optimizer) pins every parameter's partition and nothing else, recorded from a real engine on
+    CPU: the tensors states.add_reference plans, and on a GPU box the plan's host and pinned figures hold them as
+    torch's host allocator does (each below 64 MB rounded to a power of two)."""
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.topology import Topology
+
+    done = subprocess.run([sys.executable, "-c", ENGINE, "--copy"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recorded = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("COPY")).split(" ", 1)[1])
+    s = structure(read_config(embedded_model()))
+    assert recorded == sorted(2 * t.numel for t in s.tensors())
+    words = ["dpo.precompute_ref_log_probs=false"]
+    policy, both = (estimate(load_recipe("zero3-offload", w, script="dpo"), s, Topology(1)) for w in ([], words))
+    assert both.host_pinned > policy.host_pinned > 0
+    assert both.host_offload - policy.host_offload == both.host_pinned - policy.host_pinned == pinned_bytes(recorded, [])
+
+
+def test_the_plans_pinned_host_memory_is_what_is_page_locked_of_its_host_figure():
+    """Estimate.host_pinned (in `plan --json`; gpu_acceptance holds a run's pinned bytes to it): the activation
+    offload's arena, all of its host figure; ZeRO-3's offload, all but CPU Adam's fp32 master and moments (12 bytes a
+    trained parameter, pageable); None where the engine's pinning is not planned; 0 on CPU, where nothing is pinned."""
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.topology import Topology
+
+    s = structure(read_config(embedded_model()))
+    offload = estimate(load_recipe("single-gpu-lora", ["gradient_checkpointing=true", "activation_offload=true"]), s,
+                       Topology(1))
+    assert offload.host_pinned == offload.host_offload > 0
+    zero3 = estimate(load_recipe("zero3-offload"), s, Topology(1))
+    assert zero3.host_offload - zero3.host_pinned == 12 * s.params and zero3.host_pinned > 0
+    assert estimate(load_recipe("zero3-offload", ["deepspeed.pin_memory=false"]), s, Topology(1)).host_pinned == 0
+    assert estimate(load_recipe("zero2"), s, Topology(2)).host_pinned is None
+    assert estimate(load_recipe("fsdp", ["fsdp.offload_params=true"]), s, Topology(2)).host_pinned is None
+    assert estimate(load_recipe("zero3-offload"), s, Topology(1, cpu=True)).host_pinned == 0
