@@ -139,9 +139,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     if step:
         notes.append(f"the optimizer's step allocates {step / GiB:.1f} GiB of temporaries at its largest tensor")
     if act["host"]:  # (pinned on a GPU box: layers.HostArena registers its block)
-        states.host += act["host"] * z.local
-        if states.pinned is not None and not topo.cpu:
-            states.pinned += act["host"] * z.local
+        states.add_host(act["host"] * z.local, pinned=not topo.cpu)
         notes.append("activation offload: each layer's checkpointed input waits in host memory")
     if topo.cpu:
         notes.append("CPU smoke-test mode: every figure is host RAM")
@@ -154,7 +152,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         parameters=int(states.params), gradients=int(states.grads), optimizer_state=int(states.optimizer),
         activations=int(act["activations"]), logits=int(act["logits"]),
         overhead=CPU_OVERHEAD if topo.cpu else GPU_OVERHEAD + nccl, nccl=nccl, host_offload=int(states.host),
-        host_pinned=None if states.pinned is None else 0 if topo.cpu else int(states.pinned), cpu=topo.cpu,
+        host_pinned=states.pinned, cpu=topo.cpu,
         saved_peak=int(act["saved_peak"]), working=int(working),
         host_load=int(load), notes=tuple(notes), step=int(step), attention=attention, refused=wraps,
         gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads), trainable=trained)

@@ -229,11 +229,17 @@ class States:
     optimizer: int
     host: int = 0
     # of `host`, what is page-locked (torch's pinned allocator, the activation offload's registered arena); None where
-    # the engine's pinning is not planned (ZeRO-1/2's optimizer offload, FSDP's parameter offload)
+    # the engine's pinning is not planned (FSDP's parameter offload)
     pinned: int | None = 0
     gathered_params: int = 0
     gathered_grads: int = 0
     notes: list[str] = field(default_factory=list)
+
+    def add_host(self, more: int, pinned: bool) -> None:
+        """`more` bytes of host RAM per machine, page-locked where `pinned`."""
+        self.host += more
+        if pinned and self.pinned is not None:
+            self.pinned += more
 
 
 @dataclass(frozen=True)
@@ -361,16 +367,52 @@ def zero3_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) ->
     return out
 
 
-def zero2_states(recipe: Recipe, z: Sizes) -> States:
+def zero2_states(recipe: Recipe, z: Sizes, train: list[Tensor]) -> States:
     """ZeRO-1/2, DeepSpeed's own accounting (estimate_zero2_model_states_mem_needs): 16-bit weights replicated;
     16-bit and fp32 gradients, fp32 master weights and moments partitioned, or, with optimizer offload, all of that
-    in host RAM; loading puts a full fp32 copy per process on the host."""
+    in host RAM; loading puts a full fp32 copy per process on the host. Offloaded on a GPU box, each process's host
+    tensors as zero2_host_tensors lists them (the estimator leaves out the 16-bit buffers), CPU Adam's moments
+    pageable beside them."""
     notes = ["ZeRO-1/2 model states follow DeepSpeed's estimate_zero2_model_states_mem_needs"]
     if recipe.deepspeed.offload_optimizer != "none":
-        return States(2 * z.params, 0, 0, max(4 * z.params * z.local, 16 * z.trained // z.machines), pinned=None,
-                      notes=notes)
+        host = max(4 * z.params * z.local, 16 * z.trained // z.machines)
+        if z.cpu:
+            return States(2 * z.params, 0, 0, host, notes=notes)
+        pinned, pageable = 0, 0
+        for rank in range(z.local):  # (the first machine's processes; partitions differ only where they meet)
+            tensors, partitions = zero2_host_tensors(recipe, train, z.processes, rank, z.compute_bytes)
+            pageable += 8 * partitions  # CPU Adam's two fp32 moments
+            if recipe.deepspeed.pin_memory:
+                pinned += pinned_bytes(tensors, [])
+            else:
+                pageable += sum(tensors)
+        return States(2 * z.params, 0, 0, max(4 * z.params * z.local, pageable + pinned), pinned=pinned, notes=notes)
     n = z.processes
     return States(2 * z.params, 6 * z.trained // n, 12 * z.trained // n, 4 * z.params * z.local, notes=notes)
+
+
+def zero2_host_tensors(recipe: Recipe, train: list[Tensor], processes: int, rank: int,
+                       compute_bytes: int) -> tuple[list[int], int]:
+    """The bytes of each host tensor process `rank`'s ZeRO-1/2 optimizer offload makes, pinned with `pin_memory:
+    true` (stage_1_and_2.py), and the elements of its partitions: per optimizer group, its partition (the group's
+    flat 16-bit weights padded to 2 x processes elements, cut in equal parts) as fp32 master weights and a 16-bit
+    buffer (`single_partition_of_fp32_groups`, `param_buffer_of_bit16_for_cpu_offload_groups`) and an fp32 gradient
+    (`initialize_optimizer_states`); a 16-bit buffer of the largest trained parameter
+    (`temp_grad_buffer_for_cpu_offload`); under gradient accumulation, made at the first backward, a 16-bit buffer
+    of every parameter the partition holds a part of, whole (`async_accumulate_grad_in_cpu_via_gpu`). Each is what a
+    real engine asks its accelerator to pin, recorded on CPU (tests/unit/planning/test_pinned.py)."""
+    tensors, accumulated, partitions = [], [], 0
+    for group in optimizer_groups(train):
+        size = -(-sum(t.numel for t in group) // (2 * processes)) * 2
+        start, offset = rank * size, 0
+        for t in group:
+            if offset < start + size and offset + t.numel > start:
+                accumulated.append(compute_bytes * t.numel)
+            offset += t.numel
+        tensors += [4 * size, compute_bytes * size, 4 * size]
+        partitions += size
+    tensors.append(compute_bytes * max(t.numel for t in train))
+    return tensors + (accumulated if recipe.gradient_accumulation_steps > 1 else []), partitions
 
 
 def fsdp_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
@@ -425,12 +467,11 @@ def add_reference(recipe: Recipe, s: Structure, z: Sizes, states: States) -> Non
     if recipe.dpo_reference == "copy":
         offloaded = zero3 and recipe.deepspeed.offload_param != "none"
         copy = z.compute_bytes * z.params // n if zero3 else z.weight_bytes * z.params // (n if recipe.fsdp else 1)
-        if offloaded and recipe.deepspeed.pin_memory and not z.cpu:
-            parts = [z.compute_bytes * -(-t.numel // n) for t in s.tensors()]
-            copy = pinned_bytes(parts, [])
-            states.pinned = None if states.pinned is None else states.pinned + copy * z.local
+        pinned = offloaded and recipe.deepspeed.pin_memory and not z.cpu
+        if pinned:
+            copy = pinned_bytes([z.compute_bytes * -(-t.numel // n) for t in s.tensors()], [])
         if offloaded:
-            states.host += copy * z.local
+            states.add_host(copy * z.local, pinned)
         else:
             states.params += copy
         states.notes.append(f"the reference: a frozen copy of the model ({copy / GiB:.2f} GiB per process"
@@ -443,7 +484,7 @@ def add_reference(recipe: Recipe, s: Structure, z: Sizes, states: States) -> Non
 
 def engine_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
     if recipe.deepspeed is not None:
-        return zero3_states(recipe, s, z, train) if recipe.deepspeed.zero_stage == 3 else zero2_states(recipe, z)
+        return zero3_states(recipe, s, z, train) if recipe.deepspeed.zero_stage == 3 else zero2_states(recipe, z, train)
     if recipe.fsdp:
         return fsdp_states(recipe, s, z)
     return plain_states(recipe, s, z, train)

@@ -140,7 +140,8 @@ def test_plan_shows_each_rows_batch_and_what_binds_when_nothing_fits(cli, tmp_pa
     assert [line.split()[1:4] for line in small.stdout.splitlines() if line.startswith("single-gpu-lora ")] == \
         [["4", "x", "256"]]
     host = cli("plan", "--model", str(folder), "--gpu-memory", "24GB", "--host-memory", "64GiB", "--method", "full")
-    assert host.returncode == 2 and "nothing fits in host RAM: the least is zero2 at 119.7 GiB per machine" in host.stderr
+    assert host.returncode == 2 and "nothing fits in host RAM: the least is zero2 at 150.6 GiB per machine" in host.stderr
+    # (20 bytes a parameter: DeepSpeed's estimator's 16, its 16-bit buffer and the 16-bit gradient accumulators)
     table = cli("plan", "--model", str(folder), "--gpu-memory", "80GB", "--host-memory", "64GiB")
     zero2 = next(line for line in table.stdout.splitlines() if line.startswith("zero2 "))
     assert "no (host -" in zero2

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from memrecipe.planning.architecture import read_config, structure
-from memrecipe.planning.states import host_block, pinned_bytes, sub_groups, zero3_host_tensors
+from memrecipe.planning.states import host_block, pinned_bytes, sub_groups, zero2_host_tensors, zero3_host_tensors
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.states import trainable_tensors
 from memrecipe.training.loading import embedded_model
@@ -51,8 +51,8 @@ ENGINE = textwrap.dedent("""
     from memrecipe.training.adapters import add_lora
     from memrecipe.training.loading import embedded_model
     from memrecipe.training.optimizers import make_optimizer
-    words = [w for w in sys.argv[1:] if w != "--copy"]
-    recipe = load_recipe("zero3-offload", words)
+    words = [w for w in sys.argv[2:] if w != "--copy"]
+    recipe = load_recipe(sys.argv[1], words)
     config = deepspeed_config(recipe, Topology(1, cpu=True))
     pinned, pin = [], cpu.CPU_Accelerator.pin_memory
     cpu.CPU_Accelerator.pin_memory = lambda self, t, *a, **k: pinned.append(t.numel() * t.element_size()) or pin(self, t, *a, **k)
@@ -62,7 +62,12 @@ ENGINE = textwrap.dedent("""
         engine = SimpleNamespace(native_amp=False, mixed_precision="bf16", distributed_type=SimpleNamespace(value="DEEPSPEED"))
         model = add_lora(model, recipe.lora, accelerator=engine)
     optimizer = make_optimizer(recipe, model, SimpleNamespace(device=torch.device("cpu")))
-    deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if recipe.deepspeed.zero_stage < 3:  # (ZeRO-1/2 pins its accumulation buffers at the first backward)
+        ids = torch.randint(4, 100, (2, 16))
+        for _ in range(recipe.gradient_accumulation_steps):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
     print("PINNED", json.dumps(sorted(pinned)))
     if "--copy" in sys.argv:  # DPO's frozen copy, as training/reference.py makes it: loaded partitioned, no optimizer
         pinned.clear()
@@ -81,7 +86,8 @@ def test_the_tensors_zero3s_offload_pins_are_the_plans(words):
     optimizer groups, DeepSpeed's CPU Adam) on one gloo process: every tensor its accelerator is asked to pin (each
     parameter's partition, the flat 16-bit buffers, the flat gradients, the fp32 gradient per sub group), recorded,
     is a tensor planning.states lists, of the same bytes."""
-    done = subprocess.run([sys.executable, "-c", ENGINE, *words], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", ENGINE, "zero3-offload", *words], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     recorded = next(line for line in done.stdout.splitlines() if line.startswith("PINNED"))
     recipe, s = load_recipe("zero3-offload", words), structure(read_config(embedded_model()))
@@ -97,7 +103,8 @@ def test_dpos_offloaded_reference_copy_pins_each_partition_as_planned():
     from memrecipe.planning.planner import estimate
     from memrecipe.planning.topology import Topology
 
-    done = subprocess.run([sys.executable, "-c", ENGINE, "--copy"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", ENGINE, "zero3-offload", "--copy"], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     recorded = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("COPY")).split(" ", 1)[1])
     s = structure(read_config(embedded_model()))
@@ -122,6 +129,28 @@ def test_the_plans_pinned_host_memory_is_what_is_page_locked_of_its_host_figure(
     zero3 = estimate(load_recipe("zero3-offload"), s, Topology(1))
     assert zero3.host_offload - zero3.host_pinned == 12 * s.params and zero3.host_pinned > 0
     assert estimate(load_recipe("zero3-offload", ["deepspeed.pin_memory=false"]), s, Topology(1)).host_pinned == 0
-    assert estimate(load_recipe("zero2"), s, Topology(2)).host_pinned is None
     assert estimate(load_recipe("fsdp", ["fsdp.offload_params=true"]), s, Topology(2)).host_pinned is None
     assert estimate(load_recipe("zero3-offload"), s, Topology(1, cpu=True)).host_pinned == 0
+
+
+@pytest.mark.parametrize("words", [[], ["lora.r=8", "lora.target_modules=all-linear", "gradient_accumulation_steps=1"]],
+                         ids=["full", "lora"])
+def test_the_tensors_zero2s_optimizer_offload_pins_are_the_plans(words):
+    """A ZeRO-2 engine with its optimizer offloaded (the zero2 recipe), built as the loop builds it, through its
+    first optimizer step on one gloo process: every tensor its accelerator is asked to pin (each group's fp32
+    partition, its 16-bit buffer and fp32 gradient, the largest parameter's 16-bit buffer, and under gradient
+    accumulation each parameter's 16-bit accumulator, which DeepSpeed's estimator leaves out) is one
+    states.zero2_host_tensors lists, of the same bytes; the plan's host figure holds them and CPU Adam's moments (or
+    loading's fp32 copy of the model, where more)."""
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.topology import Topology
+
+    done = subprocess.run([sys.executable, "-c", ENGINE, "zero2", *words], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recorded = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PINNED")).split(" ", 1)[1])
+    recipe, s = load_recipe("zero2", words), structure(read_config(embedded_model()))
+    planned, partitions = zero2_host_tensors(recipe, trainable_tensors(recipe, s), 1, 0, 2)
+    assert recorded == sorted(planned)
+    est = estimate(recipe, s, Topology(1))
+    assert est.host_pinned == pinned_bytes(recorded, [])
+    assert est.host_offload == max(est.host_pinned + 8 * partitions, 4 * s.params)  # (or the loading's fp32 copy)
