@@ -3,7 +3,7 @@ Llama-family layers, measured on CPU), at each checkpointing mode, and the loss'
 
 from __future__ import annotations
 
-from .architecture import Structure, lora_tensors_on_meta
+from .architecture import NORM_AFTER_MLP, Structure, lora_tensors_on_meta
 from .attention import block_mask_bytes, kept_mask_bytes, offset_limit, offsets_note, pick_attention, square_bytes
 from .hardware import usable_cores
 from .recipe import Recipe
@@ -146,6 +146,8 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         if mode == "qlora":
             per_token += 33 * h // 2  # the fp32 residual stream and norms (measured, Llama + bnb 4-bit)
     per_token += 8 + 4 * a  # two fp32 rsqrt vectors, SDPA's log-sum-exp per head
+    qk, rows = s.qk_norms  # Qwen3's, Gemma 3's, OLMo 2's query and key norms: their RMSNorm keeps an fp32 copy of the
+    per_token += 4 * qk + 4 * rows  # projection's output (which Llama's layers keep nothing of) and an rsqrt a row
     if moe:  # top-k routing over transformers 5's fused experts (its batched kernels, measured): per routed
         # token the expert's gate/up output, activation and product (4 x intermediate) and its gathered input and
         # output (2 x hidden), in the experts' weight dtype (autocast does not cast them), three int64 indices
@@ -292,10 +294,7 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     if recipe.tiled_mlp is not False:
         mlp_tokens = tile_tokens(recipe.tiled_mlp, tokens, s.hidden)
     lora = recipe.lora
-    if recipe.lean_norms:  # its output's gradient (the MLP input's), its input's, four fp32 buffers over a tile
-        norm = 2 * tokens * residual * s.hidden + 16 * min(tokens, s.hidden) * s.hidden
-    else:
-        norm = tokens * 20 * s.hidden
+    norm = norm_backward_bytes(recipe, s, residual, tokens)
     shared = shared_mlp_input_bytes(recipe, s, mode)
     # (its input, kept whole by the tiled MLP, freed with the rest)
     mlp_freed = saved - mlp_tokens * mlp_bytes(recipe, s, mode, cuda) - (tokens - mlp_tokens) * shared
@@ -307,6 +306,8 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
         lora.target_modules)) else 0
     places = [mlp_freed + norm,
               mlp_freed - after_attention - o_rank + attention_backward_bytes(s, mode, tokens, cuda, attention)]
+    if s.model_type in NORM_AFTER_MLP:  # the norm after the MLP: its backward first, the MLP's tensors still held
+        places.append(saved + norm)
     redraw = redraw_bytes(recipe, mode, cuda)
     outside = outside_redraw_bytes(recipe, s, tokens, cb, redraw) if redraw else 0
     if outside:
@@ -319,6 +320,14 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     if not s.experts:
         places += mlp_places(recipe, s, mode, tokens, mlp_tokens, saved, cuda)
     return max(places) + tokens * residual * s.hidden
+
+
+def norm_backward_bytes(recipe: Recipe, s: Structure, residual: int, tokens: int) -> int:
+    """A hidden-wide RMSNorm's backward buffers: transformers' five fp32 [tokens x hidden]; a lean norm's output's
+    gradient and its input's, and four fp32 buffers over a tile of hidden_size tokens."""
+    if recipe.lean_norms:
+        return 2 * tokens * residual * s.hidden + 16 * min(tokens, s.hidden) * s.hidden
+    return tokens * 20 * s.hidden
 
 
 def mlp_places(recipe: Recipe, s: Structure, mode: str, tokens: int, mlp_tokens: int, saved: int,

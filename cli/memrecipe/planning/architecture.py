@@ -24,6 +24,12 @@ EMBEDDED_CONFIG = EMBEDDED_MODEL / "config.json"
 # weight and OLMo2's casts elsewhere: lean_norms leaves theirs as they are, and the plan counts them so.
 LEAN_NORM_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmoe", "granite",
                    "granitemoe", "smollm3", "phi3", "deepseek_v3", "glm4"}
+# attention that normalises its query and key before RoPE (transformers' q_norm/k_norm): per head (Qwen3, Gemma 3) or
+# over the whole projection (OLMo 2)
+QK_NORMED = {"qwen3": "head", "gemma3_text": "head", "olmo2": "projection"}
+# layers that normalise the MLP's output before the residual add (post_feedforward_layernorm): its backward runs
+# first, beside everything the layer saved (training.tiling.mlp_output_unsaved reads the same off the layer's code)
+NORM_AFTER_MLP = {"gemma2", "gemma3_text", "olmo2"}
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "smollm3"}
 
 
@@ -96,6 +102,14 @@ class Structure:
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def qk_norms(self) -> tuple[int, int]:
+        """(elements, rows) a token's query and key normalisation reads (QK_NORMED): per head, a row of head_dim
+        each; over the projection, one row each. (0, 0) for attention without them."""
+        over = QK_NORMED.get(self.model_type)
+        width = (self.heads + self.kv_heads) * self.head_dim
+        return (0, 0) if over is None else (width, self.heads + self.kv_heads if over == "head" else 2)
 
     @property
     def layer_params(self) -> int:
