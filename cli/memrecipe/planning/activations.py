@@ -3,7 +3,7 @@ Llama-family layers, measured on CPU), at each checkpointing mode, and the loss'
 
 from __future__ import annotations
 
-from .architecture import NORM_AFTER_MLP, Structure, lora_tensors_on_meta
+from .architecture import NORM_AFTER_MLP, SANDWICH_NORMED, Structure, lora_tensors_on_meta
 from .attention import block_mask_bytes, kept_mask_bytes, offset_limit, offsets_note, pick_attention, square_bytes
 from .hardware import usable_cores
 from .recipe import Recipe
@@ -146,8 +146,7 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         if mode == "qlora":
             per_token += 33 * h // 2  # the fp32 residual stream and norms (measured, Llama + bnb 4-bit)
     per_token += 8 + 4 * a  # two fp32 rsqrt vectors, SDPA's log-sum-exp per head
-    qk, rows = s.qk_norms  # Qwen3's, Gemma 3's, OLMo 2's query and key norms: their RMSNorm keeps an fp32 copy of the
-    per_token += 4 * qk + 4 * rows  # projection's output (which Llama's layers keep nothing of) and an rsqrt a row
+    per_token += more_norms_bytes(s)
     if moe:  # top-k routing over transformers 5's fused experts (its batched kernels, measured): per routed
         # token the expert's gate/up output, activation and product (4 x intermediate) and its gathered input and
         # output (2 x hidden), in the experts' weight dtype (autocast does not cast them), three int64 indices
@@ -179,6 +178,15 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         if on_experts:  # peft's ParamWrapper runs the experts on W + BA: that merged weight is saved, in
             total += 2 * s.expert_params + 2 * sum(t.numel for t in on_experts)  # 16 bits, with its factors' casts
     return total
+
+
+def more_norms_bytes(s: Structure) -> int:
+    """Per token, what a layer's norms beyond Llama's two keep, each an fp32 copy of its input and an rsqrt a row:
+    Qwen3's, Gemma 3's and OLMo 2's of the query and the key (of the projections' outputs, which Llama's layers keep
+    nothing of), Gemma 2's and 3's after attention and the MLP (hidden-wide). Measured on CPU
+    (tests/unit/planning/test_activations.py)."""
+    qk, rows = s.qk_norms
+    return 4 * qk + 4 * rows + (2 * (4 * s.hidden + 4) if s.model_type in SANDWICH_NORMED else 0)
 
 
 def lean_norm_saving(mode: str, h: int) -> int:

@@ -27,6 +27,8 @@ LEAN_NORM_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
 # attention that normalises its query and key before RoPE (transformers' q_norm/k_norm): per head (Qwen3, Gemma 3) or
 # over the whole projection (OLMo 2)
 QK_NORMED = {"qwen3": "head", "gemma3_text": "head", "olmo2": "projection"}
+# layers with a norm before and after both attention and the MLP (four hidden-wide norms; Llama's have two)
+SANDWICH_NORMED = {"gemma2", "gemma3_text"}
 # layers that normalise the MLP's output before the residual add (post_feedforward_layernorm): its backward runs
 # first, beside everything the layer saved (training.tiling.mlp_output_unsaved reads the same off the layer's code)
 NORM_AFTER_MLP = {"gemma2", "gemma3_text", "olmo2"}

@@ -301,12 +301,13 @@ def test_lora_under_deepspeeds_bf16_engine_keeps_what_the_plan_says(wide, rung):
 
 @pytest.fixture(scope="module")
 def normed(tmp_path_factory):
-    """Qwen3 and OLMo 2 at the widened Llama's widths: their attention norms its query and key (per head; over the
-    projection), and OLMo 2 norms the MLP's output before the residual add."""
-    from transformers import AutoModelForCausalLM, Olmo2Config, Qwen3Config
+    """Qwen3, OLMo 2 and Gemma 3 at the widened Llama's widths: their attention norms its query and key (per head;
+    over the projection; per head), OLMo 2 norms the MLP's output before the residual add, Gemma 3 both before and
+    after attention and the MLP."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, Olmo2Config, Qwen3Config
 
     made = {}
-    for kind, config in (("qwen3", Qwen3Config), ("olmo2", Olmo2Config)):
+    for kind, config in (("qwen3", Qwen3Config), ("olmo2", Olmo2Config), ("gemma3", Gemma3TextConfig)):
         torch.manual_seed(0)
         folder = tmp_path_factory.mktemp(kind)
         AutoModelForCausalLM.from_config(config(**WIDE, vocab_size=512, max_position_embeddings=4096,
@@ -318,14 +319,16 @@ def normed(tmp_path_factory):
 @pytest.mark.parametrize("kind, rung, low, high", [
     ("qwen3", "none", 0.95, 1.05), ("qwen3", "full", 0.95, 1.05), ("qwen3", "tiled", 0.95, 1.05),
     ("olmo2", "none", 0.95, 1.05), ("olmo2", "full", 0.95, 1.05),
-    ("olmo2", "tiled", 1.0, 1.15)])  # (its norm's backward in the tiled layer: planned as Llama's, above it)
+    ("olmo2", "tiled", 1.0, 1.15), ("gemma3", "full", 0.95, 1.05),
+    ("gemma3", "tiled", 1.0, 1.15)])  # (their norm's backward in the tiled layer: planned as Llama's, above it)
 def test_query_and_key_norms_and_a_norm_after_the_mlp_are_planned(normed, kind, rung, low, high):
     """Qwen3's, Gemma 3's and OLMo 2's attention norm the query and key before RoPE: their RMSNorm keeps an fp32 copy
     of each projection's output, which Llama's layers keep nothing of (architecture.Structure.qk_norms); the plan
     was 0.88x / 0.85x the step's peak without it (Qwen3 / OLMo 2, no checkpointing). OLMo 2 (and Gemma 2 and 3) norm
     the MLP's output: that norm's backward runs first in the layer's, the MLP's tensors still held (0.91x under full
-    checkpointing without that place). LoRA on every linear, 1,024 tokens: the plan within 5% of the peak (the
-    tiled OLMo 2 row above it, by up to 15%)."""
+    checkpointing without that place). Gemma 2's and 3's two more hidden-wide norms keep an fp32 copy each (0.91x
+    without). LoRA on every linear, 1,024 tokens: the plan within 5% of the peak (the tiled rows of the models that
+    norm the MLP's output above it, by up to 15%)."""
     from helpers import loop_model
     from measuring import step_peak
     from memrecipe.planning.activations import activation_bytes, activation_mode
