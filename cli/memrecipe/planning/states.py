@@ -229,7 +229,7 @@ class States:
     optimizer: int
     host: int = 0
     # of `host`, what is page-locked (torch's pinned allocator, the activation offload's registered arena); None where
-    # the engine's pinning is not planned (FSDP's parameter offload)
+    # the engine's pinning is not planned (FSDP1's offload, FSDP's of a quantized base)
     pinned: int | None = 0
     gathered_params: int = 0
     gathered_grads: int = 0
@@ -415,9 +415,11 @@ def zero2_host_tensors(recipe: Recipe, train: list[Tensor], processes: int, rank
     return tensors + (accumulated if recipe.gradient_accumulation_steps > 1 else []), partitions
 
 
-def fsdp_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
+def fsdp_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
     """FSDP's shards, the units it gathers (the running one and the prefetched one, or all of it without
-    resharding), a full unit's gradients before the reduce-scatter; with parameter offload, the shards on the host."""
+    resharding), a full unit's gradients before the reduce-scatter; with parameter offload, the shards on the host,
+    pinned on a GPU box as fsdp_host_tensors lists them (FSDP2; a quantized base's and FSDP1's flat parameters: not
+    planned), the optimizer's state pageable."""
     f, n, cb = recipe.fsdp, z.processes, z.compute_bytes
     tp = recipe.tensor_parallel
     # one decoder layer, or the root (embeddings, head); under TP, FSDP gathers a unit's TP shard only
@@ -435,7 +437,10 @@ def fsdp_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
     unit_grads = 0 if recipe.lora else cb * unit  # a full unit's gradients before the reduce-scatter
     if f.offload_params:
         out = States(units + scales, unit_grads, 0, (sharded + 4 * z.trained // n + z.optimizer // n) * z.local,
-                     pinned=None)
+                     pinned=0 if z.cpu else None)
+        if not z.cpu and not recipe.quantization and f.version == 2:  # (FSDP1's flat parameters: not planned)
+            out.pinned = z.local * pinned_bytes(fsdp_host_tensors(recipe, s, train, n, cb), [])
+            out.host = out.pinned + z.local * z.optimizer // n
     else:
         out = States(sharded + units + scales, 4 * z.trained // n + unit_grads, z.optimizer // n)
     out.gathered_params, out.gathered_grads = units, unit_grads
@@ -443,6 +448,20 @@ def fsdp_states(recipe: Recipe, s: Structure, z: Sizes) -> States:
         out.notes.append(f"each GPU keeps the whole base's quantization scales ({scales / GiB:.2f} GiB): FSDP shards "
                          "only the packed weights")
     return out
+
+
+def fsdp_host_tensors(recipe: Recipe, s: Structure, train: list[Tensor], processes: int,
+                      compute_bytes: int) -> list[int]:
+    """The bytes of each host tensor a process's FSDP2 parameter offload pins (accelerate's CPUOffloadPolicy, whose
+    pin_memory is on): each parameter's shard (dim 0 padded to a multiple of the processes, _fsdp_param.py
+    `padded_sharded_param.pin_memory()`), trained ones in fp32 and a LoRA's frozen base in the compute dtype; and
+    each trained shard's gradient, copied to the host without blocking (_fsdp_collectives.py foreach_reduce:
+    `.to("cpu", non_blocking=True)` makes a pinned tensor; later micro batches add into it). Read off torch's
+    source: a CPU pins nothing, and FSDP's offload runs on CUDA only."""
+    shard = lambda t: -(-t.shape[0] // processes) * (t.numel // t.shape[0])  # noqa: E731
+    trained = [4 * shard(t) for t in train]
+    frozen = [compute_bytes * shard(t) for t in s.tensors()] if recipe.lora else []
+    return frozen + trained + trained
 
 
 def plain_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
@@ -486,5 +505,5 @@ def engine_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -
     if recipe.deepspeed is not None:
         return zero3_states(recipe, s, z, train) if recipe.deepspeed.zero_stage == 3 else zero2_states(recipe, z, train)
     if recipe.fsdp:
-        return fsdp_states(recipe, s, z)
+        return fsdp_states(recipe, s, z, train)
     return plain_states(recipe, s, z, train)

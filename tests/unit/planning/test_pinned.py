@@ -118,7 +118,8 @@ def test_dpos_offloaded_reference_copy_pins_each_partition_as_planned():
 def test_the_plans_pinned_host_memory_is_what_is_page_locked_of_its_host_figure():
     """Estimate.host_pinned (in `plan --json`; gpu_acceptance holds a run's pinned bytes to it): the activation
     offload's arena, all of its host figure; ZeRO-3's offload, all but CPU Adam's fp32 master and moments (12 bytes a
-    trained parameter, pageable); None where the engine's pinning is not planned; 0 on CPU, where nothing is pinned."""
+    trained parameter, pageable); None where the engine's pinning is not planned (FSDP1's offload, a quantized
+    base's); 0 on CPU, where nothing is pinned."""
     from memrecipe.planning.planner import estimate
     from memrecipe.planning.topology import Topology
 
@@ -129,7 +130,8 @@ def test_the_plans_pinned_host_memory_is_what_is_page_locked_of_its_host_figure(
     zero3 = estimate(load_recipe("zero3-offload"), s, Topology(1))
     assert zero3.host_offload - zero3.host_pinned == 12 * s.params and zero3.host_pinned > 0
     assert estimate(load_recipe("zero3-offload", ["deepspeed.pin_memory=false"]), s, Topology(1)).host_pinned == 0
-    assert estimate(load_recipe("fsdp", ["fsdp.offload_params=true"]), s, Topology(2)).host_pinned is None
+    assert estimate(load_recipe("fsdp", ["fsdp.offload_params=true", "fsdp.version=1"]), s, Topology(2)).host_pinned is None
+    assert estimate(load_recipe("fsdp-qlora", ["fsdp.offload_params=true"]), s, Topology(2)).host_pinned is None
     assert estimate(load_recipe("zero3-offload"), s, Topology(1, cpu=True)).host_pinned == 0
 
 
@@ -154,3 +156,25 @@ def test_the_tensors_zero2s_optimizer_offload_pins_are_the_plans(words):
     est = estimate(recipe, s, Topology(1))
     assert est.host_pinned == pinned_bytes(recorded, [])
     assert est.host_offload == max(est.host_pinned + 8 * partitions, 4 * s.params)  # (or the loading's fp32 copy)
+
+
+@pytest.mark.parametrize("recipe", ["fsdp", "fsdp-lora"])
+def test_fsdp2s_offload_pins_each_shard_and_each_trained_shards_gradient(recipe):
+    """FSDP2's parameter offload (accelerate's CPUOffloadPolicy, pin_memory on), read off torch's source: each
+    parameter's shard pinned (dim 0 padded to a multiple of the processes), trained ones in fp32, a LoRA's frozen base
+    in bf16, and each trained shard's gradient (a non-blocking copy to the host: pinned), each a block of torch's
+    host allocator; the optimizer's state pageable beside them. (CPU torch pins nothing: the arithmetic is checked
+    here, a GPU box's host allocator stats in the acceptance run.)"""
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.states import fsdp_host_tensors, optimizer_state_bytes
+    from memrecipe.planning.topology import Topology
+
+    s = structure(read_config(embedded_model()))
+    r = load_recipe(recipe, ["fsdp.offload_params=true"])
+    est, train = estimate(r, s, Topology(2)), trainable_tensors(r, s)
+    shards = [4 * -(-t.shape[0] // 2) * (t.numel // t.shape[0]) for t in train]
+    frozen = [2 * -(-t.shape[0] // 2) * (t.numel // t.shape[0]) for t in s.tensors()] if r.lora else []
+    assert sorted(fsdp_host_tensors(r, s, train, 2, 2)) == sorted(frozen + 2 * shards)
+    pinned = 2 * pinned_bytes(frozen + 2 * shards, [])  # two processes on the machine
+    assert est.host_pinned == pinned
+    assert est.host_offload == pinned + 2 * (optimizer_state_bytes(r, train, 4) // 2)
