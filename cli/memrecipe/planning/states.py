@@ -311,17 +311,22 @@ def zero3_host_tensors(recipe: Recipe, s: Structure, train: list[Tensor], proces
     (stage3.py `grad_partitions_flat_buffer`) and an fp32 one per sub group (stage3.py `initialize_optimizer_states`).
     Each is what a real engine asks its accelerator to pin, recorded on CPU (tests/unit/planning/test_pinned.py)."""
     ds = recipe.deepspeed
-    part = lambda numel: -(-numel // processes)  # noqa: E731
-    groups = [[part(t.numel) for t in g] for g in optimizer_groups(train)]
+    groups = [[-(-t.numel // processes) for t in g] for g in optimizer_groups(train)]
     out: dict[str, list[int]] = {"params": [], "freed": [], "grads": []}
     if ds.offload_param != "none":
-        frozen = [] if recipe.lora is None else [part(t.numel) for t in s.tensors()]
-        out["params"] = [compute_bytes * numel for numel in frozen] + [compute_bytes * sum(g) for g in groups]
+        frozen = [] if recipe.lora is None else zero3_partitions(s, processes, compute_bytes)
+        out["params"] = frozen + [compute_bytes * sum(g) for g in groups]
         out["freed"] = [compute_bytes * p for g in groups for p in g]
     if ds.offload_optimizer != "none":
         out["grads"] = [compute_bytes * sum(p for g in groups for p in g)]
         out["grads"] += [4 * numel for g in groups for numel in sub_groups(g, ds.sub_group_size)]
     return out
+
+
+def zero3_partitions(s: Structure, processes: int, compute_bytes: int) -> list[int]:
+    """The bytes of each parameter's ZeRO-3 partition in 16 bits, ceil(numel / processes) elements, as zero.Init
+    makes it (partition_parameters.py `_partition_param`): offloaded, each pinned where `pin_memory`."""
+    return [compute_bytes * -(-t.numel // processes) for t in s.tensors()]
 
 
 def zero3_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
@@ -488,7 +493,7 @@ def add_reference(recipe: Recipe, s: Structure, z: Sizes, states: States) -> Non
         copy = z.compute_bytes * z.params // n if zero3 else z.weight_bytes * z.params // (n if recipe.fsdp else 1)
         pinned = offloaded and recipe.deepspeed.pin_memory and not z.cpu
         if pinned:
-            copy = pinned_bytes([z.compute_bytes * -(-t.numel // n) for t in s.tensors()], [])
+            copy = pinned_bytes(zero3_partitions(s, n, z.compute_bytes), [])
         if offloaded:
             states.add_host(copy * z.local, pinned)
         else:
