@@ -200,13 +200,7 @@ def cpu_rates() -> fc.Rates:
         y.float().sum().backward()
 
     matmul = 6 * tokens * width * out / timed(linear)
-    heads, dim = 8, 64
-    q, k, v = (torch.randn(1, heads, tokens, dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-
-    def attention():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
-
-    sdpa = 3.5 * 2 * tokens * tokens * heads * dim / timed(attention)
+    sdpa, score, block = cpu_attention()
     big = torch.randn(64 * 2**20 // 4)
     copy = 2 * big.numel() * 4 / timed(lambda: big.clone())
     from peft import LoraConfig, get_peft_model
@@ -229,15 +223,53 @@ def cpu_rates() -> fc.Rates:
     adapters = fc.adapter_bytes(recipe, one) * tokens / extra  # (its passes: one forward, a backward of two)
     noise = torch.randn(tokens, width)  # dropout as peft's adapters draw it: over their fp32 input
     dropout = noise.numel() / timed(lambda: F.dropout(noise, 0.05, training=True))
-    layer, adapter, rest = dispatch()
-    return fc.Rates("this CPU (measured)", matmul, {"sdpa": sdpa}, adapters, copy, copy, copy, copy,
-                    layer_dispatch=layer, adapter_dispatch=adapter, model_dispatch=rest, dropout=dropout)
+    rates = fc.Rates("this CPU (measured)", matmul, {"sdpa": sdpa}, adapters, copy, copy, copy, copy, dropout=dropout,
+                     cpu_attention=True, attention_score=score, attention_block=block)
+    layer, adapter, recompute, rest = dispatch(rates)
+    return replace(rates, layer_dispatch=layer, adapter_dispatch=adapter, recompute_dispatch=recompute,
+                   model_dispatch=rest)
 
 
-def dispatch(tokens: int = 8) -> tuple[float, float, float]:
-    """Seconds a decoder layer's ops take to dispatch, and a LoRA adapter's, a pass, and the rest of a micro batch's
-    (embedding, final norm, loss): the step time of the embedded model at a few tokens (all overhead) with 2 and 6
-    layers, full fine-tuning and LoRA on every linear."""
+# Shapes sdpa's CPU kernel is timed at (batch, heads, tokens, head_dim): short rows, where its blocks' fixed costs
+# tell, long ones, where its FLOPs do, and head widths 32-128.
+ATTENTION_SHAPES = [(4, 4, 256, 32), (2, 8, 128, 64), (1, 8, 512, 64), (1, 4, 1024, 32), (1, 8, 2048, 64),
+                    (1, 4, 2048, 128)]
+
+
+def cpu_attention() -> tuple[float, float, float]:
+    """Causal sdpa's rates on this CPU, forward and backward in bf16: its FLOP/s, and its seconds a score and a
+    (query block, key block) pair beside them, solved from ATTENTION_SHAPES (least squares on relative time) with
+    the work counted as the forecast counts it (forecast.cpu_flash_work). Prints how far each shape's time is from
+    the three terms, and the kernel's causal time over its unmasked time beside the share of the square it counts."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    def run(q, k, v, causal):
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal).float().sum().backward()
+
+    work, seconds = [], []
+    for batch, heads, length, dim in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(batch, heads, length, dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        share, pairs = fc.cpu_flash_work(length)
+        scores = batch * heads * share * length**2
+        work.append((3.5 * 4 * scores * dim, scores, batch * heads * pairs))
+        seconds.append(timed(run(q, k, v, True)))
+        unmasked = timed(run(q, k, v, False))
+        print(f"sdpa {batch} x {heads} heads x {length} tokens x {dim}: {seconds[-1] * 1e3:.1f} ms, "
+              f"causal over unmasked {seconds[-1] / unmasked:.2f} (the kernel's blocks: {share:.2f})", flush=True)
+    a, y = np.array(work), np.array(seconds)
+    per_flop, score, block = np.linalg.lstsq(a / y[:, None], np.ones(len(y)), rcond=None)[0]
+    print("sdpa's three terms over each time:", " ".join(f"{v:.2f}" for v in a @ [per_flop, score, block] / y))
+    return 1 / per_flop, score, block
+
+
+def dispatch(rates: fc.Rates, tokens: int = 8) -> tuple[float, float, float, float]:
+    """Seconds a decoder layer's ops take to dispatch, and a LoRA adapter's, a pass; what a checkpointed layer's
+    recompute costs beyond a pass (torch.utils.checkpoint's own work: its saved-tensor hooks, the forward run again
+    from backward); and the rest of a micro batch's (embedding, final norm, loss): the step time of the embedded
+    model at a few tokens (all overhead but for attention's blocks, taken off at these rates) with 2 and 6 layers,
+    full fine-tuning with and without checkpointing, and LoRA on every linear."""
     import tempfile
 
     import torch
@@ -248,6 +280,8 @@ def dispatch(tokens: int = 8) -> tuple[float, float, float]:
     from helpers import loop_model
 
     seconds = {}
+    runs = {"full": ("single-gpu-full", "false"), "checkpointed": ("single-gpu-full", "true"),
+            "lora": ("single-gpu-lora", "false")}
     with tempfile.TemporaryDirectory() as folder:
         for layers in (2, 6):
             config = AutoConfig.from_pretrained(embedded_model())
@@ -255,19 +289,24 @@ def dispatch(tokens: int = 8) -> tuple[float, float, float]:
             path = Path(folder) / str(layers)
             AutoModelForCausalLM.from_config(config).save_pretrained(path)
             AutoTokenizer.from_pretrained(embedded_model()).save_pretrained(path)
-            for name in ("single-gpu-full", "single-gpu-lora"):
-                recipe = load_recipe(name, ["gradient_checkpointing=false", f"max_seq_length={tokens}",
+            for run, (name, checkpointing) in runs.items():
+                recipe = load_recipe(name, [f"gradient_checkpointing={checkpointing}", f"max_seq_length={tokens}",
                                             "per_device_train_batch_size=1", "packing=false", "attn_implementation=sdpa",
                                             *(["lora.target_modules=all-linear"] if "lora" in name else [])])
                 model, _ = loop_model(recipe, str(path), "bf16")
+                model.train()
                 ids = torch.randint(0, config.vocab_size, (1, tokens))
                 batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
                          "position_ids": torch.arange(tokens)[None]}
-                seconds[name, layers] = timed(partial(step, model, batch), repeats=20)
-    layer = (seconds["single-gpu-full", 6] - seconds["single-gpu-full", 2]) / 4 / 3
+                s = structure(config.to_dict())
+                seconds[run, layers] = timed(partial(step, model, batch), repeats=20) - fc.attention_seconds(
+                    recipe, s, tokens, 1, "sdpa", rates)
+    per_layer = {run: (seconds[run, 6] - seconds[run, 2]) / 4 for run in runs}
+    layer = per_layer["full"] / 3
     adapters = len(shape("1b").linears)
-    adapter = (seconds["single-gpu-lora", 6] - seconds["single-gpu-lora", 2]) / 4 / 3 / adapters - layer / adapters
-    return layer, max(adapter, 0.0), seconds["single-gpu-full", 2] - 2 * 3 * layer
+    adapter = (per_layer["lora"] / 3 - layer) / adapters
+    recompute = per_layer["checkpointed"] - per_layer["full"] - layer
+    return layer, max(adapter, 0.0), max(recompute, 0.0), seconds["full", 2] - 2 * 3 * layer
 
 
 CPU_ROWS = [("single-gpu-lora", ["gradient_checkpointing=true"]), ("single-gpu-lora", ["gradient_checkpointing=true",
@@ -322,10 +361,12 @@ def main():
     if args.cpu:
         rates = cpu_rates()
         print(f"this CPU: matmuls {rates.matmul / 1e9:.0f} GFLOP/s, causal sdpa {rates.attention['sdpa'] / 1e9:.0f} "
-              f"GFLOP/s, LoRA's adapters {rates.adapters / 1e9:.1f} GB/s, dropout {rates.dropout / 1e6:.0f}M "
+              f"GFLOP/s and {rates.attention_score * 1e9:.2f} ns a score, {rates.attention_block * 1e6:.0f} us a "
+              f"block, LoRA's adapters {rates.adapters / 1e9:.1f} GB/s, dropout {rates.dropout / 1e6:.0f}M "
               f"elements/s, copies {rates.bandwidth / 1e9:.1f} GB/s; "
               f"dispatch a pass: {rates.layer_dispatch * 1e3:.2f} ms a layer, {rates.adapter_dispatch * 1e3:.2f} ms "
-              f"an adapter, {rates.model_dispatch * 1e3:.2f} ms the rest of a micro batch")
+              f"an adapter, {rates.recompute_dispatch * 1e3:.2f} ms a checkpointed layer's recompute beyond that, "
+              f"{rates.model_dispatch * 1e3:.2f} ms the rest of a micro batch")
         body = cpu_table(rates, {"embedded": 256, "wide": 2048})
         print(table(["MODEL", "TOKENS", "RECIPE", "RUNG", "MEASURED tok/s", "FORECAST tok/s", "RATIO"], body))
         return

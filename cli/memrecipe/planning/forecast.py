@@ -74,10 +74,16 @@ class Rates:
     # what a CPU spends beside the arithmetic, the tiny model's whole step; a GPU's is in its efficiencies
     layer_dispatch: float = 0.0
     adapter_dispatch: float = 0.0
+    recompute_dispatch: float = 0.0  # a checkpointed layer's recompute beyond a pass: torch.utils.checkpoint's own
     model_dispatch: float = 0.0  # a micro batch's ops outside the layers (embedding, final norm, loss), all passes
     # elements/s LoRA's dropout draws, where drawing random numbers is a cost of its own (a CPU's bernoulli: a third
     # of the embedded single-gpu-lora step); 0: in the adapters' bytes, as a GPU's fused dropout is
     dropout: float = 0.0
+    # torch's CPU flash kernel (sdpa on a CPU): it computes whole blocks of keys (cpu_flash_work), and beside its FLOPs
+    # costs seconds per score it computes (the softmax's elementwise work) and per block, a forward and backward
+    cpu_attention: bool = False
+    attention_score: float = 0.0
+    attention_block: float = 0.0
 
 
 def gpu_rates(gpu: Gpu) -> Rates:
@@ -90,8 +96,9 @@ def gpu_rates(gpu: Gpu) -> Rates:
 REFERENCE = gpu_rates(GPUS["H100"])
 # `plan --cpu`: the rates of this project's 2-core machine, as `python benchmarks/forecast.py --cpu` measured them
 # (a CPU's own differ: that command prints them, and the ratio of forecast to measured on it).
-CPU_RATES = Rates("this project's 2-core CPU", 3.14e11, {"sdpa": 1.19e11}, 1.91e10, 4.9e9, 4.9e9, 4.9e9, 4.9e9,
-                  layer_dispatch=0.74e-3, adapter_dispatch=0.23e-3, model_dispatch=0.61e-3, dropout=1.73e8)
+CPU_RATES = Rates("this project's 2-core CPU", 2.44e11, {"sdpa": 2.82e11}, 1.63e10, 4.9e9, 4.9e9, 4.9e9, 4.9e9,
+                  layer_dispatch=0.44e-3, adapter_dispatch=0.29e-3, recompute_dispatch=1.47e-3, model_dispatch=1.49e-3,
+                  dropout=1.79e8, cpu_attention=True, attention_score=1.15e-9, attention_block=86e-6)
 
 
 @dataclass(frozen=True)
@@ -140,14 +147,52 @@ def matmul_flops(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = N
     return float(flops)
 
 
-def attention_flops(recipe: Recipe, s: Structure, seq: int) -> float:
-    """Attention's FLOPs a token costs at `seq` tokens a row, causal (each query sees the keys before it): per layer
-    the forward's two products, 2 x seq x heads x head_dim, backward's five (FlashAttention's: the scores again,
-    then dV, dP, dQ, dK), and the forward again under full checkpointing. A packed row's documents attend only
-    within themselves: counted as one document of the row's length, an upper bound."""
-    per_layer = 2 * seq * s.heads * s.head_dim
-    forwards = 1 + (1 if recipe.recomputes else 0)
-    return float(s.layers * per_layer * (forwards + 2.5))
+def attention_passes(recipe: Recipe) -> float:
+    """Attention's passes a step in forwards: the forward, again under full checkpointing, and backward's five
+    products to the forward's two (FlashAttention's: the scores again, then dV, dP, dQ, dK)."""
+    return 1 + (1 if recipe.recomputes else 0) + 2.5
+
+
+def attention_flops(recipe: Recipe, s: Structure, seq: int, computed: float = 0.5) -> float:
+    """Attention's FLOPs a token costs at `seq` tokens a row: per layer a forward's two products over the keys it
+    computes, `computed` of the [seq x seq] square (0.5: causal, each query the keys before it, as the GPU's
+    FlashAttention kernels skip the blocks above the diagonal; 1: every score, under a mask), times
+    attention_passes. A packed row's documents attend only within themselves: counted as one document of the row's
+    length, an upper bound."""
+    per_layer = 2 * 2 * computed * seq * s.heads * s.head_dim
+    return float(s.layers * per_layer * attention_passes(recipe))
+
+
+def cpu_flash_work(seq: int, causal: bool = True) -> tuple[float, int]:
+    """What torch's CPU flash kernel computes of one row's [seq x seq] scores a head: the share of the square, and
+    its (query block, key block) pairs. Queries go in blocks of 256 from 768 tokens, 64 from 192, else 32; keys in
+    blocks of 512; a causal query block computes every key block it reaches whole and masks the future keys in the
+    last one rather than skipping them (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, forward and backward
+    alike): at 512 tokens or fewer, the whole square."""
+    q, kv = (256 if seq >= 768 else 64 if seq >= 192 else 32), 512
+    scores = pairs = 0
+    for m in range(0, seq, q):
+        rows = min(q, seq - m)
+        blocks = -(-(min(m + rows, seq) if causal else seq) // kv)
+        scores += rows * min(seq, blocks * kv)
+        pairs += blocks
+    return scores / seq**2, pairs
+
+
+def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, attention: str, rates: Rates) -> float:
+    """Seconds the attention of `rows` rows of `seq` tokens takes on one process, in bf16. Under a mask (a packed
+    row's documents, under sdpa) no kernel skips a block: every score is computed. Eager multiplies the [S x S]
+    scores as plain batched matmuls. On a CPU, sdpa is torch's flash kernel: its blocks (cpu_flash_work), and its
+    seconds beside the FLOPs a score and a block, for the passes attention_passes counts."""
+    masked = attention == "eager" or recipe.packing and attention == "sdpa"
+    if attention not in rates.attention:  # (eager)
+        return attention_flops(recipe, s, seq, 1.0) * rows * seq / rates.matmul
+    if not rates.cpu_attention:
+        return attention_flops(recipe, s, seq, 1.0 if masked else 0.5) * rows * seq / rates.attention[attention]
+    share, pairs = cpu_flash_work(seq, causal=not masked)
+    beside = s.layers * s.heads * rows * attention_passes(recipe) / 3.5 * (
+        share * seq**2 * rates.attention_score + pairs * rates.attention_block)
+    return attention_flops(recipe, s, seq, share) * rows * seq / rates.attention[attention] + beside
 
 
 def dropout_draws(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = None) -> float:
@@ -220,10 +265,7 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
     tp = recipe.tensor_parallel
     slower = 1 if precision in ("bf16", "fp16") else 2
     mm = slower * matmul_flops(recipe, s, tiles_recomputed) * tokens / tp / rates.matmul
-    if attention in rates.attention:
-        attn = slower * attention_flops(recipe, s, seq) * tokens / tp / rates.attention[attention]
-    else:  # eager: every score computed (no causal skip), as plain batched matmuls
-        attn = slower * 2 * attention_flops(recipe, s, seq) * tokens / tp / rates.matmul
+    attn = slower * attention_seconds(recipe, s, seq, tokens / seq, attention, rates) / tp
     drawn = recipe  # (where drawing is a cost of its own, the adapters' bytes are counted without their dropout's)
     if rates.dropout and recipe.lora and recipe.lora.dropout:
         drawn = replace(recipe, lora=replace(recipe.lora, dropout=0.0))
@@ -232,10 +274,11 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
              "loss": s.vocab * LOSS_BYTES * tokens / tp / rates.bandwidth}
     if drawn is not recipe:
         parts["dropout"] = dropout_draws(recipe, s, tiles_recomputed) * tokens / rates.dropout
-    if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch:
+    if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch or rates.recompute_dispatch:
         adapters = len(s.lora_linears(recipe.lora.target_modules)) if recipe.lora else 0
         parts["dispatch"] = rates.model_dispatch + s.layers * (3 + (1 if recipe.checkpoints else 0)) * (
-            rates.layer_dispatch + adapters * rates.adapter_dispatch)
+            rates.layer_dispatch + adapters * rates.adapter_dispatch) + (
+            s.layers * rates.recompute_dispatch if recipe.checkpoints else 0.0)
     passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward
     if recipe.quantization:  # 4-bit read, 16-bit written and read again, before every matmul of a frozen weight
         weights = sum(g.layers * sum(lin.params for lin in g.linears) for g in s.groups())

@@ -56,6 +56,56 @@ def test_attention_grows_with_the_row_and_is_recomputed_under_full_checkpointing
     assert fc.attention_flops(full, s, 2048) / fc.attention_flops(plain, s, 2048) == 4.5 / 3.5
 
 
+@pytest.mark.parametrize("seq, share, pairs", [
+    (128, 1.0, 4),  # queries in blocks of 32, each computing the row's one key block whole: the square
+    (256, 1.0, 4),  # blocks of 64 from 192 tokens
+    (512, 1.0, 8),
+    (1024, 0.75, 6),  # blocks of 256 from 768; the first two reach one key block of 512, the last two both
+    (2048, 0.625, 20),
+    (4096, 0.5625, 72)])
+def test_the_cpu_flash_kernel_computes_whole_key_blocks(seq, share, pairs):
+    """torch's CPU flash kernel (sdpa on a CPU) computes every key block a query block reaches, whole, and masks
+    the future keys rather than skipping them: at 512 tokens or fewer, the whole square; the causal half only as
+    the row grows past its 512-key blocks (benchmarks/forecast.py --cpu prints each shape's causal time over its
+    unmasked time beside this share: 0.61-0.66 at 2,048 tokens, 1.0 at 512 and below)."""
+    assert fc.cpu_flash_work(seq) == (share, pairs)
+    assert fc.cpu_flash_work(seq, causal=False)[0] == 1.0  # under a mask: every block
+
+
+def test_cpu_attention_is_its_kernels_blocks_and_a_packed_rows_mask_computes_every_score():
+    s = structure(read_config(None))
+    words = ["gradient_checkpointing=false", "attn_implementation=sdpa"]
+    whole, packed = (load_recipe("single-gpu-lora", [*words, f"packing={p}"]) for p in ("false", "true"))
+    cpu, gpu = fc.CPU_RATES, fc.REFERENCE
+    # a GPU's kernel skips the blocks above the diagonal; a mask (packed documents under sdpa) makes it compute all
+    half = fc.attention_seconds(whole, s, 2048, 1, "sdpa", gpu)
+    assert half == pytest.approx(fc.attention_flops(whole, s, 2048) * 2048 / gpu.attention["sdpa"])
+    assert fc.attention_seconds(packed, s, 2048, 1, "sdpa", gpu) == pytest.approx(2 * half)
+    flex = fc.attention_seconds(whole, s, 2048, 1, "flex_attention", gpu)
+    assert fc.attention_seconds(packed, s, 2048, 1, "flex_attention", gpu) == flex  # (its block mask skips)
+    # on a CPU, at 256 tokens the kernel computes the whole square, causal or masked, and pays each block and score
+    share, blocks = fc.cpu_flash_work(256)
+    scores = s.layers * s.heads * share * 256**2
+    expected = (fc.attention_flops(whole, s, 256, share) * 256 / cpu.attention["sdpa"]
+                + scores * cpu.attention_score + s.layers * s.heads * blocks * cpu.attention_block)
+    assert fc.attention_seconds(whole, s, 256, 1, "sdpa", cpu) == pytest.approx(expected)
+    assert fc.attention_seconds(packed, s, 256, 1, "sdpa", cpu) == pytest.approx(expected)
+    assert expected > 2 * fc.attention_flops(whole, s, 256) * 256 / cpu.attention["sdpa"]  # more than half's FLOPs
+
+
+def test_a_cpu_pays_each_checkpointed_layers_recompute_beyond_its_pass():
+    """torch.utils.checkpoint's own work (its hooks, autocast's casts of the weights again) in the recompute costs a
+    CPU more than a pass of the layer's ops: measured apart (benchmarks/forecast.py --cpu), counted a layer."""
+    s = structure(read_config(None))
+    off, on = (load_recipe("single-gpu-full", [f"gradient_checkpointing={c}", "tiled_mlp=false"])
+               for c in ("false", "true"))
+    est = estimate(off, s, Topology(1, cpu=True))
+    without, with_ = (fc.forecast(r, s, est, fc.CPU_RATES).parts["dispatch"] for r in (off, on))
+    per_micro_batch = (with_ - without) / off.gradient_accumulation_steps
+    assert per_micro_batch == pytest.approx(s.layers * (fc.CPU_RATES.layer_dispatch + fc.CPU_RATES.recompute_dispatch))
+    assert fc.CPU_RATES.recompute_dispatch > 0
+
+
 def test_each_efficiency_is_what_its_row_measured():
     """The constants are derived from their rows (benchmarks/forecast.py --derive), not set by hand: one changed
     without its row fails here."""
