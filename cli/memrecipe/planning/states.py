@@ -441,11 +441,8 @@ def fsdp_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> 
     units = 2 * unit_bytes if f.reshard_after_forward else (base or cb * z.params // tp)
     unit_grads = 0 if recipe.lora else cb * unit  # a full unit's gradients before the reduce-scatter
     if f.offload_params:
-        out = States(units + scales, unit_grads, 0, (sharded + 4 * z.trained // n + z.optimizer // n) * z.local,
-                     pinned=0 if z.cpu else None)
-        if not z.cpu and not recipe.quantization and f.version == 2:  # (FSDP1's flat parameters: not planned)
-            out.pinned = z.local * pinned_bytes(fsdp_host_tensors(recipe, s, train, n, cb), [])
-            out.host = out.pinned + z.local * z.optimizer // n
+        host, pinned = fsdp_offload_host(recipe, s, z, train, sharded)
+        out = States(units + scales, unit_grads, 0, host, pinned=pinned)
     else:
         out = States(sharded + units + scales, 4 * z.trained // n + unit_grads, z.optimizer // n)
     out.gathered_params, out.gathered_grads = units, unit_grads
@@ -453,6 +450,20 @@ def fsdp_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> 
         out.notes.append(f"each GPU keeps the whole base's quantization scales ({scales / GiB:.2f} GiB): FSDP shards "
                          "only the packed weights")
     return out
+
+
+def fsdp_offload_host(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor], sharded: int) -> tuple[int, int | None]:
+    """The host bytes FSDP's parameter offload takes a machine, and how many of them are pinned: FSDP2's on a GPU box
+    as fsdp_host_tensors lists them, the optimizer's state beside them pageable; a CPU pins nothing; FSDP1's flat
+    parameters and a quantized base's are not planned (None), their shards, gradients and state counted whole."""
+    n = z.processes
+    whole = (sharded + 4 * z.trained // n + z.optimizer // n) * z.local
+    if z.cpu:
+        return whole, 0
+    if recipe.quantization or recipe.fsdp.version != 2:
+        return whole, None
+    pinned = z.local * pinned_bytes(fsdp_host_tensors(recipe, s, train, n, z.compute_bytes), [])
+    return pinned + z.local * z.optimizer // n, pinned
 
 
 def fsdp_host_tensors(recipe: Recipe, s: Structure, train: list[Tensor], processes: int,

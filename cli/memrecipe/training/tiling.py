@@ -101,7 +101,7 @@ def tiled_forward(forward, tiles, x, params=(), mark=False, agree=False, idle_in
 
 def tiled(forward, x, tiles, params, mark, idle_in_recompute=False):
     """TiledMLP over `tiles` tiles of x, reading the trained `params` (`mark`: under DeepSpeed)."""
-    trains = x.new_empty(0).requires_grad_() if params else None
+    trains = x.new_empty(0).requires_grad_() if params and torch.is_grad_enabled() else None  # (eval: no graph)
     return TiledMLP.apply(forward, x, tiles, list(params) if mark else [], idle_in_recompute, trains)
 
 
