@@ -315,7 +315,9 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     places = [mlp_freed + norm,
               mlp_freed - after_attention - o_rank + attention_backward_bytes(s, mode, tokens, cuda, attention)]
     if s.model_type in NORM_AFTER_MLP:  # the norm after the MLP: its backward first, the MLP's tensors still held
-        places.append(saved + norm)
+        # (under tiled_mlp, none of a tile's yet: TiledMLP's backward makes them after it, a tile at a time)
+        tile = mlp_tokens * mlp_bytes(recipe, s, mode, cuda) if mlp_tokens < tokens else 0
+        places.append(saved - tile + norm)
     redraw = redraw_bytes(recipe, mode, cuda)
     outside = outside_redraw_bytes(recipe, s, tokens, cb, redraw) if redraw else 0
     if outside:

@@ -319,17 +319,17 @@ def normed(tmp_path_factory):
 @pytest.mark.parametrize("kind, rung, low, high, packed", [
     ("qwen3", "none", 0.95, 1.05, False), ("qwen3", "full", 0.95, 1.05, False), ("qwen3", "tiled", 0.95, 1.05, False),
     ("olmo2", "none", 0.95, 1.05, False), ("olmo2", "full", 0.95, 1.05, False),
-    ("olmo2", "tiled", 1.0, 1.15, False), ("gemma3", "full", 0.95, 1.05, False),
-    ("gemma3", "tiled", 1.0, 1.15, False),  # (their norm's backward in the tiled layer: planned as Llama's, above it)
+    ("olmo2", "tiled", 0.95, 1.05, False), ("gemma3", "full", 0.95, 1.05, False), ("gemma3", "tiled", 0.95, 1.05, False),
     ("olmo2", "none", 0.95, 1.05, True), ("gemma3", "full", 0.95, 1.05, True)])  # two documents a row: sdpa's mask
 def test_query_and_key_norms_and_a_norm_after_the_mlp_are_planned(normed, kind, rung, low, high, packed):
     """Qwen3's, Gemma 3's and OLMo 2's attention norm the query and key before RoPE: their RMSNorm keeps an fp32 copy
     of each projection's output, which Llama's layers keep nothing of (architecture.Structure.qk_norms); the plan
     was 0.88x / 0.85x the step's peak without it (Qwen3 / OLMo 2, no checkpointing). OLMo 2 (and Gemma 2 and 3) norm
     the MLP's output: that norm's backward runs first in the layer's, the MLP's tensors still held (0.91x under full
-    checkpointing without that place). Gemma 2's and 3's two more hidden-wide norms keep an fp32 copy each (0.91x
-    without). LoRA on every linear, 1,024 tokens: the plan within 5% of the peak (the tiled rows of the models that
-    norm the MLP's output above it, by up to 15%). Packed, two documents a row, with sdpa's mask beside them."""
+    checkpointing without that place); under the tiled MLP no tile's tensors are live there yet (1.08-1.14x with
+    them counted). Gemma 2's and 3's two more hidden-wide norms keep an fp32 copy each (0.91x without). LoRA on
+    every linear, 1,024 tokens: the plan within 5% of the peak. Packed, two documents a row, with sdpa's mask beside
+    them."""
     from helpers import loop_model
     from measuring import step_peak
     from memrecipe.planning.activations import activation_bytes, activation_mode
