@@ -488,10 +488,14 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     tp = recipe.tensor_parallel
     layers = [(g.layers, slice_layer_bytes(recipe, g, mode, b, seq, attention, cuda, sp), g) for g in s.groups()]
     layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
-    # a layer's backward; selectively checkpointed, its matmuls' outputs are counted in `inputs` below
+    # a layer's backward; selectively checkpointed, its matmuls' outputs are counted in `inputs` below, but for the
+    # last one's, which its recompute never replays: non-reentrant checkpointing stops at the layer's last saved
+    # tensor, an input of its last matmul (the down projection's, or its adapter's B), packed before that matmul
+    # runs, so the output it cached in forward stays in the selective cache until the layer's backward ends
     selective = recipe.gradient_checkpointing == "selective"
-    in_backward = max((backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention)
-                       - (selective_bytes(recipe, g, mode, T) if selective else 0)) // tp for _, one, g in layers)
+    in_backward = max((backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention) - (
+        selective_bytes(recipe, g, mode, T) - T * compute_bytes(mode) * g.hidden if selective else 0)) // tp
+        for _, one, g in layers)
     every_layer = sum(n * one for n, one, _ in layers)
     host = 0
     residual = residual_bytes(mode)
@@ -507,6 +511,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
                                                                                  recipe.checkpoints)
     saved_logits, logits, head_copy = loss_bytes(recipe, s, mode, b, T, head_copy)
     waiting, embedding_end = embedding_gradient_bytes(recipe, s, mode)
+    final_norm = norm_backward_bytes(recipe, s, residual, T)
     if recipe.checkpoints:
         inputs = s.layers * T * h * residual  # each layer keeps only its input; one layer is recomputed at a time
         if recipe.gradient_checkpointing == "selective":  # ... and its matmuls' and attention's outputs
@@ -519,11 +524,13 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
         # (autocast over fp32 weights would hold every layer's 16-bit weight copy here, in its cache: the loop
         # turns the cache off, training.accelerator)
         working = max(inputs + small + norm + head_copy + logits,  # the loss,
-                      inputs + small + in_backward + waiting)  # or a layer's backward
+                      inputs + small + norm + final_norm,  # the final norm's backward (under selective, beside
+                      inputs + small + in_backward + waiting)  # every layer's outputs), or a layer's backward
     else:
         acts = every_layer + small + norm + head_copy
         forward_saved = saved_peak = acts + saved_logits
-        working = acts + max(logits, in_backward - layer + waiting)  # every layer's activations are held at the loss
+        # every layer's activations are held at the loss, and at the final norm's backward
+        working = acts + max(logits, final_norm, in_backward - layer + waiting)
     working = max(working, small + embedding_end)
     return {"activations": acts, "logits": logits, "saved_peak": saved_peak, "forward_saved": forward_saved,
             "layer": layer, "host": host, "working": working}
