@@ -527,6 +527,9 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
                       inputs + small + norm + final_norm,  # the final norm's backward (under selective, beside
                       inputs + small + in_backward + waiting)  # every layer's outputs), or a layer's backward
     else:
+        if mode in ("lora", "qlora") and not recipe.torch_compile:  # the first layer's input norm keeps nothing: the
+            # frozen embedding's output requires no grad (training.adapters.drop_input_grads), nor does its weight
+            every_layer -= T * ((residual if recipe.lean_norms else 4) * h + 4) // tp
         acts = every_layer + small + norm + head_copy
         forward_saved = saved_peak = acts + saved_logits
         # every layer's activations are held at the loss, and at the final norm's backward

@@ -238,9 +238,9 @@ def test_the_plans_working_peak_is_a_steps_allocation_peak_at_every_length(wide,
     ("single-gpu-lora", ["gradient_checkpointing=selective", "lora.dropout=0"], 0.98, 1.02),  # was 0.92x
     ("single-gpu-lora", ["gradient_checkpointing=selective", "tiled_mlp=true", "lora.dropout=0"], 0.98, 1.02),  # 0.90x
     ("single-gpu-full", ["gradient_checkpointing=selective"], 0.99, 1.01),  # was 0.977x: the uncached output
-    # no checkpointing: the final norm's place binds too (was 0.983x); above the peak by layer 0's input norm,
-    # which keeps nothing over the frozen embedding's output (planned as every layer's)
-    ("single-gpu-lora", ["gradient_checkpointing=false", "lora.dropout=0"], 1.0, 1.05)])
+    # no checkpointing: the final norm's place binds too (was 0.983x), and layer 0's input norm keeps nothing over
+    # the frozen embedding's output (1.038x planned as every layer's)
+    ("single-gpu-lora", ["gradient_checkpointing=false", "lora.dropout=0"], 0.98, 1.02)])
 def test_selective_checkpointing_and_the_final_norms_backward_are_planned(wide, recipe, words, low, high):
     """Selective checkpointing keeps every layer's matmul outputs to the end of backward, so the binding place can
     be the final norm's backward (its fp32 copy and five fp32 buffers beside every layer's outputs), not a layer's;
