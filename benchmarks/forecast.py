@@ -225,9 +225,7 @@ def cpu_rates() -> fc.Rates:
     dropout = noise.numel() / timed(lambda: F.dropout(noise, 0.05, training=True))
     rates = fc.Rates("this CPU (measured)", matmul, {"sdpa": sdpa}, adapters, copy, copy, copy, copy, dropout=dropout,
                      cpu_attention=True, attention_score=score, attention_block=block)
-    layer, adapter, recompute, rest = dispatch(rates)
-    return replace(rates, layer_dispatch=layer, adapter_dispatch=adapter, recompute_dispatch=recompute,
-                   model_dispatch=rest)
+    return replace(rates, **dispatch(rates))
 
 
 # Shapes sdpa's CPU kernel is timed at (batch, heads, tokens, head_dim): short rows, where its blocks' fixed costs
@@ -264,12 +262,25 @@ def cpu_attention() -> tuple[float, float, float]:
     return 1 / per_flop, score, block
 
 
-def dispatch(rates: fc.Rates, tokens: int = 8) -> tuple[float, float, float, float]:
-    """Seconds a decoder layer's ops take to dispatch, and a LoRA adapter's, a pass; what a checkpointed layer's
-    recompute costs beyond a pass (torch.utils.checkpoint's own work: its saved-tensor hooks, the forward run again
-    from backward); and the rest of a micro batch's (embedding, final norm, loss): the step time of the embedded
-    model at a few tokens (all overhead but for attention's blocks, taken off at these rates) with 2 and 6 layers,
-    full fine-tuning with and without checkpointing, and LoRA on every linear."""
+# The embedded model's runs dispatch() times: recipe, gradient_checkpointing, more words.
+DISPATCH_RUNS = {
+    "full": ("single-gpu-full", "false", []), "checkpointed": ("single-gpu-full", "true", []),
+    "lora": ("single-gpu-lora", "false", []), "lora checkpointed": ("single-gpu-lora", "true", []),
+    "activation_offload": ("single-gpu-full", "true", ["activation_offload=true"]),
+    "lean_norms": ("single-gpu-full", "true", ["lean_norms=true"]),
+    "untiled": ("single-gpu-full", "true", ["optimizer_in_backward=false"]),  # (a tiled MLP steps apart)
+    "tiles": ("single-gpu-full", "true", ["optimizer_in_backward=false", "tiled_mlp=4"]),
+    "lora tiles": ("single-gpu-lora", "true", ["tiled_mlp=4"])}
+
+
+def dispatch(rates: fc.Rates, tokens: int = 8) -> dict:
+    """The CPU's seconds beside the arithmetic, from the embedded model's step at a few tokens (all overhead but for
+    attention's blocks, taken off at these rates) with 2 and 6 layers (DISPATCH_RUNS), a layer's from the
+    difference: a decoder layer's ops a pass and a LoRA adapter's (LoRA on every linear); a checkpointed layer's
+    recompute beyond a pass (torch.utils.checkpoint's own work: its saved-tensor hooks, autocast's casts again);
+    each rung's own beyond full checkpointing (the offload's hooks, the lean norms' functions); a tile of the tiled
+    MLP (four tiles), and an adapter's in it; and the rest of a micro batch (embedding, final norm, loss). Returns
+    the Rates fields."""
     import tempfile
 
     import torch
@@ -280,8 +291,6 @@ def dispatch(rates: fc.Rates, tokens: int = 8) -> tuple[float, float, float, flo
     from helpers import loop_model
 
     seconds = {}
-    runs = {"full": ("single-gpu-full", "false"), "checkpointed": ("single-gpu-full", "true"),
-            "lora": ("single-gpu-lora", "false")}
     with tempfile.TemporaryDirectory() as folder:
         for layers in (2, 6):
             config = AutoConfig.from_pretrained(embedded_model())
@@ -289,10 +298,10 @@ def dispatch(rates: fc.Rates, tokens: int = 8) -> tuple[float, float, float, flo
             path = Path(folder) / str(layers)
             AutoModelForCausalLM.from_config(config).save_pretrained(path)
             AutoTokenizer.from_pretrained(embedded_model()).save_pretrained(path)
-            for run, (name, checkpointing) in runs.items():
+            for run, (name, checkpointing, words) in DISPATCH_RUNS.items():
                 recipe = load_recipe(name, [f"gradient_checkpointing={checkpointing}", f"max_seq_length={tokens}",
                                             "per_device_train_batch_size=1", "packing=false", "attn_implementation=sdpa",
-                                            *(["lora.target_modules=all-linear"] if "lora" in name else [])])
+                                            *(["lora.target_modules=all-linear"] if "lora" in name else []), *words])
                 model, _ = loop_model(recipe, str(path), "bf16")
                 model.train()
                 ids = torch.randint(0, config.vocab_size, (1, tokens))
@@ -301,12 +310,18 @@ def dispatch(rates: fc.Rates, tokens: int = 8) -> tuple[float, float, float, flo
                 s = structure(config.to_dict())
                 seconds[run, layers] = timed(partial(step, model, batch), repeats=20) - fc.attention_seconds(
                     recipe, s, tokens, 1, "sdpa", rates)
-    per_layer = {run: (seconds[run, 6] - seconds[run, 2]) / 4 for run in runs}
+    per_layer = {run: (seconds[run, 6] - seconds[run, 2]) / 4 for run in DISPATCH_RUNS}
     layer = per_layer["full"] / 3
     adapters = len(shape("1b").linears)
-    adapter = (per_layer["lora"] / 3 - layer) / adapters
-    recompute = per_layer["checkpointed"] - per_layer["full"] - layer
-    return layer, max(adapter, 0.0), max(recompute, 0.0), seconds["full", 2] - 2 * 3 * layer
+    mlp = 3  # (the MLP's adapters: gate, up, down)
+    tile = (per_layer["tiles"] - per_layer["untiled"]) / 4
+    lora_tile = (per_layer["lora tiles"] - per_layer["lora checkpointed"]) / 4
+    return {"layer_dispatch": layer, "adapter_dispatch": max((per_layer["lora"] / 3 - layer) / adapters, 0.0),
+            "recompute_dispatch": max(per_layer["checkpointed"] - per_layer["full"] - layer, 0.0),
+            "model_dispatch": seconds["full", 2] - 2 * 3 * layer,
+            "rung_dispatch": {rung: max(per_layer[rung] - per_layer["checkpointed"], 0.0)
+                              for rung in ("activation_offload", "lean_norms")},
+            "tile_dispatch": max(tile, 0.0), "tile_adapter_dispatch": max((lora_tile - tile) / mlp, 0.0)}
 
 
 CPU_ROWS = [("single-gpu-lora", ["gradient_checkpointing=true"]), ("single-gpu-lora", ["gradient_checkpointing=true",
@@ -366,7 +381,10 @@ def main():
               f"elements/s, copies {rates.bandwidth / 1e9:.1f} GB/s; "
               f"dispatch a pass: {rates.layer_dispatch * 1e3:.2f} ms a layer, {rates.adapter_dispatch * 1e3:.2f} ms "
               f"an adapter, {rates.recompute_dispatch * 1e3:.2f} ms a checkpointed layer's recompute beyond that, "
-              f"{rates.model_dispatch * 1e3:.2f} ms the rest of a micro batch")
+              f"{rates.model_dispatch * 1e3:.2f} ms the rest of a micro batch; a layer's step beyond full "
+              f"checkpointing: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in rates.rung_dispatch.items())
+              + f", a tile {rates.tile_dispatch * 1e3:.2f} ms and {rates.tile_adapter_dispatch * 1e3:.2f} ms an adapter "
+              f"in it")
         body = cpu_table(rates, {"embedded": 256, "wide": 2048})
         print(table(["MODEL", "TOKENS", "RECIPE", "RUNG", "MEASURED tok/s", "FORECAST tok/s", "RATIO"], body))
         return

@@ -315,9 +315,8 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     places = [mlp_freed + norm,
               mlp_freed - after_attention - o_rank + attention_backward_bytes(s, mode, tokens, cuda, attention)]
     if s.model_type in NORM_AFTER_MLP:  # the norm after the MLP: its backward first, the MLP's tensors still held
-        # (under tiled_mlp, none of a tile's yet: TiledMLP's backward makes them after it, a tile at a time)
-        tile = mlp_tokens * mlp_bytes(recipe, s, mode, cuda) if mlp_tokens < tokens else 0
-        places.append(saved - tile + norm)
+        # (under tiled_mlp none of a tile's yet: TiledMLP's backward makes them after it)
+        places.append(saved + norm - (mlp_tokens * mlp_bytes(recipe, s, mode, cuda) if mlp_tokens < tokens else 0))
     redraw = redraw_bytes(recipe, mode, cuda)
     outside = outside_redraw_bytes(recipe, s, tokens, cb, redraw) if redraw else 0
     if outside:
@@ -488,14 +487,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     tp = recipe.tensor_parallel
     layers = [(g.layers, slice_layer_bytes(recipe, g, mode, b, seq, attention, cuda, sp), g) for g in s.groups()]
     layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
-    # a layer's backward; selectively checkpointed, its matmuls' outputs are counted in `inputs` below, but for the
-    # last one's, which its recompute never replays: non-reentrant checkpointing stops at the layer's last saved
-    # tensor, an input of its last matmul (the down projection's, or its adapter's B), packed before that matmul
-    # runs, so the output it cached in forward stays in the selective cache until the layer's backward ends
-    selective = recipe.gradient_checkpointing == "selective"
-    in_backward = max((backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention) - (
-        selective_bytes(recipe, g, mode, T) - T * compute_bytes(mode) * g.hidden if selective else 0)) // tp
-        for _, one, g in layers)
+    in_backward = max(layer_backward_bytes(recipe, g, mode, T, one, tp, cuda, sp, attention) for _, one, g in layers)
     every_layer = sum(n * one for n, one, _ in layers)
     host = 0
     residual = residual_bytes(mode)
@@ -527,16 +519,35 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
                       inputs + small + norm + final_norm,  # the final norm's backward (under selective, beside
                       inputs + small + in_backward + waiting)  # every layer's outputs), or a layer's backward
     else:
-        if mode in ("lora", "qlora") and not recipe.torch_compile:  # the first layer's input norm keeps nothing: the
-            # frozen embedding's output requires no grad (training.adapters.drop_input_grads), nor does its weight
-            every_layer -= T * ((residual if recipe.lean_norms else 4) * h + 4) // tp
-        acts = every_layer + small + norm + head_copy
+        acts = every_layer - first_norm_bytes(recipe, mode, T, h) // tp + small + norm + head_copy
         forward_saved = saved_peak = acts + saved_logits
         # every layer's activations are held at the loss, and at the final norm's backward
         working = acts + max(logits, final_norm, in_backward - layer + waiting)
     working = max(working, small + embedding_end)
     return {"activations": acts, "logits": logits, "saved_peak": saved_peak, "forward_saved": forward_saved,
             "layer": layer, "host": host, "working": working}
+
+
+def layer_backward_bytes(recipe: Recipe, g: Structure, mode: str, T: int, one: int, tp: int, cuda: bool, sp: int,
+                         attention: str) -> int:
+    """A layer's backward (backward_peak) beside what the checkpoints keep. Selectively checkpointed, its matmuls'
+    outputs are counted with the checkpoints, but for its last matmul's, which the recompute never replays:
+    non-reentrant checkpointing stops at the layer's last saved tensor, an input of its last matmul (the down
+    projection's, or its adapter's B), packed before that matmul runs, so the output it cached in forward stays in
+    the selective cache until the layer's backward ends."""
+    kept = 0
+    if recipe.gradient_checkpointing == "selective":
+        kept = selective_bytes(recipe, g, mode, T) - T * compute_bytes(mode) * g.hidden
+    return (backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention) - kept) // tp
+
+
+def first_norm_bytes(recipe: Recipe, mode: str, T: int, h: int) -> int:
+    """What the first layer's input norm keeps, planned as every layer's, that it does not under LoRA and QLoRA: the
+    frozen embedding's output requires no grad (training.adapters.drop_input_grads, not where the layers compile),
+    nor does the norm's weight, so it keeps nothing."""
+    if mode not in ("lora", "qlora") or recipe.torch_compile:
+        return 0
+    return T * ((residual_bytes(mode) if recipe.lean_norms else 4) * h + 4)
 
 
 def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: int, seq: int, sp: int, cpu: bool,

@@ -10,9 +10,10 @@ docs/speed.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from .activations import tile_count
 from .architecture import Structure
 from .gpus import GPUS, Gpu
 from .recipe import Recipe, method
@@ -75,6 +76,11 @@ class Rates:
     layer_dispatch: float = 0.0
     adapter_dispatch: float = 0.0
     recompute_dispatch: float = 0.0  # a checkpointed layer's recompute beyond a pass: torch.utils.checkpoint's own
+    # a layer's step beyond full checkpointing's, by rung ("activation_offload": its hooks; "lean_norms": their
+    # functions); and a tile of the tiled MLP's (its ops again a tile at a time), and an adapter's in it, a tile
+    rung_dispatch: dict = field(default_factory=dict)
+    tile_dispatch: float = 0.0
+    tile_adapter_dispatch: float = 0.0
     model_dispatch: float = 0.0  # a micro batch's ops outside the layers (embedding, final norm, loss), all passes
     # elements/s LoRA's dropout draws, where drawing random numbers is a cost of its own (a CPU's bernoulli: a third
     # of the embedded single-gpu-lora step); 0: in the adapters' bytes, as a GPU's fused dropout is
@@ -94,11 +100,13 @@ def gpu_rates(gpu: Gpu) -> Rates:
 
 # The GPU a plan forecasts on when none is named (`--gpu NAME` names one).
 REFERENCE = gpu_rates(GPUS["H100"])
-# `plan --cpu`: the rates of this project's 2-core machine, as `python benchmarks/forecast.py --cpu` measured them
-# (a CPU's own differ: that command prints them, and the ratio of forecast to measured on it).
-CPU_RATES = Rates("this project's 2-core CPU", 2.44e11, {"sdpa": 2.82e11}, 1.63e10, 4.9e9, 4.9e9, 4.9e9, 4.9e9,
-                  layer_dispatch=0.44e-3, adapter_dispatch=0.29e-3, recompute_dispatch=1.47e-3, model_dispatch=1.49e-3,
-                  dropout=1.79e8, cpu_attention=True, attention_score=1.15e-9, attention_block=86e-6)
+# `plan --cpu`: the rates of this project's 2-core machine, the median of three runs of `python benchmarks/forecast.py
+# --cpu` (a CPU's own differ: that command prints them, and the ratio of forecast to measured on it).
+CPU_RATES = Rates("this project's 2-core CPU", 3.27e11, {"sdpa": 2.54e11}, 2.39e10, 5.86e9, 5.86e9, 5.86e9, 5.86e9,
+                  layer_dispatch=0.51e-3, adapter_dispatch=0.28e-3, recompute_dispatch=1.52e-3, model_dispatch=1.43e-3,
+                  rung_dispatch={"activation_offload": 0.0, "lean_norms": 0.11e-3}, tile_dispatch=0.56e-3,
+                  tile_adapter_dispatch=0.70e-3, dropout=1.49e8, cpu_attention=True, attention_score=1.42e-9,
+                  attention_block=53e-6)
 
 
 @dataclass(frozen=True)
@@ -226,6 +234,18 @@ def adapter_bytes(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = 
     return total
 
 
+def rung_dispatch(recipe: Recipe, s: Structure, tokens: float, rates: Rates) -> float:
+    """Seconds a layer's rungs cost a micro batch to dispatch beyond full checkpointing's: the activation offload's
+    hooks, the lean norms' functions, and the tiled MLP's ops run a tile at a time (forward, recompute, backward),
+    where it runs more than one tile (training.tiling.tiled_forward: one tile is the plain MLP)."""
+    seconds = sum(cost for rung, cost in rates.rung_dispatch.items() if getattr(recipe, rung))
+    tiles = tile_count(recipe.tiled_mlp, int(tokens), s.hidden) if recipe.tiled_mlp is not False else 1
+    if tiles > 1:
+        adapters = sum(1 for lin in s.lora_linears(recipe.lora.target_modules) if _mlp(lin, s)) if recipe.lora else 0
+        seconds += tiles * (rates.tile_dispatch + adapters * rates.tile_adapter_dispatch)
+    return seconds
+
+
 # Bytes the loss moves a logit beyond its matmuls (training/loss.py HeadLoss; the unfused path holds the same steps):
 # forward the bf16 logits written (2), cast to fp32 (2 read, 4 written), log-sum-exp's read (4); backward the logits
 # again (2 + 6), the softmax's subtract and exp in place (8 + 8), the gradient's scale (8) and its cast to bf16 (6).
@@ -274,11 +294,12 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
              "loss": s.vocab * LOSS_BYTES * tokens / tp / rates.bandwidth}
     if drawn is not recipe:
         parts["dropout"] = dropout_draws(recipe, s, tiles_recomputed) * tokens / rates.dropout
-    if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch or rates.recompute_dispatch:
+    if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch:
         adapters = len(s.lora_linears(recipe.lora.target_modules)) if recipe.lora else 0
         parts["dispatch"] = rates.model_dispatch + s.layers * (3 + (1 if recipe.checkpoints else 0)) * (
             rates.layer_dispatch + adapters * rates.adapter_dispatch) + (
-            s.layers * rates.recompute_dispatch if recipe.checkpoints else 0.0)
+            s.layers * rates.recompute_dispatch if recipe.checkpoints else 0.0) + s.layers * rung_dispatch(
+            recipe, s, tokens, rates)
     passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward
     if recipe.quantization:  # 4-bit read, 16-bit written and read again, before every matmul of a frozen weight
         weights = sum(g.layers * sum(lin.params for lin in g.linears) for g in s.groups())

@@ -106,6 +106,21 @@ def test_a_cpu_pays_each_checkpointed_layers_recompute_beyond_its_pass():
     assert fc.CPU_RATES.recompute_dispatch > 0
 
 
+def test_a_cpu_pays_each_rungs_own_ops_and_the_tiled_mlps_tiles():
+    """Beyond full checkpointing a CPU spends on each rung's own ops (measured apart, benchmarks/forecast.py --cpu):
+    the lean norms' functions a layer, and the tiled MLP's ops once a tile, with its adapters'; one tile is the plain
+    MLP (training.tiling.tiled_forward), which costs nothing more."""
+    s = structure(read_config(None))  # hidden 128: tiled_mlp=true cuts 256 tokens into 2 tiles, 128 into 1
+    rates = fc.CPU_RATES
+    lean = load_recipe("single-gpu-lora", ["lean_norms=true", "tiled_mlp=false"])
+    assert fc.rung_dispatch(lean, s, 256, rates) == rates.rung_dispatch["lean_norms"] > 0
+    tiled = load_recipe("single-gpu-lora", ["tiled_mlp=true", "lora.target_modules=all-linear"])
+    assert fc.rung_dispatch(tiled, s, 128, rates) == 0
+    assert fc.rung_dispatch(tiled, s, 256, rates) == pytest.approx(2 * (rates.tile_dispatch
+                                                                        + 3 * rates.tile_adapter_dispatch))
+    assert fc.rung_dispatch(tiled, s, 256, fc.REFERENCE) == 0  # (a GPU's: in its efficiencies)
+
+
 def test_each_efficiency_is_what_its_row_measured():
     """The constants are derived from their rows (benchmarks/forecast.py --derive), not set by hand: one changed
     without its row fails here."""
