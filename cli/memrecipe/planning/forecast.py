@@ -192,7 +192,7 @@ def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, atten
     row's documents, under sdpa) no kernel skips a block: every score is computed. Eager multiplies the [S x S]
     scores as plain batched matmuls. On a CPU, sdpa is torch's flash kernel: its blocks (cpu_flash_work), and its
     seconds beside the FLOPs a score and a block, for the passes attention_passes counts."""
-    masked = attention == "eager" or recipe.packing and attention == "sdpa"
+    masked = recipe.packing and attention == "sdpa"
     if attention not in rates.attention:  # (eager)
         return attention_flops(recipe, s, seq, 1.0) * rows * seq / rates.matmul
     if not rates.cpu_attention:
@@ -234,7 +234,7 @@ def adapter_bytes(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = 
     return total
 
 
-def rung_dispatch(recipe: Recipe, s: Structure, tokens: float, rates: Rates) -> float:
+def rung_seconds(recipe: Recipe, s: Structure, tokens: float, rates: Rates) -> float:
     """Seconds a layer's rungs cost a micro batch to dispatch beyond full checkpointing's: the activation offload's
     hooks, the lean norms' functions, and the tiled MLP's ops run a tile at a time (forward, recompute, backward),
     where it runs more than one tile (training.tiling.tiled_forward: one tile is the plain MLP)."""
@@ -298,7 +298,7 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
         adapters = len(s.lora_linears(recipe.lora.target_modules)) if recipe.lora else 0
         parts["dispatch"] = rates.model_dispatch + s.layers * (3 + (1 if recipe.checkpoints else 0)) * (
             rates.layer_dispatch + adapters * rates.adapter_dispatch) + (
-            s.layers * rates.recompute_dispatch if recipe.checkpoints else 0.0) + s.layers * rung_dispatch(
+            s.layers * rates.recompute_dispatch if recipe.checkpoints else 0.0) + s.layers * rung_seconds(
             recipe, s, tokens, rates)
     passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward
     if recipe.quantization:  # 4-bit read, 16-bit written and read again, before every matmul of a frozen weight

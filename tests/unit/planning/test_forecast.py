@@ -113,12 +113,12 @@ def test_a_cpu_pays_each_rungs_own_ops_and_the_tiled_mlps_tiles():
     s = structure(read_config(None))  # hidden 128: tiled_mlp=true cuts 256 tokens into 2 tiles, 128 into 1
     rates = fc.CPU_RATES
     lean = load_recipe("single-gpu-lora", ["lean_norms=true", "tiled_mlp=false"])
-    assert fc.rung_dispatch(lean, s, 256, rates) == rates.rung_dispatch["lean_norms"] > 0
+    assert fc.rung_seconds(lean, s, 256, rates) == rates.rung_dispatch["lean_norms"] > 0
     tiled = load_recipe("single-gpu-lora", ["tiled_mlp=true", "lora.target_modules=all-linear"])
-    assert fc.rung_dispatch(tiled, s, 128, rates) == 0
-    assert fc.rung_dispatch(tiled, s, 256, rates) == pytest.approx(2 * (rates.tile_dispatch
+    assert fc.rung_seconds(tiled, s, 128, rates) == 0
+    assert fc.rung_seconds(tiled, s, 256, rates) == pytest.approx(2 * (rates.tile_dispatch
                                                                         + 3 * rates.tile_adapter_dispatch))
-    assert fc.rung_dispatch(tiled, s, 256, fc.REFERENCE) == 0  # (a GPU's: in its efficiencies)
+    assert fc.rung_seconds(tiled, s, 256, fc.REFERENCE) == 0  # (a GPU's: in its efficiencies)
 
 
 def test_each_efficiency_is_what_its_row_measured():
