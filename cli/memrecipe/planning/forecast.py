@@ -234,6 +234,18 @@ def adapter_bytes(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = 
     return total
 
 
+def dispatch_seconds(recipe: Recipe, s: Structure, tokens: float, rates: Rates) -> float:
+    """Seconds a micro batch's ops take to dispatch, where that is a cost of its own (a CPU's; a GPU's is in its
+    efficiencies): the ops outside the layers, and a layer's each pass (forward, the recompute under checkpointing,
+    backward's two) with its adapters', a checkpointed layer's recompute beyond a pass, and its rungs' own."""
+    adapters = len(s.lora_linears(recipe.lora.target_modules)) if recipe.lora else 0
+    passes = 3 + (1 if recipe.checkpoints else 0)
+    layer = passes * (rates.layer_dispatch + adapters * rates.adapter_dispatch) + rung_seconds(recipe, s, tokens, rates)
+    if recipe.checkpoints:
+        layer += rates.recompute_dispatch
+    return rates.model_dispatch + s.layers * layer
+
+
 def rung_seconds(recipe: Recipe, s: Structure, tokens: float, rates: Rates) -> float:
     """Seconds a layer's rungs cost a micro batch to dispatch beyond full checkpointing's: the activation offload's
     hooks, the lean norms' functions, and the tiled MLP's ops run a tile at a time (forward, recompute, backward),
@@ -295,11 +307,7 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
     if drawn is not recipe:
         parts["dropout"] = dropout_draws(recipe, s, tiles_recomputed) * tokens / rates.dropout
     if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch:
-        adapters = len(s.lora_linears(recipe.lora.target_modules)) if recipe.lora else 0
-        parts["dispatch"] = rates.model_dispatch + s.layers * (3 + (1 if recipe.checkpoints else 0)) * (
-            rates.layer_dispatch + adapters * rates.adapter_dispatch) + (
-            s.layers * rates.recompute_dispatch if recipe.checkpoints else 0.0) + s.layers * rung_seconds(
-            recipe, s, tokens, rates)
+        parts["dispatch"] = dispatch_seconds(recipe, s, tokens, rates)
     passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward
     if recipe.quantization:  # 4-bit read, 16-bit written and read again, before every matmul of a frozen weight
         weights = sum(g.layers * sum(lin.params for lin in g.linears) for g in s.groups())
