@@ -193,11 +193,15 @@ def cpu_rates() -> fc.Rates:
     tokens, width, out = 2048, 512, 1536
     x = torch.randn(tokens, width, requires_grad=True)
     w = (torch.randn(out, width) / width**0.5).requires_grad_()
+    # the matmuls alone: a 16-bit input and weight and a given gradient (autocast's casts and a loss's ops are the
+    # elementwise rate's, measured below)
+    x16, w16, g16 = x.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_(), \
+        torch.randn(tokens, out, dtype=torch.bfloat16)
 
     def linear():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = F.linear(x, w)
-        y.float().sum().backward()
+            y = F.linear(x16, w16)
+        torch.autograd.grad(y, (x16, w16), g16)
 
     matmul = 6 * tokens * width * out / timed(linear)
     sdpa, score, block = cpu_attention()
@@ -224,8 +228,32 @@ def cpu_rates() -> fc.Rates:
     noise = torch.randn(tokens, width)  # dropout as peft's adapters draw it: over their fp32 input
     dropout = noise.numel() / timed(lambda: F.dropout(noise, 0.05, training=True))
     rates = fc.Rates("this CPU (measured)", matmul, {"sdpa": sdpa}, adapters, copy, copy, copy, copy, dropout=dropout,
-                     cpu_attention=True, attention_score=score, attention_block=block)
+                     cpu_attention=True, attention_score=score, attention_block=block,
+                     elementwise=elementwise(tokens, width, out))
     return replace(rates, **dispatch(rates))
+
+
+def elementwise(tokens: int, width: int, intermediate: int) -> float:
+    """Bytes/s of a layer's elementwise ops on this CPU: transformers' LlamaRMSNorm over a 16-bit stream, its weight
+    trained, and the SwiGLU product, forward and backward under autocast at these widths; their bytes counted op by
+    op as the tests count a layer's (measuring.elementwise_bytes_moved), their seconds timed."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from measuring import elementwise_bytes_moved
+
+    norm = LlamaRMSNorm(width).to(torch.bfloat16)
+    x = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
+    gate, up = (torch.randn(tokens, intermediate, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+
+    def ops():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = norm(x)
+            z = F.silu(gate) * up
+        torch.autograd.backward([y, z], [torch.ones_like(y), torch.ones_like(z)])
+
+    return elementwise_bytes_moved(ops) / timed(ops)
 
 
 # Shapes sdpa's CPU kernel is timed at (batch, heads, tokens, head_dim): short rows, where its blocks' fixed costs
@@ -275,7 +303,7 @@ DISPATCH_RUNS = {
 
 def dispatch(rates: fc.Rates, tokens: int = 8) -> dict:
     """The CPU's seconds beside the arithmetic, from the embedded model's step at a few tokens (all overhead but for
-    attention's blocks, taken off at these rates) with 2 and 6 layers (DISPATCH_RUNS), a layer's from the
+    attention's blocks and the elementwise ops' bytes, taken off at these rates) with 2 and 6 layers (DISPATCH_RUNS), a layer's from the
     difference: a decoder layer's ops a pass and a LoRA adapter's (LoRA on every linear); a checkpointed layer's
     recompute beyond a pass (torch.utils.checkpoint's own work: its saved-tensor hooks, autocast's casts again);
     each rung's own beyond full checkpointing (the offload's hooks, the lean norms' functions); a tile of the tiled
@@ -309,7 +337,7 @@ def dispatch(rates: fc.Rates, tokens: int = 8) -> dict:
                          "position_ids": torch.arange(tokens)[None]}
                 s = structure(config.to_dict())
                 seconds[run, layers] = timed(partial(step, model, batch), repeats=20) - fc.attention_seconds(
-                    recipe, s, tokens, 1, "sdpa", rates)
+                    recipe, s, tokens, 1, "sdpa", rates) - fc.elementwise_bytes(recipe, s) * tokens / rates.elementwise
     per_layer = {run: (seconds[run, 6] - seconds[run, 2]) / 4 for run in DISPATCH_RUNS}
     layer = per_layer["full"] / 3
     adapters = len(shape("1b").linears)
@@ -360,7 +388,7 @@ def cpu_table(rates: fc.Rates, lengths: dict) -> list:
                 est = estimate(recipe, s, make_topology(1, 1, 0, None, None, True), attention="sdpa")
                 f = fc.forecast(recipe, s, est, rates)
                 forecast = sum(v for k, v in f.parts.items()
-                               if k in ("matmuls", "attention", "adapters", "dispatch", "dropout"))
+                               if k in ("matmuls", "attention", "adapters", "dispatch", "dropout", "elementwise"))
                 rung = " ".join(w.split("=")[0] for w in words if w.endswith("true")) or "no checkpointing"
                 body.append([label, length, name, rung, f"{length / measured:,.0f}", f"{length / forecast:,.0f}",
                              f"{measured / forecast:.2f}"])
@@ -378,7 +406,7 @@ def main():
         print(f"this CPU: matmuls {rates.matmul / 1e9:.0f} GFLOP/s, causal sdpa {rates.attention['sdpa'] / 1e9:.0f} "
               f"GFLOP/s and {rates.attention_score * 1e9:.2f} ns a score, {rates.attention_block * 1e6:.0f} us a "
               f"block, LoRA's adapters {rates.adapters / 1e9:.1f} GB/s, dropout {rates.dropout / 1e6:.0f}M "
-              f"elements/s, copies {rates.bandwidth / 1e9:.1f} GB/s; "
+              f"elements/s, copies {rates.bandwidth / 1e9:.1f} GB/s, elementwise ops {rates.elementwise / 1e9:.1f} GB/s; "
               f"dispatch a pass: {rates.layer_dispatch * 1e3:.2f} ms a layer, {rates.adapter_dispatch * 1e3:.2f} ms "
               f"an adapter, {rates.recompute_dispatch * 1e3:.2f} ms a checkpointed layer's recompute beyond that, "
               f"{rates.model_dispatch * 1e3:.2f} ms the rest of a micro batch; a layer's step beyond full "

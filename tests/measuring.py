@@ -223,3 +223,35 @@ def only_parameters_gradients(profile, parameters) -> None:
     for element in elements:
         if not any(last.get(k.storage.ptr) == k.storage.allocation_id for k in element._by_id_keyset):
             element.by_id = None
+
+
+# ops that are not elementwise work: the matmuls, the attention kernels (each counted apart by the forecast)
+NOT_ELEMENTWISE = ("mm", "bmm", "addmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+                   "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def elementwise_bytes_moved(step) -> int:
+    """Bytes the ops of `step()` read and write, but the matmuls', attention's and the views' (which move nothing):
+    each tensor argument's and output's own bytes (a broadcast one's storage, not its expanded size)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    def size(t):
+        return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+    class Count(TorchDispatchMode):
+        moved = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            view = name == "_unsafe_view" or any(r.alias_info is not None and not r.alias_info.is_write
+                                                 for r in func._schema.returns)
+            if not view and name not in NOT_ELEMENTWISE:
+                tensors = [a for a in tree_flatten((args, kwargs, out))[0] if isinstance(a, torch.Tensor)]
+                Count.moved += sum(size(t) for t in tensors)
+            return out
+
+    with Count():
+        step()
+    return Count.moved

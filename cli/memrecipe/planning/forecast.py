@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from .activations import tile_count
-from .architecture import Structure
+from .activations import activation_mode, compute_bytes, residual_bytes, tile_count
+from .architecture import SANDWICH_NORMED, Structure
 from .gpus import GPUS, Gpu
 from .recipe import Recipe, method
 
@@ -90,6 +90,9 @@ class Rates:
     cpu_attention: bool = False
     attention_score: float = 0.0
     attention_block: float = 0.0
+    # bytes/s the layers' elementwise ops move (norms, rotary, SwiGLU, residual adds, autocast's casts: a CPU's, each
+    # tensor small enough to stay in its caches); 0: in MATMUL's efficiency, as on a GPU
+    elementwise: float = 0.0
 
 
 def gpu_rates(gpu: Gpu) -> Rates:
@@ -102,11 +105,11 @@ def gpu_rates(gpu: Gpu) -> Rates:
 REFERENCE = gpu_rates(GPUS["H100"])
 # `plan --cpu`: the rates of this project's 2-core machine, the median of three runs of `python benchmarks/forecast.py
 # --cpu` (a CPU's own differ: that command prints them, and the ratio of forecast to measured on it).
-CPU_RATES = Rates("this project's 2-core CPU", 3.27e11, {"sdpa": 2.54e11}, 2.39e10, 5.86e9, 5.86e9, 5.86e9, 5.86e9,
-                  layer_dispatch=0.51e-3, adapter_dispatch=0.28e-3, recompute_dispatch=1.52e-3, model_dispatch=1.43e-3,
-                  rung_dispatch={"activation_offload": 0.0, "lean_norms": 0.11e-3}, tile_dispatch=0.56e-3,
-                  tile_adapter_dispatch=0.70e-3, dropout=1.49e8, cpu_attention=True, attention_score=1.42e-9,
-                  attention_block=53e-6)
+CPU_RATES = Rates("this project's 2-core CPU", 4.06e11, {"sdpa": 2.50e11}, 3.09e10, 6.88e9, 6.88e9, 6.88e9, 6.88e9,
+                  layer_dispatch=0.54e-3, adapter_dispatch=0.25e-3, recompute_dispatch=1.01e-3, model_dispatch=0.95e-3,
+                  rung_dispatch={"activation_offload": 0.12e-3, "lean_norms": 0.43e-3}, tile_dispatch=0.51e-3,
+                  tile_adapter_dispatch=0.75e-3, dropout=1.86e8, cpu_attention=True, attention_score=1.10e-9,
+                  attention_block=38e-6, elementwise=2.97e10)
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,41 @@ def adapter_bytes(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = 
     return total
 
 
+def elementwise_bytes(recipe: Recipe, s: Structure, precision: str = "bf16") -> float:
+    """Bytes the elementwise ops between the matmuls move a trained token, a step (reads and writes, read off the
+    ops transformers' Llama-family layers run under autocast; tests/unit/planning/test_forecast.py counts them op by
+    op with a dispatch mode). A layer's forward, again where it is checkpointed (selective recomputes exactly these
+    ops), and its backward; the final norm's forward and backward. Per element, in the residual stream's bytes `r`
+    and the compute dtype's `c` (autocast's copy between them, where they differ, `r + c`):
+    - an RMSNorm: its fp32 copy in and out (16-bit stream), the square, the mean's read, the scale, the weight's
+      multiply; backward about three times that, and its weight's gradient where the norms train (a full fine-tune);
+    - each linear that reads a norm's output casts it to `c` (and its gradient back) where the stream is fp32;
+    - the two residual adds, and in backward one add per linear reading the stream (the input gradients' sums and
+      the residual merges);
+    - rotary on the query and key (its tables in the stream's dtype: the products promote to it), and the SwiGLU
+      product over the intermediate width, again a tile at a time where the tiled MLP runs it again (tiles_again).
+    Dense layers: a routed MoE's experts are counted at the layer's intermediate width, once."""
+    mode = activation_mode(recipe, 2 if precision in ("bf16", "fp16") else 4)
+    r, c = residual_bytes(mode), compute_bytes(mode)
+    cast = r + c if r != c else 0
+    trains = method(recipe) == "full"
+    norm_f = 20 + 2 * r + (12 if r == 2 else 0)
+    norm_b = 68 + 2 * r + (12 if r == 2 else 0) + (4 * r if trains else 0)
+    total = s.hidden * (norm_f + norm_b)  # (the final norm)
+    for g in s.groups():
+        qk, _ = g.qk_norms
+        norms = g.hidden * (4 if g.model_type in SANDWICH_NORMED else 2) + qk
+        reads = len(g.linears) - 2  # (o_proj reads attention's output, down_proj the SwiGLU product)
+        rotated = (g.heads + g.kv_heads) * g.head_dim
+        forward = (norms * norm_f + reads * g.hidden * cast + 2 * (2 * r + c) * g.hidden
+                   + rotated * (5 * c + 5 * r + cast) + 5 * c * g.intermediate)
+        backward = (norms * norm_b + reads * g.hidden * (cast + 3 * r) + rotated * (6 * r + 12 * c + 3 * cast)
+                    + 9 * c * g.intermediate)
+        again = 5 * c * g.intermediate if tiles_again(recipe) else 0
+        total += g.layers * (forward * (2 if recipe.checkpoints else 1) + backward + again)
+    return float(total)
+
+
 def dispatch_seconds(recipe: Recipe, s: Structure, tokens: float, rates: Rates) -> float:
     """Seconds a micro batch's ops take to dispatch, where that is a cost of its own (a CPU's; a GPU's is in its
     efficiencies): the ops outside the layers, and a layer's each pass (forward, the recompute under checkpointing,
@@ -306,6 +344,8 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
              "loss": s.vocab * LOSS_BYTES * tokens / tp / rates.bandwidth}
     if drawn is not recipe:
         parts["dropout"] = dropout_draws(recipe, s, tiles_recomputed) * tokens / rates.dropout
+    if rates.elementwise:  # (norms and residual adds run whole on each tensor-parallel rank: counted whole)
+        parts["elementwise"] = elementwise_bytes(recipe, s, precision) * tokens / rates.elementwise
     if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch:
         parts["dispatch"] = dispatch_seconds(recipe, s, tokens, rates)
     passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward

@@ -5,6 +5,7 @@ import json
 import sys
 
 import pytest
+from dataclasses import replace
 
 from conftest import REPO
 from memrecipe.planning import forecast as fc
@@ -209,3 +210,73 @@ def test_a_cuda_device_name_finds_its_gpu():
     assert gpu_for_device(report["device"]) is GPUS["H100"]
     assert gpu_for_device("NVIDIA H200") is GPUS["H200"] and gpu_for_device("NVIDIA A100-SXM4-40GB") is GPUS["A100-40GB"]
     assert gpu_for_device("NVIDIA H100 PCIe") is GPUS["H100-PCIe"] and gpu_for_device("Tesla T4") is None
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """Qwen3 at the embedded model's widths: RMSNorms of the query and key heads beside Llama's two."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
+
+    from memrecipe.training.loading import embedded_model
+
+    llama = AutoConfig.from_pretrained(embedded_model())
+    widths = {k: getattr(llama, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                             "num_attention_heads", "num_key_value_heads", "head_dim")}
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("qwen3")
+    AutoModelForCausalLM.from_config(Qwen3Config(**widths, pad_token_id=None, eos_token_id=None,
+                                                 bos_token_id=None)).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("model, words, lora", [
+    ("embedded", ["gradient_checkpointing=false"], False),  # a 16-bit stream, the norms trained
+    ("embedded", ["gradient_checkpointing=true"], False),  # the forward again
+    ("embedded", ["gradient_checkpointing=selective"], False),  # the same ops again (it keeps the matmuls' outputs)
+    ("embedded", ["gradient_checkpointing=true", "weight_dtype=fp32"], False),  # an fp32 stream: autocast's casts
+    ("embedded", ["gradient_checkpointing=true"], True),  # the norms frozen, as under LoRA
+    ("qwen3", ["gradient_checkpointing=false"], False)])  # the query's and key's norms
+def test_the_elementwise_bytes_are_what_a_layers_ops_move(model, words, lora, qwen3):
+    """What forecast.elementwise_bytes counts a layer a token is what its ops read and write beside the matmuls and
+    attention, counted op by op under a dispatch mode through a real step in bf16 (a layer's: one layer against two;
+    a token's: 64 tokens against 128). LoRA's adapters move bytes of their own (forecast.adapter_bytes): the LoRA
+    case is the base model's layers with their norms frozen, as LoRA leaves them."""
+    import torch
+
+    from helpers import loop_model
+    from measuring import _step, elementwise_bytes_moved
+    from memrecipe.training.loading import embedded_model
+
+    path = qwen3 if model == "qwen3" else embedded_model()
+    moved = {}
+    for length in (64, 128):
+        recipe = load_recipe("single-gpu-full", [*words, *PLAIN[1:], f"max_seq_length={length}", "packing=false",
+                                                 "attn_implementation=sdpa"])
+        ids = torch.randint(0, 500, (1, length), generator=torch.Generator().manual_seed(0))
+        b = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
+             "position_ids": torch.arange(length)[None]}
+        for layers in (1, 2):
+            m, _ = loop_model(recipe, path, "bf16")
+            m.train()
+            m.model.layers = m.model.layers[:layers]
+            for name, p in m.named_parameters():
+                p.requires_grad_(not (lora and "norm" in name))
+            moved[length, layers] = elementwise_bytes_moved(lambda: _step(m, b, True))  # noqa: B023
+    measured = (moved[128, 2] - moved[128, 1] - moved[64, 2] + moved[64, 1]) / 64
+    s = structure(read_config(path))
+    planned = load_recipe("single-gpu-lora" if lora else "single-gpu-full", [*words, *PLAIN[1:]])
+    per_layer = (fc.elementwise_bytes(planned, s) - fc.elementwise_bytes(planned, replace(s, layers=0))) / s.layers
+    assert per_layer == pytest.approx(measured, rel=0.03)
+
+
+def test_a_cpu_pays_the_elementwise_bytes_where_a_gpu_keeps_them_in_its_efficiency():
+    """On a CPU the layers' elementwise ops are a term of their own, their bytes at the elementwise rate (measured
+    apart: benchmarks/forecast.py --cpu); a GPU's forecast keeps them inside MATMUL's measured efficiency."""
+    s = structure(read_config(None))
+    recipe = load_recipe("single-gpu-full", ["gradient_checkpointing=true"])
+    est = estimate(recipe, s, Topology(1, cpu=True))
+    cpu, gpu = (fc.forecast(recipe, s, est, rates) for rates in (fc.CPU_RATES, fc.REFERENCE))
+    tokens = est.micro_batch * est.seq_length * recipe.gradient_accumulation_steps
+    assert cpu.parts["elementwise"] == pytest.approx(fc.elementwise_bytes(recipe, s) * tokens / fc.CPU_RATES.elementwise)
+    assert "elementwise" not in gpu.parts
