@@ -63,8 +63,8 @@ class Estimate:
     tokens_per_second: float = 0.0  # ... and the tokens all processes train a second
     forecast_on: str = ""  # the device whose rates it is at
     # of `host_offload`, what is page-locked on a GPU box (torch's pinned allocator's blocks, the activation offload's
-    # registered arena); None where the engine's pinning is not planned (FSDP1's offload, FSDP's of a quantized base); 0 on CPU
-    host_pinned: int | None = 0
+    # registered arena); 0 on CPU
+    host_pinned: int = 0
 
     @property
     def total(self) -> int:

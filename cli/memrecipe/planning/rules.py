@@ -154,6 +154,11 @@ def check_fsdp(r: Recipe) -> None:
     if r.fsdp.version == 2 and not r.fsdp.use_orig_params:
         raise RecipeError("fsdp.use_orig_params=false is FSDP1's flat parameters: FSDP2 always keeps the "
                           "original ones (set fsdp.version=1, or drop the key)")
+    if r.fsdp.version == 1 and r.lora and r.fsdp.use_orig_params:
+        raise RecipeError("fsdp.version=1 with LoRA needs fsdp.use_orig_params=false: FSDP1 flattens a unit's "
+                          "parameters into one tensor of one dtype (torch's FlatParamHandle), and a decoder layer holds "
+                          "the 16-bit base beside LoRA's fp32 adapters; with flat parameters PEFT's wrap policy gives "
+                          "each adapter a unit of its own (or keep fsdp.version=2)")
     if r.uses_bnb and r.fsdp.version == 2:
         raise RecipeError(f"optim {r.optim} cannot run under FSDP2: bitsandbytes cannot update DTensor state "
                           "(use optim=adamw_torch, or fsdp.version=1, or distributed_type ddp)")

@@ -228,9 +228,8 @@ class States:
     grads: int
     optimizer: int
     host: int = 0
-    # of `host`, what is page-locked (torch's pinned allocator, the activation offload's registered arena); None where
-    # the engine's pinning is not planned (FSDP1's offload, FSDP's of a quantized base)
-    pinned: int | None = 0
+    # of `host`, what is page-locked (torch's pinned allocator, the activation offload's registered arena)
+    pinned: int = 0
     gathered_params: int = 0
     gathered_grads: int = 0
     notes: list[str] = field(default_factory=list)
@@ -238,7 +237,7 @@ class States:
     def add_host(self, more: int, pinned: bool) -> None:
         """`more` bytes of host RAM per machine, page-locked where `pinned`."""
         self.host += more
-        if pinned and self.pinned is not None:
+        if pinned:
             self.pinned += more
 
 
@@ -423,8 +422,8 @@ def zero2_host_tensors(recipe: Recipe, train: list[Tensor], processes: int, rank
 def fsdp_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:
     """FSDP's shards, the units it gathers (the running one and the prefetched one, or all of it without
     resharding), a full unit's gradients before the reduce-scatter; with parameter offload, the shards on the host,
-    pinned on a GPU box as fsdp_host_tensors lists them (FSDP2; a quantized base's and FSDP1's flat parameters: not
-    planned), the optimizer's state pageable."""
+    pinned on a GPU box as fsdp_host_tensors (FSDP2) or fsdp1_host_tensors (FSDP1's flat parameters) list them, the
+    optimizer's state pageable."""
     f, n, cb = recipe.fsdp, z.processes, z.compute_bytes
     tp = recipe.tensor_parallel
     # one decoder layer, or the root (embeddings, head); under TP, FSDP gathers a unit's TP shard only
@@ -452,17 +451,16 @@ def fsdp_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> 
     return out
 
 
-def fsdp_offload_host(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor], sharded: int) -> tuple[int, int | None]:
-    """The host bytes FSDP's parameter offload takes a machine, and how many of them are pinned: FSDP2's on a GPU box
-    as fsdp_host_tensors lists them, the optimizer's state beside them pageable; a CPU pins nothing; FSDP1's flat
-    parameters and a quantized base's are not planned (None), their shards, gradients and state counted whole."""
+def fsdp_offload_host(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor], sharded: int) -> tuple[int, int]:
+    """The host bytes FSDP's parameter offload takes a machine, and how many of them are pinned: on a GPU box as
+    fsdp_host_tensors (FSDP2) or fsdp1_host_tensors (FSDP1's flat parameters, a quantized base's too) list them, the
+    optimizer's state beside them pageable; a CPU pins nothing."""
     n = z.processes
     whole = (sharded + 4 * z.trained // n + z.optimizer // n) * z.local
     if z.cpu:
         return whole, 0
-    if recipe.quantization or recipe.fsdp.version != 2:
-        return whole, None
-    pinned = z.local * pinned_bytes(fsdp_host_tensors(recipe, s, train, n, z.compute_bytes), [])
+    listed = fsdp_host_tensors if recipe.fsdp.version == 2 else fsdp1_host_tensors
+    pinned = z.local * pinned_bytes(listed(recipe, s, train, n, z.compute_bytes), [])
     return pinned + z.local * z.optimizer // n, pinned
 
 
@@ -478,6 +476,43 @@ def fsdp_host_tensors(recipe: Recipe, s: Structure, train: list[Tensor], process
     trained = [4 * shard(t) for t in train]
     frozen = [compute_bytes * shard(t) for t in s.tensors()] if recipe.lora else []
     return frozen + trained + trained
+
+
+def fsdp1_host_tensors(recipe: Recipe, s: Structure, train: list[Tensor], processes: int,
+                       compute_bytes: int) -> list[int]:
+    """The bytes of each host tensor a process's FSDP1 parameter offload pins: each flat parameter's shard
+    (`_local_shard.pin_memory()`) and a pinned `_cpu_grad` of the same size, frozen or not (torch/distributed/fsdp/
+    _flat_param.py FlatParamHandle.init_flat_param_attributes). A flat parameter per FSDP unit: a full fine-tune's
+    decoder layers and the root (embeddings, final norm, head), each fp32 (accelerate upcasts a trained 16-bit flat
+    parameter before FSDP's lazy init pins it); with LoRA, PEFT's wrap policy (use_orig_params=false:
+    training.accelerator.wrap_first) gives each adapter matrix a unit of its own (fp32), and each layer's frozen
+    base and the root stay in the base's dtype: the compute dtype, or a 4-bit base's storage dtype with its packed
+    weights in it (its scales are no part of a flat parameter: quant_state_bytes)."""
+    q, aligned = recipe.quantization, 16 // compute_bytes if recipe.fsdp.use_orig_params else 0
+    units = []  # (bytes an element, the numels a flat parameter flattens, in order)
+    if recipe.lora is None:
+        units += [(4, [t.numel for t in g.layer_tensors()]) for g in s.groups() for _ in range(g.layers)]
+        units.append((4, [t.numel for t in s.tensors()[-len(s.top_params):]]))
+    else:
+        units += [(4, [t.numel]) for t in train]
+        e = {"bf16": 2, "fp16": 2, "fp32": 4}.get(q.quant_storage, compute_bytes) if q else compute_bytes
+
+        def numel(t: Tensor) -> int:  # (a 4-bit weight packs two to a byte, in e-byte elements)
+            return -(-math.ceil(t.numel / 2) // e) if q and t.kind == "linear" and t.name != "lm_head" else t.numel
+
+        units += [(e, [numel(t) for t in g.layer_tensors()]) for g in s.groups() for _ in range(g.layers)]
+        units.append((e, [t.numel for t in s.tensors()[-len(s.top_params):]]))
+    return [size * flat_shard(numels, processes, aligned) for size, numels in units for _ in range(2)]
+
+
+def flat_shard(numels: list[int], processes: int, aligned: int = 0) -> int:
+    """Elements of one process's shard of an FSDP1 flat parameter of these tensors (_flat_param.py
+    _init_flat_param_and_metadata: under use_orig_params each tensor starts at a multiple of `aligned` elements, 16
+    bytes of the compute dtype; _get_shard: the whole padded to a chunk a process)."""
+    total = 0
+    for n in numels:
+        total += (-total % aligned if aligned else 0) + n
+    return -(-total // processes)
 
 
 def plain_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) -> States:

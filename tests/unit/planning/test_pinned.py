@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from memrecipe.planning.architecture import read_config, structure
-from memrecipe.planning.states import host_block, pinned_bytes, sub_groups, zero2_host_tensors, zero3_host_tensors
+from memrecipe.planning.states import (flat_shard, fsdp1_host_tensors, host_block, pinned_bytes, sub_groups,
+                                       zero2_host_tensors, zero3_host_tensors)
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.states import trainable_tensors
 from memrecipe.training.loading import embedded_model
@@ -118,8 +119,7 @@ def test_dpos_offloaded_reference_copy_pins_each_partition_as_planned():
 def test_the_plans_pinned_host_memory_is_what_is_page_locked_of_its_host_figure():
     """Estimate.host_pinned (in `plan --json`; gpu_acceptance holds a run's pinned bytes to it): the activation
     offload's arena, all of its host figure; ZeRO-3's offload, all but CPU Adam's fp32 master and moments (12 bytes a
-    trained parameter, pageable); None where the engine's pinning is not planned (FSDP1's offload, a quantized
-    base's); 0 on CPU, where nothing is pinned."""
+    trained parameter, pageable); 0 on CPU, where nothing is pinned."""
     from memrecipe.planning.planner import estimate
     from memrecipe.planning.topology import Topology
 
@@ -130,8 +130,6 @@ def test_the_plans_pinned_host_memory_is_what_is_page_locked_of_its_host_figure(
     zero3 = estimate(load_recipe("zero3-offload"), s, Topology(1))
     assert zero3.host_offload - zero3.host_pinned == 12 * s.params and zero3.host_pinned > 0
     assert estimate(load_recipe("zero3-offload", ["deepspeed.pin_memory=false"]), s, Topology(1)).host_pinned == 0
-    assert estimate(load_recipe("fsdp", ["fsdp.offload_params=true", "fsdp.version=1"]), s, Topology(2)).host_pinned is None
-    assert estimate(load_recipe("fsdp-qlora", ["fsdp.offload_params=true"]), s, Topology(2)).host_pinned is None
     assert estimate(load_recipe("zero3-offload"), s, Topology(1, cpu=True)).host_pinned == 0
 
 
@@ -178,3 +176,66 @@ def test_fsdp2s_offload_pins_each_shard_and_each_trained_shards_gradient(recipe)
     pinned = 2 * pinned_bytes(frozen + 2 * shards, [])  # two processes on the machine
     assert est.host_pinned == pinned
     assert est.host_offload == pinned + 2 * (optimizer_state_bytes(r, train, 4) // 2)
+
+
+FSDP1 = textwrap.dedent("""
+    import functools, json, sys, torch, torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)  # (two processes: no peer needed)
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.training.adapters import add_lora
+    from memrecipe.training.loading import embedded_model, load_pretrained
+    recipe = load_recipe(sys.argv[1], sys.argv[2:])
+    model = load_pretrained(recipe, embedded_model(), "bf16", own_weights=True)  # (a 4-bit base: quantized on the host)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    if recipe.lora:  # as training.accelerator.wrap_first wraps it
+        from peft.utils.other import fsdp_auto_wrap_policy
+        model = add_lora(model, recipe.lora)
+        policy = fsdp_auto_wrap_policy(model)
+    pinned = []
+    torch.Tensor.pin_memory = lambda t, *a, **k: pinned.append(t.numel() * t.element_size()) or t.clone()
+    wrapped = FSDP(model, auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True), device_id=torch.device("cpu"),
+                   use_orig_params=recipe.fsdp.use_orig_params, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    for unit in FSDP.fsdp_modules(wrapped):  # accelerate's prepare: a trained 16-bit flat parameter upcast to fp32
+        flat = unit._flat_param if unit._has_params else None
+        if flat is not None and flat.requires_grad and flat.dtype != torch.float32:
+            flat.data, unit._handle._orig_param_dtype = flat.data.float(), torch.float32
+    from torch.distributed.fsdp._runtime_utils import _lazy_init
+    _lazy_init(wrapped, wrapped)  # (where FSDP pins its shards, as at the first forward)
+    print("PINNED", json.dumps(sorted(pinned)))
+""")
+
+
+@pytest.mark.parametrize("recipe, words", [
+    ("fsdp", ["fsdp.version=1"]),  # a full fine-tune's fp32 flat parameters, aligned (use_orig_params)
+    ("fsdp-lora", ["fsdp.version=1", "fsdp.use_orig_params=false", "lora.r=8", "lora.target_modules=all-linear"]),
+    ("fsdp-qlora", ["lora.r=8", "lora.target_modules=all-linear"])], ids=["full", "lora", "qlora"])
+def test_the_tensors_fsdp1s_offload_pins_are_the_plans(recipe, words):
+    """FSDP1's parameter offload, built as the loop builds it (the loop's loading and LoRA, PEFT's wrap policy with
+    flat parameters, bf16 mixed precision, accelerate's upcast) over two processes (a fake process group, on the
+    CPU device) through its lazy init: every tensor torch pins (each flat parameter's shard and its `_cpu_grad`,
+    frozen or not; a 4-bit base's packed weights in its storage dtype), recorded, is one
+    states.fsdp1_host_tensors lists, of the same bytes; the plan's pinned host figure is two processes' blocks."""
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.states import optimizer_state_bytes
+    from memrecipe.planning.topology import Topology
+
+    done = subprocess.run([sys.executable, "-c", FSDP1, recipe, *words], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recorded = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PINNED")).split(" ", 1)[1])
+    r, s = load_recipe(recipe, [*words, "fsdp.offload_params=true"]), structure(read_config(embedded_model()))
+    train = trainable_tensors(r, s)
+    assert recorded == sorted(fsdp1_host_tensors(r, s, train, 2, 2))
+    est = estimate(r, s, Topology(2))
+    assert est.host_pinned == 2 * pinned_bytes(recorded, [])
+    assert est.host_offload == est.host_pinned + 2 * (optimizer_state_bytes(r, train, 4) // 2)
+
+
+def test_an_fsdp1_flat_parameter_aligns_each_tensor_and_pads_to_a_chunk_a_process():
+    """_flat_param.py: under use_orig_params each tensor starts at a multiple of 16 bytes of the compute dtype, and
+    each process's chunk is the padded whole over the processes."""
+    assert flat_shard([3, 5], 2) == 4 and flat_shard([3, 5], 2, aligned=8) == 7  # (3, 5 padding, 5: 13 over two)
+    assert flat_shard([16, 16], 3, aligned=8) == 11
