@@ -472,10 +472,14 @@ def fsdp_host_tensors(recipe: Recipe, s: Structure, train: list[Tensor], process
     each trained shard's gradient, copied to the host without blocking (_fsdp_collectives.py foreach_reduce:
     `.to("cpu", non_blocking=True)` makes a pinned tensor; later micro batches add into it). Read off torch's
     source: a CPU pins nothing, and FSDP's offload runs on CUDA only."""
-    shard = lambda t: -(-t.shape[0] // processes) * (t.numel // t.shape[0])  # noqa: E731
-    trained = [4 * shard(t) for t in train]
-    frozen = [compute_bytes * shard(t) for t in s.tensors()] if recipe.lora else []
+    trained = [4 * fsdp2_shard(t, processes) for t in train]
+    frozen = [compute_bytes * fsdp2_shard(t, processes) for t in s.tensors()] if recipe.lora else []
     return frozen + trained + trained
+
+
+def fsdp2_shard(t: Tensor, processes: int) -> int:
+    """Elements of one process's FSDP2 shard of a parameter: dim 0 padded to a multiple of the processes."""
+    return -(-t.shape[0] // processes) * (t.numel // t.shape[0])
 
 
 def fsdp1_host_tensors(recipe: Recipe, s: Structure, train: list[Tensor], processes: int,
@@ -528,18 +532,21 @@ def plain_states(recipe: Recipe, s: Structure, z: Sizes, train: list[Tensor]) ->
 
 def add_reference(recipe: Recipe, s: Structure, z: Sizes, states: States) -> None:
     """DPO's reference, where it is a second copy: of the initial model (loaded as the policy is; sharded under
-    FSDP, partitioned under ZeRO-3 in the engine's compute dtype and offloaded with the policy's parameters: each
-    parameter's partition pinned where `pin_memory`, as zero.Init pins the policy's frozen ones, its engine without
-    an optimizer making no flat buffers; recorded on CPU, tests/unit/planning/test_pinned.py), or of a saved adapter
-    (fp32, as loaded) beside the one that trains."""
+    FSDP2, and with its parameter offload each parameter's shard pinned in host memory; partitioned under ZeRO-3 in
+    the engine's compute dtype and offloaded with the policy's parameters: each parameter's partition pinned where
+    `pin_memory`, as zero.Init pins the policy's frozen ones, its engine without an optimizer making no flat buffers;
+    both recorded on CPU, tests/unit/planning/test_pinned.py), or of a saved adapter (fp32, as loaded) beside the one
+    that trains."""
     zero3 = recipe.deepspeed is not None and recipe.deepspeed.zero_stage == 3
     n = z.processes
     if recipe.dpo_reference == "copy":
-        offloaded = zero3 and recipe.deepspeed.offload_param != "none"
+        fsdp_offload = bool(recipe.fsdp and recipe.fsdp.offload_params)
+        offloaded = fsdp_offload or zero3 and recipe.deepspeed.offload_param != "none"
         copy = z.compute_bytes * z.params // n if zero3 else z.weight_bytes * z.params // (n if recipe.fsdp else 1)
-        pinned = offloaded and recipe.deepspeed.pin_memory and not z.cpu
-        if pinned:
-            copy = pinned_bytes(zero3_partitions(s, n, z.compute_bytes), [])
+        pinned = not z.cpu and (fsdp_offload or offloaded and recipe.deepspeed.pin_memory)
+        if pinned:  # (FSDP2's offload pins each parameter's shard of the copy, in the weights' dtype)
+            copy = pinned_bytes(zero3_partitions(s, n, z.compute_bytes) if zero3 else
+                                [z.weight_bytes * fsdp2_shard(t, n) for t in s.tensors()], [])
         if offloaded:
             states.add_host(copy * z.local, pinned)
         else:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from memrecipe.planning.architecture import read_config, structure
-from memrecipe.planning.states import (flat_shard, fsdp1_host_tensors, host_block, pinned_bytes, sub_groups,
+from memrecipe.planning.states import (flat_shard, fsdp1_host_tensors, fsdp2_shard, host_block, pinned_bytes, sub_groups,
                                        zero2_host_tensors, zero3_host_tensors)
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.states import trainable_tensors
@@ -239,3 +239,42 @@ def test_an_fsdp1_flat_parameter_aligns_each_tensor_and_pads_to_a_chunk_a_proces
     each process's chunk is the padded whole over the processes."""
     assert flat_shard([3, 5], 2) == 4 and flat_shard([3, 5], 2, aligned=8) == 7  # (3, 5 padding, 5: 13 over two)
     assert flat_shard([16, 16], 3, aligned=8) == 11
+
+
+DPO_COPY = textwrap.dedent("""
+    import json, torch, torch.distributed as dist
+    from types import SimpleNamespace
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.training.loading import embedded_model
+    from memrecipe.training.reference import frozen_copy
+    recipe = load_recipe("fsdp", ["fsdp.offload_params=true", "dpo.precompute_ref_log_probs=false"], script="dpo")
+    plugin = SimpleNamespace(mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                             cpu_offload=CPUOffloadPolicy())  # (accelerate's, for fsdp.offload_params)
+    accelerator = SimpleNamespace(mixed_precision="bf16", device=torch.device("cpu"), torch_device_mesh=None,
+                                  distributed_type=SimpleNamespace(value="FSDP"), state=SimpleNamespace(fsdp_plugin=plugin))
+    pinned = []
+    torch.Tensor.pin_memory = lambda t, *a, **k: pinned.append(t.numel() * t.element_size()) or t.clone()
+    frozen_copy(recipe, embedded_model(), accelerator)
+    print("PINNED", json.dumps(sorted(pinned)))
+""")
+
+
+def test_dpos_copy_under_fsdp2s_offload_pins_each_shard_in_host_memory_as_planned():
+    """DPO's frozen copy of a full fine-tune under FSDP2's parameter offload (training.reference.frozen_copy, over a
+    fake two-process group on the CPU device): torch pins each parameter's shard of it, in the weights' dtype (fp32
+    here), and nothing else; the plan puts the copy in host memory, pinned, to the byte, and none of it on the GPU."""
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.topology import Topology
+
+    done = subprocess.run([sys.executable, "-c", DPO_COPY], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recorded = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PINNED")).split(" ", 1)[1])
+    s = structure(read_config(embedded_model()))
+    assert recorded == sorted(4 * fsdp2_shard(t, 2) for t in s.tensors())
+    policy, both = (estimate(load_recipe("fsdp", ["fsdp.offload_params=true", *w], script="dpo"), s, Topology(2))
+                    for w in ([], ["dpo.precompute_ref_log_probs=false"]))
+    assert both.host_pinned - policy.host_pinned == both.host_offload - policy.host_offload == 2 * pinned_bytes(recorded, [])
+    assert both.parameters == policy.parameters
