@@ -156,26 +156,56 @@ def test_the_tensors_zero2s_optimizer_offload_pins_are_the_plans(words):
     assert est.host_offload == max(est.host_pinned + 8 * partitions, 4 * s.params)  # (or the loading's fp32 copy)
 
 
+FSDP2 = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from types import SimpleNamespace
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)  # (two processes: no peer needed)
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.training.adapters import add_lora
+    from memrecipe.training.loading import embedded_model, load_pretrained
+    recipe = load_recipe(sys.argv[1], ["fsdp.offload_params=true"])
+    model = load_pretrained(recipe, embedded_model(), "bf16", own_weights=True)
+    if recipe.lora:
+        model = add_lora(model, recipe.lora)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True, auto_wrap_policy="transformer_based_wrap",
+                                            reshard_after_forward=True, cpu_ram_efficient_loading=False,
+                                            mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
+                                  mixed_precision="bf16", device=torch.device("cpu"), is_main_process=True)
+    pinned = []
+    torch.Tensor.pin_memory = lambda t, *a, **k: pinned.append(t.numel() * t.element_size()) or t.clone()
+    fsdp2_prepare_model(accelerator, model)  # (accelerate's own FSDP2 preparation)
+    print("PINNED", json.dumps(sorted(pinned)))
+""")
+
+
 @pytest.mark.parametrize("recipe", ["fsdp", "fsdp-lora"])
 def test_fsdp2s_offload_pins_each_shard_and_each_trained_shards_gradient(recipe):
-    """FSDP2's parameter offload (accelerate's CPUOffloadPolicy, pin_memory on), read off torch's source: each
-    parameter's shard pinned (dim 0 padded to a multiple of the processes), trained ones in fp32, a LoRA's frozen base
-    in bf16, and each trained shard's gradient (a non-blocking copy to the host: pinned), each a block of torch's
-    host allocator; the optimizer's state pageable beside them. (CPU torch pins nothing: the arithmetic is checked
-    here, a GPU box's host allocator stats in the acceptance run.)"""
+    """FSDP2's parameter offload (accelerate's CPUOffloadPolicy, pin_memory on), prepared by accelerate's
+    fsdp2_prepare_model over a fake two-process group on the CPU device: torch pins each parameter's shard (dim 0
+    padded to a multiple of the processes), trained ones in fp32, a LoRA's frozen base in bf16, recorded as
+    states.fsdp_host_tensors lists them; beside them each trained shard's gradient, copied from the GPU to the host
+    without blocking (_fsdp_collectives.py foreach_reduce: a pinned tensor; a CPU's gradients are on the host
+    already, so that half is read off the source). Each a block of torch's host allocator; the optimizer's state
+    pageable beside them."""
     from memrecipe.planning.planner import estimate
     from memrecipe.planning.states import fsdp_host_tensors, optimizer_state_bytes
     from memrecipe.planning.topology import Topology
 
+    done = subprocess.run([sys.executable, "-c", FSDP2, recipe], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recorded = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PINNED")).split(" ", 1)[1])
     s = structure(read_config(embedded_model()))
     r = load_recipe(recipe, ["fsdp.offload_params=true"])
     est, train = estimate(r, s, Topology(2)), trainable_tensors(r, s)
-    shards = [4 * -(-t.shape[0] // 2) * (t.numel // t.shape[0]) for t in train]
-    frozen = [2 * -(-t.shape[0] // 2) * (t.numel // t.shape[0]) for t in s.tensors()] if r.lora else []
-    assert sorted(fsdp_host_tensors(r, s, train, 2, 2)) == sorted(frozen + 2 * shards)
-    pinned = 2 * pinned_bytes(frozen + 2 * shards, [])  # two processes on the machine
-    assert est.host_pinned == pinned
-    assert est.host_offload == pinned + 2 * (optimizer_state_bytes(r, train, 4) // 2)
+    grads = [4 * fsdp2_shard(t, 2) for t in train]
+    assert sorted(fsdp_host_tensors(r, s, train, 2, 2)) == sorted(recorded + grads)
+    assert est.host_pinned == 2 * pinned_bytes(recorded + grads, [])  # two processes on the machine
+    assert est.host_offload == est.host_pinned + 2 * (optimizer_state_bytes(r, train, 4) // 2)
 
 
 FSDP1 = textwrap.dedent("""
