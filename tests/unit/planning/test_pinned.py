@@ -160,7 +160,7 @@ FSDP2 = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
     from types import SimpleNamespace
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)  # (two processes: no peer needed)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)  # (no peer needed)
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -186,7 +186,7 @@ FSDP2 = textwrap.dedent("""
 @pytest.mark.parametrize("recipe", ["fsdp", "fsdp-lora"])
 def test_fsdp2s_offload_pins_each_shard_and_each_trained_shards_gradient(recipe):
     """FSDP2's parameter offload (accelerate's CPUOffloadPolicy, pin_memory on), prepared by accelerate's
-    fsdp2_prepare_model over a fake two-process group on the CPU device: torch pins each parameter's shard (dim 0
+    fsdp2_prepare_model over a fake three-process group on the CPU device (uneven shards, padded): torch pins each parameter's shard (dim 0
     padded to a multiple of the processes), trained ones in fp32, a LoRA's frozen base in bf16, recorded as
     states.fsdp_host_tensors lists them; beside them each trained shard's gradient, copied from the GPU to the host
     without blocking (_fsdp_collectives.py foreach_reduce: a pinned tensor; a CPU's gradients are on the host
@@ -201,17 +201,17 @@ def test_fsdp2s_offload_pins_each_shard_and_each_trained_shards_gradient(recipe)
     recorded = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PINNED")).split(" ", 1)[1])
     s = structure(read_config(embedded_model()))
     r = load_recipe(recipe, ["fsdp.offload_params=true"])
-    est, train = estimate(r, s, Topology(2)), trainable_tensors(r, s)
-    grads = [4 * fsdp2_shard(t, 2) for t in train]
-    assert sorted(fsdp_host_tensors(r, s, train, 2, 2)) == sorted(recorded + grads)
-    assert est.host_pinned == 2 * pinned_bytes(recorded + grads, [])  # two processes on the machine
-    assert est.host_offload == est.host_pinned + 2 * (optimizer_state_bytes(r, train, 4) // 2)
+    est, train = estimate(r, s, Topology(3)), trainable_tensors(r, s)
+    grads = [4 * fsdp2_shard(t, 3) for t in train]
+    assert sorted(fsdp_host_tensors(r, s, train, 3, 2)) == sorted(recorded + grads)
+    assert est.host_pinned == 3 * pinned_bytes(recorded + grads, [])  # three processes on the machine
+    assert est.host_offload - est.host_pinned == optimizer_state_bytes(r, train, 4)  # (a third a process, pageable)
 
 
 FSDP1 = textwrap.dedent("""
     import functools, json, sys, torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)  # (two processes: no peer needed)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)  # (no peer needed)
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -245,10 +245,10 @@ FSDP1 = textwrap.dedent("""
     ("fsdp-qlora", ["lora.r=8", "lora.target_modules=all-linear"])], ids=["full", "lora", "qlora"])
 def test_the_tensors_fsdp1s_offload_pins_are_the_plans(recipe, words):
     """FSDP1's parameter offload, built as the loop builds it (the loop's loading and LoRA, PEFT's wrap policy with
-    flat parameters, bf16 mixed precision, accelerate's upcast) over two processes (a fake process group, on the
-    CPU device) through its lazy init: every tensor torch pins (each flat parameter's shard and its `_cpu_grad`,
+    flat parameters, bf16 mixed precision, accelerate's upcast) over three processes (a fake process group, on the
+    CPU device: 128 rows do not split evenly, so each shard's padding is checked too) through its lazy init: every tensor torch pins (each flat parameter's shard and its `_cpu_grad`,
     frozen or not; a 4-bit base's packed weights in its storage dtype), recorded, is one
-    states.fsdp1_host_tensors lists, of the same bytes; the plan's pinned host figure is two processes' blocks."""
+    states.fsdp1_host_tensors lists, of the same bytes; the plan's pinned host figure is three processes' blocks."""
     from memrecipe.planning.planner import estimate
     from memrecipe.planning.states import optimizer_state_bytes
     from memrecipe.planning.topology import Topology
@@ -258,10 +258,10 @@ def test_the_tensors_fsdp1s_offload_pins_are_the_plans(recipe, words):
     recorded = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PINNED")).split(" ", 1)[1])
     r, s = load_recipe(recipe, [*words, "fsdp.offload_params=true"]), structure(read_config(embedded_model()))
     train = trainable_tensors(r, s)
-    assert recorded == sorted(fsdp1_host_tensors(r, s, train, 2, 2))
-    est = estimate(r, s, Topology(2))
-    assert est.host_pinned == 2 * pinned_bytes(recorded, [])
-    assert est.host_offload == est.host_pinned + 2 * (optimizer_state_bytes(r, train, 4) // 2)
+    assert recorded == sorted(fsdp1_host_tensors(r, s, train, 3, 2))
+    est = estimate(r, s, Topology(3))
+    assert est.host_pinned == 3 * pinned_bytes(recorded, [])  # three processes on the machine
+    assert est.host_offload - est.host_pinned == optimizer_state_bytes(r, train, 4)  # (a third a process, pageable)
 
 
 def test_an_fsdp1_flat_parameter_aligns_each_tensor_and_pads_to_a_chunk_a_process():
@@ -275,7 +275,7 @@ DPO_COPY = textwrap.dedent("""
     import json, torch, torch.distributed as dist
     from types import SimpleNamespace
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
     from memrecipe.planning.registry import load_recipe
     from memrecipe.training.loading import embedded_model
@@ -294,7 +294,7 @@ DPO_COPY = textwrap.dedent("""
 
 def test_dpos_copy_under_fsdp2s_offload_pins_each_shard_in_host_memory_as_planned():
     """DPO's frozen copy of a full fine-tune under FSDP2's parameter offload (training.reference.frozen_copy, over a
-    fake two-process group on the CPU device): torch pins each parameter's shard of it, in the weights' dtype (fp32
+    fake three-process group on the CPU device): torch pins each parameter's shard of it, in the weights' dtype (fp32
     here), and nothing else; the plan puts the copy in host memory, pinned, to the byte, and none of it on the GPU."""
     from memrecipe.planning.planner import estimate
     from memrecipe.planning.topology import Topology
@@ -303,8 +303,8 @@ def test_dpos_copy_under_fsdp2s_offload_pins_each_shard_in_host_memory_as_planne
     assert done.returncode == 0, done.stderr[-3000:]
     recorded = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PINNED")).split(" ", 1)[1])
     s = structure(read_config(embedded_model()))
-    assert recorded == sorted(4 * fsdp2_shard(t, 2) for t in s.tensors())
-    policy, both = (estimate(load_recipe("fsdp", ["fsdp.offload_params=true", *w], script="dpo"), s, Topology(2))
+    assert recorded == sorted(4 * fsdp2_shard(t, 3) for t in s.tensors())
+    policy, both = (estimate(load_recipe("fsdp", ["fsdp.offload_params=true", *w], script="dpo"), s, Topology(3))
                     for w in ([], ["dpo.precompute_ref_log_probs=false"]))
-    assert both.host_pinned - policy.host_pinned == both.host_offload - policy.host_offload == 2 * pinned_bytes(recorded, [])
+    assert both.host_pinned - policy.host_pinned == both.host_offload - policy.host_offload == 3 * pinned_bytes(recorded, [])
     assert both.parameters == policy.parameters
