@@ -255,3 +255,21 @@ def elementwise_bytes_moved(step) -> int:
     with Count():
         step()
     return Count.moved
+
+
+def dropout_draws_made(step) -> int:
+    """Random numbers the dropouts of `step()` draw (a CPU's dropout fills a noise tensor with bernoulli_; CUDA's
+    fused native_dropout draws its input's numel)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        drawn = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("bernoulli_", "bernoulli", "native_dropout"):
+                Count.drawn += args[0].numel()
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.drawn

@@ -103,13 +103,13 @@ def gpu_rates(gpu: Gpu) -> Rates:
 
 # The GPU a plan forecasts on when none is named (`--gpu NAME` names one).
 REFERENCE = gpu_rates(GPUS["H100"])
-# `plan --cpu`: the rates of this project's 2-core machine, the median of three runs of `python benchmarks/forecast.py
+# `plan --cpu`: the rates of this project's 2-core machine, the median of six runs of `python benchmarks/forecast.py
 # --cpu` (a CPU's own differ: that command prints them, and the ratio of forecast to measured on it).
-CPU_RATES = Rates("this project's 2-core CPU", 4.06e11, {"sdpa": 2.50e11}, 3.09e10, 6.88e9, 6.88e9, 6.88e9, 6.88e9,
-                  layer_dispatch=0.54e-3, adapter_dispatch=0.25e-3, recompute_dispatch=1.01e-3, model_dispatch=0.95e-3,
-                  rung_dispatch={"activation_offload": 0.12e-3, "lean_norms": 0.43e-3}, tile_dispatch=0.51e-3,
-                  tile_adapter_dispatch=0.75e-3, dropout=1.86e8, cpu_attention=True, attention_score=1.10e-9,
-                  attention_block=38e-6, elementwise=2.97e10)
+CPU_RATES = Rates("this project's 2-core CPU", 3.91e11, {"sdpa": 2.42e11}, 2.32e10, 6.45e9, 6.45e9, 6.45e9, 6.45e9,
+                  layer_dispatch=0.55e-3, adapter_dispatch=0.24e-3, recompute_dispatch=0.99e-3, model_dispatch=1.64e-3,
+                  rung_dispatch={"activation_offload": 0.14e-3, "lean_norms": 0.31e-3}, tile_dispatch=0.47e-3,
+                  tile_adapter_dispatch=0.61e-3, dropout=1.30e8, cpu_attention=True, attention_score=1.03e-9,
+                  attention_block=50e-6, elementwise=2.51e10)
 
 
 @dataclass(frozen=True)
@@ -208,16 +208,18 @@ def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, atten
 
 def dropout_draws(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = None) -> float:
     """Random numbers LoRA's dropout draws a trained token: each adapter its input's width, in the forward, again in
-    a recomputed forward (full checkpointing; the tiled MLP's again where tiles_again), and once more in backward
-    where the adapter redraws its mask (training.adapters.recompute_dropout: not where peft's dropout is kept)."""
+    the layer's recompute (full or selective checkpointing: selective recomputes all but the matmuls; the tiled MLP's
+    again where tiles_again), and once more in backward where the adapter's own checkpoint redraws its mask
+    (training.adapters.recompute_dropout: not where peft's dropout is kept). Counted through a real step by
+    tests/unit/planning/test_forecast.py."""
     if recipe.lora is None or not recipe.lora.dropout:
         return 0.0
     redraw, again = not recipe.keeps_dropout, tiles_again(recipe, tiles_recomputed)
     total = 0.0
     for g in s.groups():
         for lin in g.lora_linears(recipe.lora.target_modules):
-            draws = 1 + (1 if recipe.recomputes else 0) + (1 if again and _mlp(lin, g) else 0)
-            total += g.layers * lin.in_features * draws * (2 if redraw else 1)
+            draws = 1 + (1 if recipe.checkpoints else 0) + (1 if again and _mlp(lin, g) else 0) + (1 if redraw else 0)
+            total += g.layers * lin.in_features * draws
     return total
 
 

@@ -166,11 +166,43 @@ def test_a_named_gpu_forecasts_at_its_own_rates():
     assert estimate(recipe, s, Topology(1, cpu=True)).forecast_on == fc.CPU_RATES.name
 
 
+@pytest.mark.parametrize("words", [["gradient_checkpointing=true"], ["gradient_checkpointing=false"],
+                                   ["gradient_checkpointing=selective"],  # (it recomputes all but the matmuls)
+                                   ["gradient_checkpointing=true", "lora.redraw_dropout=false"],
+                                   ["gradient_checkpointing=true", "tiled_mlp=2"]])
+def test_loras_dropout_draws_are_what_a_real_step_draws(words):
+    """forecast.dropout_draws is what the dropouts of a real bf16 step draw, counted op by op (bernoulli_'s
+    elements; a layer's: one layer against two, a token's: 64 tokens against 128): the adapter's own checkpoint
+    redraws once in backward, beside the forward and the layer's recompute, not once for each of them."""
+    import torch
+
+    from helpers import loop_model
+    from measuring import _step, dropout_draws_made
+    from memrecipe.training.loading import embedded_model
+
+    lora = ["lora.target_modules=all-linear", "lora.dropout=0.1"]
+    made = {}
+    for length in (64, 128):
+        recipe = load_recipe("single-gpu-lora", [*words, *lora, f"max_seq_length={length}", "packing=false",
+                                                 "attn_implementation=sdpa"])
+        ids = torch.randint(0, 500, (1, length), generator=torch.Generator().manual_seed(0))
+        b = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
+             "position_ids": torch.arange(length)[None]}
+        for layers in (1, 2):
+            m, _ = loop_model(recipe, embedded_model(), "bf16")
+            m.train()
+            m.base_model.model.model.layers = m.base_model.model.model.layers[:layers]
+            made[length, layers] = dropout_draws_made(lambda: _step(m, b, True))  # noqa: B023
+    measured = (made[128, 2] - made[128, 1] - made[64, 2] + made[64, 1]) / 64
+    s = structure(read_config(None))
+    assert fc.dropout_draws(load_recipe("single-gpu-lora", [*words, *lora]), s) / s.layers == measured
+
+
 @pytest.mark.parametrize("recipe, words, draws", [
-    ("single-gpu-lora", ["gradient_checkpointing=true"], 2 * 2),  # forward, recompute; each redrawn in backward
-    ("single-gpu-lora", ["gradient_checkpointing=false"], 1 * 2),
+    ("single-gpu-lora", ["gradient_checkpointing=true"], 3),  # forward, recompute, the redraw in backward
+    ("single-gpu-lora", ["gradient_checkpointing=false"], 2),
     ("single-gpu-lora", ["gradient_checkpointing=true", "lora.redraw_dropout=false"], 2),  # peft's masks kept
-    ("zero3-offload", ["lora.r=16", "gradient_checkpointing=true"], 2 * 2),  # DeepSpeed's bf16 adapters redraw too
+    ("zero3-offload", ["lora.r=16", "gradient_checkpointing=true"], 3),  # DeepSpeed's bf16 adapters redraw too
     ("zero3-offload", ["lora.r=16", "gradient_checkpointing=true", "lora.redraw_dropout=false"], 2),
     ("single-gpu-lora", ["lora.dropout=0"], 0)])
 def test_loras_dropout_is_a_cost_of_its_own_where_drawing_is(recipe, words, draws):
