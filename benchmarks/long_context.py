@@ -5,7 +5,8 @@ forward and backward. Ratios are against full checkpointing, measured in the sam
 
     python benchmarks/long_context.py [--lengths 1024 2048 4096] [--steps 3]
     python benchmarks/long_context.py --price 8192 16384 [--repeats 3]   (each rung's step time only)
-    python benchmarks/long_context.py --redraw 256 2048 [--repeats 5]   (LoRA's dropout redrawn vs peft's, step time)
+    python benchmarks/long_context.py --redraw 256 2048 [--repeats 5]   (LoRA's dropout redrawn vs peft's, and the
+                                                                          peers' setup: step time)
 
 The model is the embedded Llama's shape widened so that per-token costs dominate (hidden 512, intermediate 1536,
 4 layers), trained by single-gpu-lora's model code (LoRA on every linear, bf16 autocast), micro batch 1.
@@ -118,9 +119,23 @@ def library_peak(model_path: str, length: int, library: str) -> int:
         return profiled_peak(lambda: trainer.training_step(prepared, inputs))
 
 
-# LoRA's dropout redrawn in backward (the default) against peft's own (--redraw), under full checkpointing
+def peft_and_transformers(model_path: str):
+    """The peers' model setup (benchmarks/peers.py): peft's LoRA as single-gpu-lora ships it (r 16, alpha 32, dropout
+    0.05, every linear) on a bf16 base, transformers' own non-reentrant checkpointing, no memrecipe code."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
+                                            task_type="CAUSAL_LM"))
+
+
+# LoRA's dropout redrawn in backward (the default) against peft's own (--redraw), under full checkpointing, and the
+# peers' setup beside them
 DROPOUTS = {"redrawn": ["gradient_checkpointing=true"],
-            "peft's": ["gradient_checkpointing=true", "lora.redraw_dropout=false"]}
+            "peft's": ["gradient_checkpointing=true", "lora.redraw_dropout=false"],
+            "peers'": peft_and_transformers}
 
 
 def price(model_path: str, length: int, repeats: int, rungs: dict = RUNGS, base: str = "full") -> dict:
@@ -130,10 +145,13 @@ def price(model_path: str, length: int, repeats: int, rungs: dict = RUNGS, base:
     batch = None
     models = {}
     for rung in rungs:
-        recipe = load_recipe("single-gpu-lora", [*rungs[rung], f"max_seq_length={length}",
-                                                 "per_device_train_batch_size=1", "lora.target_modules=all-linear",
-                                                 "packing=false"])
-        models[rung], _ = loop_model(recipe, model_path, "bf16")
+        if callable(rungs[rung]):  # (a model built without memrecipe: the peers')
+            models[rung] = rungs[rung](model_path)
+        else:
+            recipe = load_recipe("single-gpu-lora", [*rungs[rung], f"max_seq_length={length}",
+                                                     "per_device_train_batch_size=1", "lora.target_modules=all-linear",
+                                                     "packing=false"])
+            models[rung], _ = loop_model(recipe, model_path, "bf16")
         models[rung].train()
         ids = torch.randint(0, models[rung].config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
         batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
@@ -161,7 +179,8 @@ def main():
     parser.add_argument("--price", type=int, nargs="*", metavar="LENGTH", help="only each rung's step time against "
                         "full checkpointing's at these lengths (e.g. 8192 16384), the rungs interleaved")
     parser.add_argument("--redraw", type=int, nargs="*", metavar="LENGTH", help="only the step time of LoRA's "
-                        "dropout redrawn in backward against peft's own, at these lengths, interleaved")
+                        "dropout redrawn in backward against peft's own and against peft with transformers' "
+                        "checkpointing (the peers' setup), at these lengths, interleaved")
     parser.add_argument("--repeats", type=int, default=3, help="--price's and --redraw's rounds (the median is read)")
     args = parser.parse_args()
     if args.price or args.redraw:
