@@ -230,9 +230,15 @@ NOT_ELEMENTWISE = ("mm", "bmm", "addmm", "baddbmm", "_scaled_dot_product_flash_a
                    "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
+# ops that allocate without touching memory, and in-place ops that write their first argument without reading it
+ALLOCATE = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided")
+WRITE_ONLY = ("copy_", "fill_", "zero_", "bernoulli_", "uniform_", "normal_")
+
+
 def elementwise_bytes_moved(step) -> int:
     """Bytes the ops of `step()` read and write, but the matmuls', attention's and the views' (which move nothing):
-    each tensor argument's and output's own bytes (a broadcast one's storage, not its expanded size)."""
+    each tensor argument's and output's own bytes (a broadcast one's storage, not its expanded size); an allocation
+    moves nothing, and a write-only in-place op (copy_ into a buffer) does not read what it overwrites."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -247,8 +253,9 @@ def elementwise_bytes_moved(step) -> int:
             name = func.overloadpacket.__name__
             view = name == "_unsafe_view" or any(r.alias_info is not None and not r.alias_info.is_write
                                                  for r in func._schema.returns)
-            if not view and name not in NOT_ELEMENTWISE:
-                tensors = [a for a in tree_flatten((args, kwargs, out))[0] if isinstance(a, torch.Tensor)]
+            if not view and name not in NOT_ELEMENTWISE and name not in ALLOCATE:
+                read = args[1:] if name in WRITE_ONLY else args
+                tensors = [a for a in tree_flatten((read, kwargs, out))[0] if isinstance(a, torch.Tensor)]
                 Count.moved += sum(size(t) for t in tensors)
             return out
 

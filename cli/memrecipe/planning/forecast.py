@@ -247,6 +247,7 @@ def elementwise_bytes(recipe: Recipe, s: Structure, precision: str = "bf16") -> 
     and the compute dtype's `c` (autocast's copy between them, where they differ, `r + c`):
     - an RMSNorm: its fp32 copy in and out (16-bit stream), the square, the mean's read, the scale, the weight's
       multiply; backward about three times that, and its weight's gradient where the norms train (a full fine-tune);
+      a lean norm (training.norms) writes its output into a buffer, and its backward normalises again;
     - each linear that reads a norm's output casts it to `c` (and its gradient back) where the stream is fp32;
     - the two residual adds, and in backward one add per linear reading the stream (the input gradients' sums and
       the residual merges);
@@ -256,9 +257,14 @@ def elementwise_bytes(recipe: Recipe, s: Structure, precision: str = "bf16") -> 
     mode = activation_mode(recipe, 2 if precision in ("bf16", "fp16") else 4)
     r, c = residual_bytes(mode), compute_bytes(mode)
     cast = r + c if r != c else 0
-    trains = method(recipe) == "full"
-    norm_f = 20 + 2 * r + (12 if r == 2 else 0)
-    norm_b = 68 + 2 * r + (12 if r == 2 else 0) + (4 * r if trains else 0)
+    trains, casts = method(recipe) == "full", 12 if r == 2 else 0
+    if recipe.lean_norms and s.lean_norms_apply:  # (training.norms: the same ops, written into buffers, and a
+        # closed-form backward that computes the normalised input again)
+        norm_f = 20 + 4 * r + casts
+        norm_b = 56 + 3 * r + casts + (3 * r + 4 + casts if trains else 0)
+    else:
+        norm_f = 20 + 2 * r + casts
+        norm_b = 68 + 2 * r + casts + (4 * r if trains else 0)
     total = s.hidden * (norm_f + norm_b)  # (the final norm)
     for g in s.groups():
         qk, _ = g.qk_norms

@@ -268,6 +268,8 @@ def qwen3(tmp_path_factory):
     ("embedded", ["gradient_checkpointing=selective"], False),  # the same ops again (it keeps the matmuls' outputs)
     ("embedded", ["gradient_checkpointing=true", "weight_dtype=fp32"], False),  # an fp32 stream: autocast's casts
     ("embedded", ["gradient_checkpointing=true"], True),  # the norms frozen, as under LoRA
+    ("embedded", ["gradient_checkpointing=true", "lean_norms=true"], False),  # training.norms' own ops
+    ("embedded", ["gradient_checkpointing=true", "lean_norms=true"], True),
     ("qwen3", ["gradient_checkpointing=false"], False)])  # the query's and key's norms
 def test_the_elementwise_bytes_are_what_a_layers_ops_move(model, words, lora, qwen3):
     """What forecast.elementwise_bytes counts a layer a token is what its ops read and write beside the matmuls and
