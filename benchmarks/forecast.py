@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 
 from memrecipe.planning import forecast as fc
+from memrecipe.planning.activations import activation_mode, residual_bytes
 from memrecipe.planning.architecture import structure
 from memrecipe.planning.gpus import GPUS
 from memrecipe.planning.planner import estimate
@@ -337,7 +338,8 @@ def dispatch(rates: fc.Rates, tokens: int = 8) -> dict:
                          "position_ids": torch.arange(tokens)[None]}
                 s = structure(config.to_dict())
                 seconds[run, layers] = timed(partial(step, model, batch), repeats=20) - fc.attention_seconds(
-                    recipe, s, tokens, 1, "sdpa", rates) - fc.elementwise_bytes(recipe, s) * tokens / rates.elementwise
+                    recipe, s, tokens, 1, "sdpa", rates) - fc.elementwise_bytes(
+                    recipe, s, residual_bytes(activation_mode(recipe, 2))) * tokens / rates.elementwise
     per_layer = {run: (seconds[run, 6] - seconds[run, 2]) / 4 for run in DISPATCH_RUNS}
     layer = per_layer["full"] / 3
     adapters = len(shape("1b").linears)

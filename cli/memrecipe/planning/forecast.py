@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from .activations import activation_mode, compute_bytes, residual_bytes, tile_count
+from .activations import tile_count
 from .architecture import SANDWICH_NORMED, Structure
 from .gpus import GPUS, Gpu
 from .recipe import Recipe, method
@@ -57,6 +57,8 @@ class Planned(Protocol):
     def optimizer_state(self) -> int: ...
     @property
     def trainable(self) -> int: ...
+    @property
+    def stream_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -239,12 +241,13 @@ def adapter_bytes(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = 
     return total
 
 
-def elementwise_bytes(recipe: Recipe, s: Structure, precision: str = "bf16") -> float:
+def elementwise_bytes(recipe: Recipe, s: Structure, stream: int, compute: int = 2) -> float:
     """Bytes the elementwise ops between the matmuls move a trained token, a step (reads and writes, read off the
     ops transformers' Llama-family layers run under autocast; tests/unit/planning/test_forecast.py counts them op by
     op with a dispatch mode). A layer's forward, again where it is checkpointed (selective recomputes exactly these
     ops), and its backward; the final norm's forward and backward. Per element, in the residual stream's bytes `r`
-    and the compute dtype's `c` (autocast's copy between them, where they differ, `r + c`):
+    (`stream`: Estimate.stream_bytes) and the compute dtype's `c` (autocast's copy between them, where they differ,
+    `r + c`):
     - an RMSNorm: its fp32 copy in and out (16-bit stream), the square, the mean's read, the scale, the weight's
       multiply; backward about three times that, and its weight's gradient where the norms train (a full fine-tune);
       a lean norm (training.norms) writes its output into a buffer, and its backward normalises again;
@@ -254,10 +257,9 @@ def elementwise_bytes(recipe: Recipe, s: Structure, precision: str = "bf16") -> 
     - rotary on the query and key (its tables in the stream's dtype: the products promote to it), and the SwiGLU
       product over the intermediate width, again a tile at a time where the tiled MLP runs it again (tiles_again).
     Dense layers: a routed MoE's experts are counted at the layer's intermediate width, once."""
-    mode = activation_mode(recipe, 2 if precision in ("bf16", "fp16") else 4)
-    r, c = residual_bytes(mode), compute_bytes(mode)
+    r, c = stream, compute
     cast = r + c if r != c else 0
-    trains, casts = method(recipe) == "full", 12 if r == 2 else 0
+    trains, casts = recipe.lora is None, 12 if r == 2 else 0  # (a full fine-tune trains the norms)
     if recipe.lean_norms and s.lean_norms_apply:  # (training.norms: the same ops, written into buffers, and a
         # closed-form backward that computes the normalised input again)
         norm_f = 20 + 4 * r + casts
@@ -353,7 +355,7 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
     if drawn is not recipe:
         parts["dropout"] = dropout_draws(recipe, s, tiles_recomputed) * tokens / rates.dropout
     if rates.elementwise:  # (norms and residual adds run whole on each tensor-parallel rank: counted whole)
-        parts["elementwise"] = elementwise_bytes(recipe, s, precision) * tokens / rates.elementwise
+        parts["elementwise"] = elementwise_bytes(recipe, s, est.stream_bytes, 2 * slower) * tokens / rates.elementwise
     if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch:
         parts["dispatch"] = dispatch_seconds(recipe, s, tokens, rates)
     passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import RecipeError
 from ..units import GiB
-from .activations import activation_mode, plan_attention
+from .activations import activation_mode, plan_attention, residual_bytes
 from .architecture import Structure
 from .attention import square_bytes, square_note
 from .forecast import CPU_RATES, REFERENCE, Rates, forecast
@@ -65,6 +65,7 @@ class Estimate:
     # of `host_offload`, what is page-locked on a GPU box (torch's pinned allocator's blocks, the activation offload's
     # registered arena); 0 on CPU
     host_pinned: int = 0
+    stream_bytes: int = 2  # bytes an element of the residual stream (planning.activations.residual_bytes)
 
     @property
     def total(self) -> int:
@@ -99,11 +100,8 @@ def as_it_runs(recipe: Recipe, s: Structure) -> tuple[Recipe, list[str]]:
     return recipe, []
 
 
-def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | None = None,
-             seq_length: int | None = None, attention: str | None = None, rates: Rates | None = None) -> Estimate:
-    """Memory per process and per machine for this recipe, model and topology, and the step time forecast at
-    `rates` (None: the CPU's in CPU mode, else the reference GPU's). `attention`: the kernel that ran (a run's
-    report); None plans the one a launch here would pick."""
+def check_plannable(recipe: Recipe, s: Structure) -> None:
+    """Refuses, with the reason, what the planner does not plan on a mixture of experts."""
     if s.experts and recipe.quantization is not None:
         share = sum(g.layers * g.expert_params for g in s.groups()) / s.params
         raise RecipeError(f"QLoRA saves little on {s.model_type}, whose experts ({share:.0%} of its parameters) are fused "
@@ -112,6 +110,14 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     if s.experts and recipe.gradient_checkpointing == "selective":
         raise RecipeError(f"gradient_checkpointing: selective is planned for dense models; {s.model_type} routes "
                           "tokens to experts, whose kernels it would keep unplanned: use gradient_checkpointing=true")
+
+
+def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | None = None,
+             seq_length: int | None = None, attention: str | None = None, rates: Rates | None = None) -> Estimate:
+    """Memory per process and per machine for this recipe, model and topology, and the step time forecast at
+    `rates` (None: the CPU's in CPU mode, else the reference GPU's). `attention`: the kernel that ran (a run's
+    report); None plans the one a launch here would pick."""
+    check_plannable(recipe, s)
     recipe, said = as_it_runs(recipe, s)
     batch, seq = micro_batch or recipe.per_device_train_batch_size, seq_length or recipe.max_seq_length
     sp = recipe.sequence_group(topo.num_processes)
@@ -129,8 +135,10 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     step = step_temporaries(recipe, train, weights)  # (the model states' side: asked here, with the rest of them)
     if load and not topo.cpu:
         notes.append(f"loading holds {load / GiB:.1f} GiB of host RAM per machine before the model is on the GPUs")
-    attention, act, wraps = plan_attention(recipe, s, activation_mode(recipe, compute_bytes), compute_bytes == 2,
-                                           batch, seq, sp, topo.cpu, attention, notes)
+    mode = activation_mode(recipe, compute_bytes)
+    stream = residual_bytes(mode)
+    attention, act, wraps = plan_attention(recipe, s, mode, compute_bytes == 2, batch, seq, sp, topo.cpu, attention,
+                                           notes)
     square = square_note(attention, square_bytes(attention, recipe.packing, batch, seq, s.heads, compute_bytes == 4), seq)
     if square:  # long context on a kernel that keeps [S x S] tensors: say which kernels keep none
         notes.append(square)
@@ -155,7 +163,8 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         host_pinned=states.pinned, cpu=topo.cpu,
         saved_peak=int(act["saved_peak"]), working=int(working),
         host_load=int(load), notes=tuple(notes), step=int(step), attention=attention, refused=wraps,
-        gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads), trainable=trained)
+        gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads), trainable=trained,
+        stream_bytes=stream)
     f = forecast(recipe, s, est, rates or (CPU_RATES if topo.cpu else REFERENCE), precision)
     return replace(est, step_seconds=f.step_seconds, tokens_per_second=f.tokens_per_second, forecast_on=f.device)
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from conftest import REPO
 from memrecipe.planning import forecast as fc
+from memrecipe.planning.activations import activation_mode, residual_bytes
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.planning.gpus import GPUS, gpu_for_device
 from memrecipe.planning.planner import Verdict, estimate, recommend
@@ -300,7 +301,9 @@ def test_the_elementwise_bytes_are_what_a_layers_ops_move(model, words, lora, qw
     measured = (moved[128, 2] - moved[128, 1] - moved[64, 2] + moved[64, 1]) / 64
     s = structure(read_config(path))
     planned = load_recipe("single-gpu-lora" if lora else "single-gpu-full", [*words, *PLAIN[1:]])
-    per_layer = (fc.elementwise_bytes(planned, s) - fc.elementwise_bytes(planned, replace(s, layers=0))) / s.layers
+    stream = residual_bytes(activation_mode(planned, 2))
+    per_layer = (fc.elementwise_bytes(planned, s, stream) - fc.elementwise_bytes(planned, replace(s, layers=0), stream)) \
+        / s.layers
     assert per_layer == pytest.approx(measured, rel=0.03)
 
 
@@ -312,5 +315,6 @@ def test_a_cpu_pays_the_elementwise_bytes_where_a_gpu_keeps_them_in_its_efficien
     est = estimate(recipe, s, Topology(1, cpu=True))
     cpu, gpu = (fc.forecast(recipe, s, est, rates) for rates in (fc.CPU_RATES, fc.REFERENCE))
     tokens = est.micro_batch * est.seq_length * recipe.gradient_accumulation_steps
-    assert cpu.parts["elementwise"] == pytest.approx(fc.elementwise_bytes(recipe, s) * tokens / fc.CPU_RATES.elementwise)
+    assert cpu.parts["elementwise"] == pytest.approx(fc.elementwise_bytes(recipe, s, est.stream_bytes) * tokens
+                                                      / fc.CPU_RATES.elementwise)
     assert "elementwise" not in gpu.parts
