@@ -159,6 +159,10 @@ def check_fsdp(r: Recipe) -> None:
                           "parameters into one tensor of one dtype (torch's FlatParamHandle), and a decoder layer holds "
                           "the 16-bit base beside LoRA's fp32 adapters; with flat parameters PEFT's wrap policy gives "
                           "each adapter a unit of its own (or keep fsdp.version=2)")
+    if r.fsdp.version == 1 and r.lora and r.lora.bias != "none":
+        raise RecipeError(f"lora.bias={r.lora.bias} under fsdp.version=1: a trained bias would sit in its frozen "
+                          "layer's flat parameter, which holds one dtype and trains or not as a whole (torch's "
+                          "FlatParamHandle): set lora.bias=none, or fsdp.version=2")
     if r.uses_bnb and r.fsdp.version == 2:
         raise RecipeError(f"optim {r.optim} cannot run under FSDP2: bitsandbytes cannot update DTensor state "
                           "(use optim=adamw_torch, or fsdp.version=1, or distributed_type ddp)")

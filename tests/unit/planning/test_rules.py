@@ -18,6 +18,7 @@ from memrecipe.planning.registry import load_recipe
     ("zero3-offload", ["quantization.bits=4", "lora.r=8"], "not supported with DeepSpeed"),
     ("fsdp", ["quantization.bits=4", "lora.r=8", "fsdp.activation_checkpointing=false"], "fsdp.version=1"),
     ("fsdp-lora", ["fsdp.version=1"], "fsdp.version=1 with LoRA needs fsdp.use_orig_params=false"),
+    ("fsdp-qlora", ["lora.bias=all"], "lora.bias=all under fsdp.version=1: a trained bias would sit in its frozen"),
     ("ddp", ["activation_offload=true"], "set gradient_checkpointing=true"),
     ("fsdp", ["activation_offload=true"], "set gradient_checkpointing=true fsdp.activation_checkpointing=false"),
     # Ulysses: DeepSpeed's ZeRO-3 only, whole sequences causal by position (no mask), no compile, one split at a time
