@@ -493,19 +493,15 @@ def fsdp1_host_tensors(recipe: Recipe, s: Structure, train: list[Tensor], proces
     base and the root stay in the base's dtype: the compute dtype, or a 4-bit base's storage dtype with its packed
     weights in it (its scales are no part of a flat parameter: quant_state_bytes)."""
     q, aligned = recipe.quantization, 16 // compute_bytes if recipe.fsdp.use_orig_params else 0
-    units = []  # (bytes an element, the numels a flat parameter flattens, in order)
-    if recipe.lora is None:
-        units += [(4, [t.numel for t in g.layer_tensors()]) for g in s.groups() for _ in range(g.layers)]
-        units.append((4, [t.numel for t in s.tensors()[-len(s.top_params):]]))
-    else:
-        units += [(4, [t.numel]) for t in train]
-        e = {"bf16": 2, "fp16": 2, "fp32": 4}.get(q.quant_storage, compute_bytes) if q else compute_bytes
+    e = 4 if recipe.lora is None else {"bf16": 2, "fp16": 2, "fp32": 4}.get(q.quant_storage, compute_bytes) if q \
+        else compute_bytes  # (bytes an element of the layers' and the root's flat parameters)
 
-        def numel(t: Tensor) -> int:  # (a 4-bit weight packs two to a byte, in e-byte elements)
-            return -(-math.ceil(t.numel / 2) // e) if q and t.kind == "linear" and t.name != "lm_head" else t.numel
+    def numel(t: Tensor) -> int:  # (a 4-bit weight packs two to a byte, in e-byte elements)
+        return -(-math.ceil(t.numel / 2) // e) if q and t.kind == "linear" and t.name != "lm_head" else t.numel
 
-        units += [(e, [numel(t) for t in g.layer_tensors()]) for g in s.groups() for _ in range(g.layers)]
-        units.append((e, [t.numel for t in s.tensors()[-len(s.top_params):]]))
+    units = [(4, [t.numel]) for t in train] if recipe.lora else []  # (bytes an element, the numels it flattens)
+    units += [(e, [numel(t) for t in g.layer_tensors()]) for g in s.groups() for _ in range(g.layers)]
+    units.append((e, [t.numel for t in s.tensors()[-len(s.top_params):]]))
     return [size * flat_shard(numels, processes, aligned) for size, numels in units for _ in range(2)]
 
 
