@@ -37,9 +37,10 @@ HERE = Path(__file__).resolve().parent
 SHAPES = {"1b": "llama-3.2-1b.json", "moe": "olmoe-1b-7b.json", "8b": "llama-3.1-8b.json"}
 # (recipe, overrides, processes); the first is also stopped and resumed
 # a row with attn_implementation=sdpa is checked against its recipe's row under auto (flash-attn or flex_attention)
-# single-gpu-lora with peft's own dropout: the redraw's price in a launch-bound step (docs/speed.md)
+# single-gpu-lora with its dropout redrawn (lora.redraw_dropout: auto takes peft's at the 1B's 2K tokens): the
+# redraw's price in a launch-bound step (docs/speed.md)
 ONE_GPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation=sdpa"], 1),
-           ("single-gpu-lora", ["lora.redraw_dropout=false"], 1), ("qlora", [], 1),
+           ("single-gpu-lora", ["lora.redraw_dropout=true"], 1), ("qlora", [], 1),
            ("qlora", ["activation_offload=true"], 1), ("single-gpu-full", [], 1),
            ("single-gpu-full", ["optim=apollo_adamw", "optim_args.rank=128"], 1), ("adamw-8bit", [], 1),
            ("zero3-offload", [], 1), ("zero3-offload", ["lora.r=16", "lora.target_modules=all-linear"], 1),
@@ -49,9 +50,11 @@ SEVERAL_GPUS = [("ddp", [], 0), ("fsdp", [], 0), ("fsdp-lora", [], 0), ("fsdp-ql
                 ("fsdp-lora", ["parallelism.cp_size=2", "packing=false"], 2)]  # ... and by ring attention
 # --cpu (the suite's smoke of this script): one process a row (the suite runs every engine elsewhere)
 CPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation=sdpa"], 1)]
-# long context: one document of max_seq_length tokens a micro batch, on the ladder's top rung (docs/long-context.md)
+# long context: one document of max_seq_length tokens a micro batch, on the ladder's top rung (docs/long-context.md),
+# the adapters' dropout redrawn as the 32-layer plans need it at their longest (`auto` would decide on the cut model)
 LONG = ("single-gpu-lora", ["activation_offload=true", "lean_norms=true", "tiled_mlp=true",
-                            "per_device_train_batch_size=1", "gradient_accumulation_steps=1", "packing=false"], 1)
+                            "per_device_train_batch_size=1", "gradient_accumulation_steps=1", "packing=false",
+                            "lora.redraw_dropout=true"], 1)
 LONG_TOKENS = {"gpu": 16384, "cpu": 1024}
 # long-8b: Llama-3.1-8B's widths cut to LONG_8B_LAYERS layers (random weights), one document a step on the top rung,
 # under each kernel named: with the layers' inputs offloaded, the GPU's per-token working bytes are the 32-layer

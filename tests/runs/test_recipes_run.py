@@ -167,6 +167,8 @@ def test_single_gpu_lora_trains_from_a_copied_folder(runs):
     s = r["setup"]
     assert s["trainable_names_all_lora"] and 0 < s["trainable_params"] < s["params"] / 4
     assert s["gradient_checkpointing"] and s["mixed_precision"] == "bf16"
+    # a copied script given lora.redraw_dropout: auto (no plan decided it) redraws: the memory-safe choice
+    assert r["recipe"]["lora"]["redraw_dropout"] == "auto" and s["lora_recomputed_dropout"] == 7 * 4
     from memrecipe.training.cpu_matmul import bf16_gemm_native
 
     # bf16 on a CPU without a bf16 GEMM: its matmuls as fp32 GEMMs (training/cpu_matmul.py), said at start-up
@@ -346,6 +348,10 @@ def test_qlora_trains_only_adapters_on_a_4bit_base(runs):
     # activation offload: one saved input per checkpointed layer (bf16 hidden states: nothing is upcast)
     assert 0 < s["offloaded_bytes_per_micro_batch"] <= 4 * 4 * 256 * 128 * 2  # layers x batch x seq x hidden x bf16
     assert "activation offload:" in (folder / "train.log").read_text()
+    # lora.redraw_dropout: auto, decided by memrecipe run's plan: peft's dropout, as the run fits with it (its masks
+    # kept, no adapter's checkpoint); the run folder's recipe says so, and the start-up line
+    assert r["recipe"]["lora"]["redraw_dropout"] is False and r["recipe"]["lora"]["dropout"] > 0
+    assert s["lora_recomputed_dropout"] == 0 and "LoRA's dropout as peft's" in (folder / "train.log").read_text()
 
 
 def test_qlora_adapter_reloads_onto_the_quantized_base(runs):

@@ -87,7 +87,7 @@ def wide_model(base):
 
 
 # LoRA at long context, as the 8B plans; checkpointed inputs kept on the device (on CPU the host is the device)
-DROPPED = {1: [], 2: ["lora.dropout=0.1", "deepspeed.stage3_param_persistence_threshold=0"]}
+DROPPED = {1: [], 2: ["lora.dropout=0.1", "lora.redraw_dropout=true", "deepspeed.stage3_param_persistence_threshold=0"]}
 MEASURED = ["lora.r=16", "lora.dropout=0", "lora.target_modules=all-linear", "activation_offload=false"]
 WHOLE = ["gradient_checkpointing=false"]  # every layer's saved tensors held at the forward's end
 

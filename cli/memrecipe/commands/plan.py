@@ -19,7 +19,7 @@ from ..table import table
 from ..units import GiB, parse_size
 
 
-SAID_NOTES = ("attention:", "lean_norms:")  # the plan's notes printed under its table
+SAID_NOTES = ("attention:", "lean_norms:", "lora.redraw_dropout:")  # the plan's notes printed under its table
 ONE_ROW = "per_device_train_batch_size=1"
 
 

@@ -16,7 +16,7 @@ from ..planning.architecture import read_config, structure
 from ..planning.hardware import Machine
 from ..planning.ladder import climb
 from ..planning.paths import PATH_KEYS
-from ..planning.planner import breakdown, estimate, judge, judge_each, recommend
+from ..planning.planner import breakdown, decide_dropout, judge_each, recommend
 from ..planning.recipe import METHODS, method
 from ..planning.registry import load_recipe, recipe_names
 from ..planning.states import rank0_loads
@@ -122,16 +122,17 @@ def extensions_folder() -> Path:
 
 
 def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=None):
-    """The planner's verdict; a run that will not fit is refused with its breakdown and the planner's
-    pick of what would fit (planner.recommend): among the recipes of the same training method first,
-    since another method trains another way."""
+    """(the recipe as it will run, the planner's verdict): `lora.redraw_dropout: auto` decided by this machine's
+    memory (planner.decide_dropout), for the run folder's recipe.yaml to say. A run that will not fit is refused with
+    its breakdown and the planner's pick of what would fit (planner.recommend): among the recipes of the same training
+    method first, since another method trains another way."""
     shape = shape or structure(read_config(recipe.model_name_or_path))
     check_heads(recipe.sequence_group(topo.num_processes), shape.heads, shape.kv_heads)
-    verdict = judge(estimate(recipe, shape, topo), machine.gpu_memory, machine.host_memory or None)
+    recipe, verdict = decide_dropout(recipe, shape, topo, machine.gpu_memory, machine.host_memory or None)
     if verdict.estimate.refused:  # wrong results, not too little memory: --force does not launch it
         raise RecipeError(f"recipe {recipe.name}: {verdict.estimate.refused}")
     if verdict.fits or force:
-        return verdict
+        return recipe, verdict
     est = verdict.estimate
     copies = "rank 0's copy" if rank0_loads(recipe) else "every process's copy"
     loading = f" (loading: {copies} of the model)" if est.host_load >= est.host_total() else ""
@@ -139,7 +140,7 @@ def check_fits(recipe, topo: Topology, machine: Machine, words, force, shape=Non
              if not verdict.host_fits else f"{est.total / GiB:.1f} GiB per GPU > {machine.gpu_memory / GiB:.1f} GiB")
     climbed, rung, fits = climb(recipe, shape, topo, machine.gpu_memory, machine.host_memory or None)
     if fits and rung.words:  # the same recipe a rung up the activation ladder fits: the cheapest change
-        up = estimate(climbed, shape, topo)
+        up = decide_dropout(climbed, shape, topo, machine.gpu_memory, machine.host_memory or None)[1].estimate
         raise RecipeError(f"recipe {recipe.name} will not fit: {where} ({breakdown(est)}); with {rung.name} it "
                           f"would ({up.total / GiB:.1f} GiB per process, host RAM {up.host_total() / GiB:.1f} GiB): add "
                           f"{' '.join(rung.words)}; --force launches anyway")

@@ -96,12 +96,13 @@ def plan_run(script: str, recipe_ref: str | None, words: list[str], output_dir: 
         notes += [note for note in [method_rate_note(str(recipe_ref), words),
                                     positions_note(r, read_config(r.model_name_or_path))] if note]
     try:
-        verdict = check_fits(r, topo, machine, words, force)
+        r, verdict = check_fits(r, topo, machine, words, force)
     except RecipeError as e:
         if not dry_run:
             raise
         refused.append(str(e))
-        verdict = check_fits(r, topo, machine, words, force=True)
+        r, verdict = check_fits(r, topo, machine, words, force=True)
+    notes += [note for note in verdict.estimate.notes if note.startswith("lora.redraw_dropout:")]  # what auto took
     folder = Path(output_dir or default_run_folder(r.name))
     files = run_files(r, topo)
     if resume:  # the folder's own launch configs stay; only the recipe may have raised max_steps

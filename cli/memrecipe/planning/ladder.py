@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..errors import RecipeError
 from .architecture import Structure
 from .forecast import Rates
-from .planner import Verdict, estimate, judge
+from .planner import Verdict, decide_dropout, estimate, judge
 from .recipe import Recipe
 from .registry import merge, parse_overrides
 from .rungs import LADDER
@@ -66,7 +66,7 @@ def climb(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory)
     reach, not the recipe as written."""
     closest = None
     for rung, climbed in climbs(recipe, topo):
-        verdict = judge(estimate(climbed, s, topo), gpu_memory, host_memory)
+        _, verdict = decide_dropout(climbed, s, topo, gpu_memory, host_memory)  # (`auto` left for its row to decide)
         if verdict.fits:
             return climbed, rung, True
         spare = verdict.headroom if verdict.headroom is not None else -verdict.estimate.total
@@ -115,6 +115,9 @@ def longest_per_recipe(recipe: Recipe, s: Structure, topo: Topology, gpu_memory,
         length, verdict = longest(climbed, s, topo, gpu_memory, host_memory, rates)
         if length > best.seq_length:
             best = Longest(climbed, rung, length, verdict)
+    if best.seq_length:  # (searched as an undecided `auto` plans, redrawn: the most a length can get)
+        decided, verdict = decide_dropout(best.recipe, s, topo, gpu_memory, host_memory, 1, best.seq_length, rates)
+        best = Longest(decided, best.rung, best.seq_length, verdict)
     return best
 
 

@@ -81,12 +81,15 @@ class Lora:
     dropout: float = spec(0.05, low=0, high=0.99, row=False)
     # dropout's mask drawn again in backward, under autocast: each adapter keeps only its input, shared with its
     # siblings (less memory in a recomputed layer, the binding place at long context), for one more pass of its cast
-    # and dropout and a checkpoint of its own (host time in a launch-bound step)
-    redraw_dropout: bool = spec(True, shown='true',
+    # and dropout and a checkpoint of its own (host time in a launch-bound step); `auto` (planner.decide_dropout):
+    # peft's where the run fits that way, the redraw where only it fits
+    redraw_dropout: bool | Literal["auto"] = spec("auto", shown='`auto`',
         help=("`true`: in 16 bits (autocast, or DeepSpeed's engine) each adapter redraws its dropout mask in backward "
               "and keeps only its input (shared by q/k/v and by gate/up); `false`: peft's dropout, each adapter keeping "
-              "its mask and a 16-bit copy of its dropped input, for one pass fewer of its cast and dropout (planned "
-              "either way). fp32 runs and compiled layers keep peft's"))
+              "its mask and a 16-bit copy of its dropped input, for one pass fewer of its cast and dropout and no "
+              "checkpoint of its own (planned either way); `auto`: `memrecipe run` and `plan` take `false` where the "
+              "run fits with it and `true` where only the redraw fits, and the run folder's recipe.yaml says which (a "
+              "copied script given `auto` redraws). fp32 runs and compiled layers keep peft's"))
     target_modules: tuple[str, ...] | Literal["all-linear"] = spec(
         ("q_proj", "k_proj", "v_proj", "o_proj"), shown='q/k/v/o_proj',
         help='module names, or `all-linear` (every linear of the decoder layers)')
@@ -493,11 +496,12 @@ class Recipe:
         """Whether LoRA's adapters keep peft's dropout (each its mask and dropped input) rather than redrawing it in
         backward: the one rule the loop follows too (training.adapters.add_lora's `redraw`). Kept by compiled layers,
         in fp32 (`mixed_precision: no`: no autocast, so peft's forward runs as it is), and with
-        `lora.redraw_dropout: false`. Under DeepSpeed's engine the 16-bit adapters redraw (a redraw reads the adapter's
-        weight inside the adapter's own backward, where ZeRO-3 has gathered it)."""
+        `lora.redraw_dropout: false` (`auto`, left to the loop undecided, redraws: the memory-safe choice; the
+        planner decides it by the memory, planner.decide_dropout). Under DeepSpeed's engine the 16-bit adapters redraw
+        (a redraw reads the adapter's weight inside the adapter's own backward, where ZeRO-3 has gathered it)."""
         lora = self.lora
         return bool(lora and lora.dropout) and (self.torch_compile
-                                                or self.mixed_precision == "no" or not lora.redraw_dropout)
+                                                or self.mixed_precision == "no" or lora.redraw_dropout is False)
 
     @property
     def recompute_skips_tiles(self) -> bool:

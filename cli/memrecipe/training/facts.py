@@ -80,7 +80,9 @@ class SetupFacts:
         said = [phrase for technique in LADDER if (phrase := technique.phrase(self, recipe))]
         lora = (f"{self.lora_shared_inputs} LoRA layers' adapters share their inputs" if self.lora_shared_inputs else "") \
             + (f", {self.lora_recomputed_dropout} redraw their dropout in backward" if self.lora_recomputed_dropout else "")
-        return "; ".join(said + ([lora] if lora else []))
+        kept = recipe.lora and recipe.lora.dropout and recipe.keeps_dropout  # (lora.redraw_dropout false, or decided so)
+        return "; ".join(said + [part for part in (lora, "LoRA's dropout as peft's (each adapter keeps its mask)" if kept
+                                                   else "") if part])
 
 
 def describe_setup(accelerator, model, optimizer) -> SetupFacts:

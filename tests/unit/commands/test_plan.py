@@ -282,3 +282,20 @@ def test_plan_says_ncclS_share_of_each_rows_total_on_several_gpus(cli, tmp_path)
     one = cli(*args, "--num-processes", "1")
     assert "NCCL" not in one.stdout
     assert all(e["nccl"] == 0 for e in json.loads(cli(*args, "--num-processes", "1", "--json").stdout)["estimates"])
+
+
+def test_plan_says_where_auto_dropout_takes_the_redraw(cli, tmp_path):
+    """`lora.redraw_dropout: auto` as `plan` decides it, row by row, at the rung each climbed to: peft's dropout at 2K
+    tokens of an 8B on an 80 GB GPU (`redraws_dropout` false in --json), the redraw at 700K, where peft's masks do
+    not fit (said under the table, with what peft's would need)."""
+    from model_configs import model_folder
+
+    folder = model_folder(tmp_path / "llama-8b", LLAMA_8B)
+    for length, redraw in ((2048, False), (700 * 1024, True)):
+        words = ["plan", "--recipe", "single-gpu-lora", "--model", str(folder), "--gpu-memory", "80GB",
+                 "--host-memory", "1TiB", f"max_seq_length={length}", "per_device_train_batch_size=1"]
+        (row,) = json.loads(cli(*words, "--json").stdout)["estimates"]
+        assert row["fits"] and row["redraws_dropout"] is redraw, row
+        text = cli(*words).stdout
+        assert ("lora.redraw_dropout: auto redraws the adapters' dropout in backward for single-gpu-lora+MLP: with "
+                "peft's" in text) is redraw, text

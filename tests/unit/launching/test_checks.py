@@ -77,7 +77,7 @@ def test_a_run_that_fits_a_rung_up_the_ladder_is_refused_naming_the_words_that_c
     assert "with activation offload it would (" in str(refused.value)
     assert str(refused.value).endswith("add activation_offload=true; --force launches anyway")
     offloaded = load_recipe("single-gpu-lora", [*words, "activation_offload=true"])
-    assert check_fits(offloaded, Topology(1), gpu, words, force=False, shape=structure(LLAMA_8B)).fits
+    assert check_fits(offloaded, Topology(1), gpu, words, force=False, shape=structure(LLAMA_8B))[1].fits
 
 
 def test_a_long_run_on_a_kernel_that_keeps_s_by_s_tensors_is_refused_naming_the_kernels_that_keep_none():

@@ -9,7 +9,7 @@ from memrecipe.errors import RecipeError
 from memrecipe.launching.runner import plan_run
 from memrecipe.planning.hardware import Machine
 from memrecipe.units import GiB
-from model_configs import LLAMA_70B, model_folder
+from model_configs import LLAMA_8B, LLAMA_70B, model_folder
 
 LAPTOP = Machine(gpus=0, gpu_memory=None, bf16=None, cores=2, host_memory=24 * GiB)
 NODE = Machine(gpus=8, gpu_memory=80 * GiB, bf16=True, cores=96, host_memory=1024 * GiB)
@@ -176,3 +176,20 @@ def test_a_run_decides_its_precision_once_and_every_file_reads_that_decision(tmp
     assert yaml.safe_load(plan.files["recipe.yaml"])["mixed_precision"] == "fp16"
     assert yaml.safe_load(plan.files["accelerate_config.yaml"])["mixed_precision"] == "fp16"
     assert plan.recipe.mixed_precision == "fp16"
+
+
+def test_a_run_takes_peft_s_dropout_where_it_fits_and_its_recipe_yaml_says_so(tmp_path):
+    """`lora.redraw_dropout: auto` is decided by the plan of the machine the run launches on (planner.decide_dropout)
+    and the answer is written into the run folder's recipe.yaml, which the loop and a resume read: peft's dropout
+    at 2K tokens of an 8B on an 80 GB GPU, the redraw at 700K (where only it fits), said before the launch."""
+    folder = model_folder(tmp_path / "llama-8b", LLAMA_8B)
+    h100 = Machine(gpus=1, gpu_memory=80 * 10**9, bf16=True, cores=16, host_memory=2048 * GiB)
+    top = [f"model_name_or_path={folder}", "per_device_train_batch_size=1", "gradient_checkpointing=true",
+           "activation_offload=true", "lean_norms=true", "tiled_mlp=true", "attn_implementation=flex_attention"]
+    for length, redraw in ((2048, False), (700 * 1024, True)):
+        plan = plan_run("sft", "single-gpu-lora", [*top, f"max_seq_length={length}"], tmp_path / f"run-{length}",
+                        {"num_processes": 1}, dry_run=True, machine=h100)
+        assert plan.verdict.fits and not plan.refused, plan.refused
+        assert plan.recipe.lora.redraw_dropout is redraw and plan.verdict.estimate.redraws_dropout is redraw
+        assert yaml.safe_load(plan.files["recipe.yaml"])["lora"]["redraw_dropout"] is redraw
+        assert any(note.startswith("lora.redraw_dropout: auto redraws") for note in plan.notes) is redraw

@@ -170,3 +170,37 @@ def test_lean_norms_are_planned_where_the_loop_runs_them_and_said_where_it_canno
     assert plans["gemma"][1].activations == plans["gemma"][0].activations
     assert any("lean_norms: gemma's RMSNorm is not Llama's" in n for n in plans["gemma"][1].notes)
     assert not any("lean_norms" in n for n in plans["llama"][1].notes)
+
+
+# --- lora.redraw_dropout: auto, decided by the memory ----
+
+def test_auto_dropout_is_peft_s_where_the_run_fits_with_it_and_the_redraw_where_only_it_fits():
+    """`lora.redraw_dropout: auto` (the LoRA recipes' default) is decided where a plan is judged: peft's dropout
+    (false: each adapter keeps its mask and 16-bit dropped input, no checkpoint of its own) where the step fits with
+    it, the redraw (true) where only the redraw fits, and the redraw where nothing fits (the memory-safe choice). The
+    lengths come from the planner: the longest each way fits on one 80 GB GPU, at the top rung."""
+    from memrecipe.planning.ladder import longest
+    from memrecipe.planning.planner import decide_dropout
+
+    s, topo, gpu = structure(LLAMA_8B), Topology(1), 80 * 10**9
+    top = ["per_device_train_batch_size=1", "lora.r=16", "gradient_checkpointing=true", "activation_offload=true",
+           "lean_norms=true", "tiled_mlp=true", "attn_implementation=flex_attention"]
+    auto = load_recipe("single-gpu-lora", top)
+    assert auto.lora.redraw_dropout == "auto" and auto.lora.dropout == 0.05  # as shipped
+    reach = {value: longest(load_recipe("single-gpu-lora", [*top, f"lora.redraw_dropout={value}"]), s, topo, gpu,
+                            None)[0] for value in ("false", "true")}
+    assert 0 < reach["false"] < reach["true"]  # peft's masks cost memory at long context
+    for length, decided in ((reach["false"], False), (reach["true"], True)):
+        r, verdict = decide_dropout(auto, s, topo, gpu, None, seq_length=length)
+        assert r.lora.redraw_dropout is decided and verdict.fits, length
+        assert verdict.estimate.redraws_dropout is decided
+        assert verdict.estimate.total == estimate(r, s, topo, seq_length=length).total  # the decided one's plan
+        assert any(n.startswith("lora.redraw_dropout: auto redraws") for n in verdict.estimate.notes) is decided
+    r, verdict = decide_dropout(auto, s, topo, gpu, None, seq_length=2 * reach["true"])  # fits neither way
+    assert r.lora.redraw_dropout is True and not verdict.fits
+    # an explicit value is judged as it is; no dropout, or fp32 (peft's forward as it is): nothing to redraw
+    for words, value in ((["lora.redraw_dropout=true"], True), (["lora.redraw_dropout=false"], False),
+                         (["lora.dropout=0"], False), (["mixed_precision=no"], False)):
+        r, _ = decide_dropout(load_recipe("single-gpu-lora", [*top, *words]), s, topo, gpu, None, seq_length=1024)
+        assert r.lora.redraw_dropout is value, words
+

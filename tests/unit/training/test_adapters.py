@@ -143,8 +143,9 @@ def test_adapters_share_their_input_redraw_their_dropout_and_train_bitwise_as_pe
 
 def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs_and_redraw_as_the_plan_says():
     """The loop redraws LoRA's dropout exactly where the plan counts a redraw (Recipe.keeps_dropout, one rule): under
-    autocast and under DeepSpeed's bf16 engine; not with compiled layers, not in fp32 (no autocast), not with
-    lora.redraw_dropout=false."""
+    autocast and under DeepSpeed's bf16 engine, with `lora.redraw_dropout: auto` left undecided too (the shipped
+    default, as a copied script meets it: the memory-safe choice); not with compiled layers, not in fp32 (no
+    autocast), not with lora.redraw_dropout=false."""
     from types import SimpleNamespace
 
     from helpers import loop_model
@@ -159,6 +160,7 @@ def test_the_report_counts_the_lora_layers_whose_adapters_share_their_inputs_and
         name, engine = ("zero3-ulysses", "DEEPSPEED") if "zero3-ulysses" in words else ("single-gpu-lora", "NO")
         lora = ["lora.r=8", "lora.target_modules=all-linear"] if engine == "DEEPSPEED" else []
         recipe = load_recipe(name, [*lora, *(w for w in words if w != name)])
+        assert recipe.lora.redraw_dropout == ("auto" if "lora.redraw_dropout=false" not in words else False)
         precision = "no" if "mixed_precision=no" in words else "bf16"
         model, _ = loop_model(recipe, embedded_model(), precision, engine=engine)
         accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value=engine), num_processes=1, process_index=0,
