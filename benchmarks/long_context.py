@@ -6,7 +6,8 @@ forward and backward. Ratios are against full checkpointing, measured in the sam
     python benchmarks/long_context.py [--lengths 1024 2048 4096] [--steps 3]
     python benchmarks/long_context.py --price 8192 16384 [--repeats 3]   (each rung's step time only)
     python benchmarks/long_context.py --redraw 256 2048 [--repeats 5]   (LoRA's dropout redrawn vs peft's, and the
-                                                                          peers' setup: step time)
+                                                                          peers' setup: step time, and the torch ops
+                                                                          a step dispatches, a GPU's kernel launches)
 
 The model is the embedded Llama's shape widened so that per-token costs dominate (hidden 512, intermediate 1536,
 4 layers), trained by single-gpu-lora's model code (LoRA on every linear, bf16 autocast), micro batch 1.
@@ -131,17 +132,36 @@ def peft_and_transformers(model_path: str):
                                             task_type="CAUSAL_LM"))
 
 
-# LoRA's dropout redrawn in backward (the default) against peft's own (--redraw), under full checkpointing, and the
-# peers' setup beside them
-DROPOUTS = {"redrawn": ["gradient_checkpointing=true"],
+# LoRA's dropout redrawn in backward (what `lora.redraw_dropout: auto` takes where only the redraw fits) against
+# peft's own (--redraw; what auto takes where it fits), under full checkpointing, and the peers' setup beside them
+DROPOUTS = {"redrawn": ["gradient_checkpointing=true", "lora.redraw_dropout=true"],
             "peft's": ["gradient_checkpointing=true", "lora.redraw_dropout=false"],
             "peers'": peft_and_transformers}
 
 
-def price(model_path: str, length: int, repeats: int, rungs: dict = RUNGS, base: str = "full") -> dict:
+def ops_dispatched(model, batch) -> int:
+    """The torch ops one step dispatches: on a GPU each is a kernel launch (or more), the host's work in a
+    launch-bound step, whatever the CPU's compute costs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    model.zero_grad(set_to_none=True)
+    with Count():
+        step(model, batch)
+    return Count.calls
+
+
+def price(model_path: str, length: int, repeats: int, rungs: dict = RUNGS, base: str = "full",
+          count: bool = False) -> dict:
     """Each rung's median step time over `repeats` rounds, the rungs interleaved within each round (one model each,
     built first, one warm-up step), so that the machine's drift over the minutes this takes falls on every rung
-    alike; ratios to `base`'s."""
+    alike; ratios to `base`'s; with `count`, the ops its step dispatches (ops_dispatched) beside them."""
     batch = None
     models = {}
     for rung in rungs:
@@ -165,7 +185,8 @@ def price(model_path: str, length: int, repeats: int, rungs: dict = RUNGS, base:
             step(model, batch)
             seconds[rung].append(time.perf_counter() - start)
     medians = {rung: statistics.median(times) for rung, times in seconds.items()}
-    return {rung: (median, median / medians[base]) for rung, median in medians.items()}
+    ops = {rung: ops_dispatched(model, batch) if count else None for rung, model in models.items()}
+    return {rung: (median, median / medians[base], ops[rung]) for rung, median in medians.items()}
 
 
 def main():
@@ -187,10 +208,13 @@ def main():
         rungs, base = (RUNGS, "full") if args.price else (DROPOUTS, "redrawn")
         with tempfile.TemporaryDirectory() as tmp:
             path = wide_model(Path(tmp) / "wide")
-            print(f"{'length':>7} {'rung':>10} {'step s':>8} {'x ' + base:>9}")
+            print(f"{'length':>7} {'rung':>10} {'step s':>8} {'x ' + base:>9}" + (f" {'ops/step':>9}" if args.redraw
+                                                                              else ""))
             for length in args.price or args.redraw:
-                for rung, (seconds, ratio) in price(path, length, args.repeats, rungs, base).items():
-                    print(f"{length:>7} {rung:>10} {seconds:>8.2f} {ratio:>9.2f}", flush=True)
+                for rung, (seconds, ratio, ops) in price(path, length, args.repeats, rungs, base,
+                                                         count=bool(args.redraw)).items():
+                    print(f"{length:>7} {rung:>10} {seconds:>8.2f} {ratio:>9.2f}" + (f" {ops:>9,}" if ops else ""),
+                          flush=True)
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = wide_model(Path(tmp) / "wide")
