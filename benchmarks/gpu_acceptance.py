@@ -38,9 +38,9 @@ SHAPES = {"1b": "llama-3.2-1b.json", "moe": "olmoe-1b-7b.json", "8b": "llama-3.1
 # (recipe, overrides, processes); the first is also stopped and resumed
 # a row with attn_implementation=sdpa is checked against its recipe's row under auto (flash-attn or flex_attention)
 # single-gpu-lora with its dropout redrawn (lora.redraw_dropout: auto takes peft's at the 1B's 2K tokens): the
-# redraw's price in a launch-bound step (docs/speed.md)
+# redraw's price in a launch-bound step; compiled: what fewer launches buy there (docs/speed.md)
 ONE_GPU = [("single-gpu-lora", [], 1), ("single-gpu-lora", ["attn_implementation=sdpa"], 1),
-           ("single-gpu-lora", ["lora.redraw_dropout=true"], 1), ("qlora", [], 1),
+           ("single-gpu-lora", ["lora.redraw_dropout=true"], 1), ("single-gpu-lora", ["torch_compile=true"], 1), ("qlora", [], 1),
            ("qlora", ["activation_offload=true"], 1), ("single-gpu-full", [], 1),
            ("single-gpu-full", ["optim=apollo_adamw", "optim_args.rank=128"], 1), ("adamw-8bit", [], 1),
            ("zero3-offload", [], 1), ("zero3-offload", ["lora.r=16", "lora.target_modules=all-linear"], 1),
