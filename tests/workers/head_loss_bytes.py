@@ -2,7 +2,7 @@
 planned (the planner's `logits`), printed as JSON. One measurement per process: the CPU profiler remembers blocks
 it saw in earlier profiles, so a second one in the same process can miss a same-sized buffer.
 
-    python head_loss_bytes.py MODE HIDDEN TOKENS_PER_CHUNK [VOCAB ROWS SEQ]
+    python head_loss_bytes.py MODE HIDDEN TOKENS_PER_CHUNK [VOCAB ROWS SEQ] [--cuda-tiles]
 
 MODE: lora (a frozen bf16 head under autocast), mixed (a trained fp32 head under autocast), half (trained bf16
 weights, no autocast) or fp32. Every token is a target; one decoder layer."""
@@ -25,6 +25,12 @@ RECIPES = {"lora": ("single-gpu-lora", []), "mixed": ("single-gpu-full", ["weigh
            "half": ("single-gpu-full", ["weight_dtype=bf16", "mixed_precision=no"]),
            "fp32": ("single-gpu-full", ["weight_dtype=fp32", "mixed_precision=no"])}
 
+if "--cuda-tiles" in sys.argv:  # HeadLoss's backward tiles as on a GPU (training.loss.tile_rows), run here
+    from memrecipe.training import loss
+
+    whole = loss.tile_rows
+    loss.tile_rows = lambda *args, **kwargs: whole(*args, **{**kwargs, "cuda": True})
+    sys.argv.remove("--cuda-tiles")
 mode, hidden, tokens, *shape = sys.argv[1:]
 vocab, rows, seq = map(int, shape or (32000, 2, 256))
 config = {"vocab_size": vocab, "hidden_size": int(hidden), "intermediate_size": 2 * int(hidden), "num_hidden_layers": 1,

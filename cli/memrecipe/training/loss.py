@@ -131,6 +131,21 @@ def _chunk_logits(forward, hidden):
     return forward(hidden).float()
 
 
+def tile_rows(tokens: int, targets: int, vocab: int, width: int, trained: bool, cuda: bool) -> int:
+    """The vocabulary rows HeadLoss's backward takes at a time (`tokens` a chunk, `targets` in all). A trained head's:
+    its block's fp32 gradient sum a quarter of a chunk's fp32 logits. A frozen head (LoRA, QLoRA) has no sum to bound,
+    and on a GPU takes the whole vocabulary, one tile a chunk, where the tile (its fp32 logits and their 16-bit
+    gradient, 6 bytes a logit) beside the input's fp32 gradient (4 bytes x width a target) stays within the forward's
+    chunk (8 bytes a logit, planned: planning.activations.loss_bytes), so it costs no memory the plan does not hold:
+    16x fewer tiles for a 128K vocabulary at 512-token chunks, each tile ~28 ops, each a kernel launch (host time in a
+    launch-bound step). At long context, where the input's gradient outgrows a chunk's logits, the blocks stay; so
+    they do on a CPU, whose caches hold a block's tile and not a whole chunk's (measured: a LoRA step with a 32K
+    vocabulary 1.10x slower with whole tiles)."""
+    if cuda and not trained and 2 * targets * width <= min(tokens, targets) * vocab:
+        return vocab
+    return max(1, tokens * vocab // (4 * width))
+
+
 class HeadLoss(torch.autograd.Function):
     """One loss per target token through a plain linear head, chunk by chunk, holding neither the logits nor a copy of
     the head's gradient. Forward keeps the inputs and each token's log-sum-exp (4 bytes). Backward walks the head in
@@ -168,7 +183,7 @@ class HeadLoss(torch.autograd.Function):
         dtype, tokens = ctx.dtype, ctx.tokens
         wants_hidden, _, _, wants_weight, wants_bias = ctx.needs_input_grad
         vocab, width = weight.shape
-        rows = max(1, tokens * vocab // (4 * width))  # a block's fp32 gradient sum: a quarter of a chunk's fp32 logits
+        rows = tile_rows(tokens, len(targets), vocab, width, trained=wants_weight, cuda=hidden.is_cuda)
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if wants_hidden else None
         grad_weight = torch.empty_like(weight) if wants_weight else None
         grad_bias = torch.empty_like(bias) if wants_bias else None

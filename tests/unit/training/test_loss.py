@@ -138,6 +138,49 @@ def test_a_bf16_heads_gradient_is_summed_over_the_chunks_in_fp32():
     assert error(in_bf16) > 3 * error(fused), (error(in_bf16), error(fused))
 
 
+def test_a_frozen_heads_backward_takes_the_whole_vocabulary_a_chunk_where_the_forwards_chunk_holds_it(monkeypatch):
+    """On a GPU, LoRA's frozen head has no gradient sum to bound: HeadLoss's backward computes each chunk's whole
+    logits at once (one tile a chunk, 2 matmuls: the logits and the input's gradient), where a trained head walks
+    blocks of rows (and so does a CPU: the GPU's rule is run here as the CUDA device chooses it). The input's gradient
+    is the plain cross-entropy's, both ways. The tile's bytes stay within the forward chunk's (the plan's figure): 6
+    bytes a logit beside the input's fp32 gradient, <= 8 a logit; past that (long context) blocks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memrecipe.training import loss
+    from memrecipe.training.loss import HeadLoss, tile_rows
+
+    monkeypatch.setattr(loss, "tile_rows", lambda *args, **kwargs: tile_rows(*args, **{**kwargs, "cuda": True}))
+
+    class Matmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Matmuls.count += func.overloadpacket.__name__ in ("mm", "addmm")
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(96, 16, generator=g, dtype=torch.float64), torch.randn(512, 16, generator=g) / 4
+    targets = torch.randint(0, 512, (96,), generator=g)
+    plain = hidden.clone().requires_grad_(True)
+    torch.nn.functional.cross_entropy(plain @ weight.double().t(), targets, reduction="sum").backward()
+    for trained in (False, True):
+        x, w = hidden.clone().requires_grad_(True), weight.double().requires_grad_(trained)
+        loss = HeadLoss.apply(x, targets, 32, w, None).sum()
+        Matmuls.count = 0
+        with Matmuls():
+            loss.backward()
+        assert torch.allclose(x.grad, plain.grad, atol=1e-6, rtol=0), trained  # (summed in fp32)
+        blocks = -(-512 // tile_rows(32, 96, 512, 16, trained, cuda=True))
+        assert Matmuls.count == 3 * 2 * blocks + (3 * blocks if trained else 0), (trained, Matmuls.count)
+        assert (blocks == 1) is not trained
+    # the rule: the tile and the input's gradient within the forward chunk's 8 bytes a logit, else blocks
+    for targets, chunk, vocab, width in ((8192, 512, 128256, 2048), (700_000, 512, 128256, 4096), (100, 512, 32000, 64)):
+        rows = tile_rows(chunk, targets, vocab, width, trained=False, cuda=True)
+        within = 6 * min(chunk, targets) * vocab + 4 * targets * width <= 8 * min(chunk, targets) * vocab
+        assert (rows == vocab) is within and rows == (vocab if within else chunk * vocab // (4 * width))
+        assert tile_rows(chunk, targets, vocab, width, trained=False, cuda=False) == chunk * vocab // (4 * width)
+
+
 def test_the_loops_setup_fuses_the_head_with_the_recipes_chunk(monkeypatch):
     """recipes/sft.py's setup_model reads loss_chunk_tokens: a micro batch then runs in chunks of that many tokens."""
     from memrecipe.training import loss as fused_loss
@@ -255,26 +298,33 @@ def test_fused_loss_holds_a_fraction_and_the_planner_counts_both(big_vocab_model
         assert planned[fused] == pytest.approx(measured[fused], rel=0.1), (fused, planned, measured)
 
 
-HEAD_MODES = ["lora", "mixed", "half", "fp32"]
+# mode -> the worker's words: a head whose weights outweigh a chunk's logits (hidden 1024, 64-token chunks, as
+# Llama-3.1-8B's head does at 512 tokens); a frozen head (lora) takes blocks of rows in backward on CPU, and as a GPU
+# chooses (--cuda-tiles) one tile a chunk at 2 x 256 tokens, blocks at 2 x 1024 (its input's gradient outgrows a
+# chunk's logits: training.loss.tile_rows)
+HEAD_CASES = {"lora": ["lora", "1024", "64"], "lora, CUDA's tiles": ["lora", "1024", "64", "--cuda-tiles"],
+              "lora, long, CUDA's tiles": ["lora", "1024", "64", "32000", "2", "1024", "--cuda-tiles"],
+              "mixed": ["mixed", "1024", "64"], "half": ["half", "1024", "64"], "fp32": ["fp32", "1024", "64"]}
 
 
 @pytest.fixture(scope="module")
 def head_bytes():
-    """tests/workers/head_loss_bytes.py for each mode, a fresh process each, two at a time (bytes, not time)."""
-    jobs = SideBySide({mode: lambda core, mode=mode: subprocess.run(
-        [sys.executable, str(REPO / "tests" / "workers" / "head_loss_bytes.py"), mode, "1024", "64"],
-        capture_output=True, text=True, env=child_env(), timeout=120) for mode in HEAD_MODES})
+    """tests/workers/head_loss_bytes.py for each case, a fresh process each, two at a time (bytes, not time)."""
+    jobs = SideBySide({case: lambda core, words=words: subprocess.run(
+        [sys.executable, str(REPO / "tests" / "workers" / "head_loss_bytes.py"), *words],
+        capture_output=True, text=True, env=child_env(), timeout=120) for case, words in HEAD_CASES.items()})
     yield jobs
     jobs.close()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", HEAD_MODES)
+@pytest.mark.parametrize("mode", HEAD_CASES)
 def test_the_plan_counts_what_a_trained_heads_chunks_hold(head_bytes, mode):
-    """A head whose weights outweigh a chunk's logits (hidden 1024, 64-token chunks, as Llama-3.1-8B's head does at
-    512 tokens): backward's blocks of rows (the gradient written out, each block's fp32 sum) and forward's chunks
-    with the autocast copy, measured in a fresh process each and planned, within 3%. (Summed whole in fp32 and cast,
-    as a first version did, the head's gradient held 3 to 6 bytes x the head more.)"""
+    """Backward's blocks of rows (a trained head's gradient written out, each block's fp32 sum; a frozen head's one
+    tile a chunk where it fits within the forward's chunk, blocks past it) and forward's chunks with the autocast copy,
+    measured in a fresh process each and planned, within 3%. (Summed whole in fp32 and cast, as a first version did,
+    the head's gradient held 3 to 6 bytes x the head more; a frozen head's whole-vocabulary tile at 2 x 1024 tokens,
+    past the rule, held 1.21x the plan.)"""
     done = head_bytes(mode)
     assert done.returncode == 0, done.stderr[-2000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
