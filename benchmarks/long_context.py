@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loop's own model setup
 
 from helpers import loop_model  # noqa: E402
-from measuring import held_after_forward, profiled_peak, step_peak  # noqa: E402
+from measuring import held_after_forward, ops_counted, profiled_peak, step_peak  # noqa: E402
 from memrecipe.training.loss import lm_loss  # noqa: E402
 from memrecipe.planning.activations import activation_bytes, activation_mode  # noqa: E402
 from memrecipe.planning.architecture import read_config, structure  # noqa: E402
@@ -142,19 +142,8 @@ DROPOUTS = {"redrawn": ["gradient_checkpointing=true", "lora.redraw_dropout=true
 def ops_dispatched(model, batch) -> int:
     """The torch ops one step dispatches: on a GPU each is a kernel launch (or more), the host's work in a
     launch-bound step, whatever the CPU's compute costs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.calls += 1
-            return func(*args, **(kwargs or {}))
-
     model.zero_grad(set_to_none=True)
-    with Count():
-        step(model, batch)
-    return Count.calls
+    return ops_counted(lambda: step(model, batch))
 
 
 def price(model_path: str, length: int, repeats: int, rungs: dict = RUNGS, base: str = "full",

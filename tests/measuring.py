@@ -235,48 +235,47 @@ ALLOCATE = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_stri
 WRITE_ONLY = ("copy_", "fill_", "zero_", "bernoulli_", "uniform_", "normal_")
 
 
+def ops_counted(step, weigh=lambda func, args, kwargs, out: 1) -> int:
+    """`weigh(func, args, kwargs, out)` summed over the torch ops `step()` dispatches (1 each: the ops, each a kernel
+    launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Count.total += weigh(func, args, kwargs or {}, out)
+            return out
+
+    with Count():
+        step()
+    return Count.total
+
+
 def elementwise_bytes_moved(step) -> int:
     """Bytes the ops of `step()` read and write, but the matmuls', attention's and the views' (which move nothing):
     each tensor argument's and output's own bytes (a broadcast one's storage, not its expanded size); an allocation
     moves nothing, and a write-only in-place op (copy_ into a buffer) does not read what it overwrites."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
     def size(t):
         return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
 
-    class Count(TorchDispatchMode):
-        moved = 0
+    def moved(func, args, kwargs, out):
+        name = func.overloadpacket.__name__
+        view = name == "_unsafe_view" or any(r.alias_info is not None and not r.alias_info.is_write
+                                             for r in func._schema.returns)
+        if view or name in NOT_ELEMENTWISE or name in ALLOCATE:
+            return 0
+        read = args[1:] if name in WRITE_ONLY else args
+        return sum(size(t) for t in tree_flatten((read, kwargs, out))[0] if isinstance(t, torch.Tensor))
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            name = func.overloadpacket.__name__
-            view = name == "_unsafe_view" or any(r.alias_info is not None and not r.alias_info.is_write
-                                                 for r in func._schema.returns)
-            if not view and name not in NOT_ELEMENTWISE and name not in ALLOCATE:
-                read = args[1:] if name in WRITE_ONLY else args
-                tensors = [a for a in tree_flatten((read, kwargs, out))[0] if isinstance(a, torch.Tensor)]
-                Count.moved += sum(size(t) for t in tensors)
-            return out
-
-    with Count():
-        step()
-    return Count.moved
+    return ops_counted(step, moved)
 
 
 def dropout_draws_made(step) -> int:
     """Random numbers the dropouts of `step()` draw (a CPU's dropout fills a noise tensor with bernoulli_; CUDA's
     fused native_dropout draws its input's numel)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        drawn = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in ("bernoulli_", "bernoulli", "native_dropout"):
-                Count.drawn += args[0].numel()
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        step()
-    return Count.drawn
+    return ops_counted(step, lambda func, args, kwargs, out: args[0].numel() if func.overloadpacket.__name__ in (
+        "bernoulli_", "bernoulli", "native_dropout") else 0)

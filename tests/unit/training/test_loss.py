@@ -69,24 +69,15 @@ def test_fused_equals_plain_for_a_full_fine_tune():
 def test_the_fused_heads_backward_never_waits_for_the_device():
     """No op in the head's backward reads a value back to the host (nonzero, a boolean index, item): on a GPU each
     would stall the stream twice a tile (~256 times an 8B micro batch of 2 x 2048). Same gradients: the test above."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    from measuring import ops_counted
 
     model = copy.deepcopy(tiny_model())
     fuse_head(model, 5)
     loss = lm_loss(model, batch())
-    with Ops() as ops:
-        loss.backward()
-    assert "mm" in ops.names and not ops.names & {"nonzero", "index", "index_put_", "_local_scalar_dense",
-                                                   "masked_select"}, sorted(ops.names)
+    names = set()
+    ops_counted(loss.backward, lambda func, *_: names.add(func.overloadpacket.__name__) or 0)
+    assert "mm" in names and not names & {"nonzero", "index", "index_put_", "_local_scalar_dense",
+                                          "masked_select"}, sorted(names)
 
 
 def test_fused_equals_plain_with_tied_embeddings():
@@ -144,19 +135,11 @@ def test_a_frozen_heads_backward_takes_the_whole_vocabulary_a_chunk_where_the_fo
     blocks of rows (and so does a CPU: the GPU's rule is run here as the CUDA device chooses it). The input's gradient
     is the plain cross-entropy's, both ways. The tile's bytes stay within the forward chunk's (the plan's figure): 6
     bytes a logit beside the input's fp32 gradient, <= 8 a logit; past that (long context) blocks."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from measuring import ops_counted
     from memrecipe.training import loss
     from memrecipe.training.loss import HeadLoss, tile_rows
 
     monkeypatch.setattr(loss, "tile_rows", lambda *args, **kwargs: tile_rows(*args, **{**kwargs, "cuda": True}))
-
-    class Matmuls(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Matmuls.count += func.overloadpacket.__name__ in ("mm", "addmm")
-            return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(96, 16, generator=g, dtype=torch.float64), torch.randn(512, 16, generator=g) / 4
@@ -166,12 +149,10 @@ def test_a_frozen_heads_backward_takes_the_whole_vocabulary_a_chunk_where_the_fo
     for trained in (False, True):
         x, w = hidden.clone().requires_grad_(True), weight.double().requires_grad_(trained)
         loss = HeadLoss.apply(x, targets, 32, w, None).sum()
-        Matmuls.count = 0
-        with Matmuls():
-            loss.backward()
+        matmuls = ops_counted(loss.backward, lambda func, *_: func.overloadpacket.__name__ in ("mm", "addmm"))
         assert torch.allclose(x.grad, plain.grad, atol=1e-6, rtol=0), trained  # (summed in fp32)
         blocks = -(-512 // tile_rows(32, 96, 512, 16, trained, cuda=True))
-        assert Matmuls.count == 3 * 2 * blocks + (3 * blocks if trained else 0), (trained, Matmuls.count)
+        assert matmuls == 3 * 2 * blocks + (3 * blocks if trained else 0), (trained, matmuls)
         assert (blocks == 1) is not trained
     # the rule: the tile and the input's gradient within the forward chunk's 8 bytes a logit, else blocks
     for targets, chunk, vocab, width in ((8192, 512, 128256, 2048), (700_000, 512, 128256, 4096), (100, 512, 32000, 64)):
