@@ -380,8 +380,7 @@ def redraw_bytes(recipe: Recipe, mode: str, cuda: bool) -> int:
     not compiled, not `lora.redraw_dropout: false`, not in fp32): fp32 adapters (under autocast) an fp32 copy of the
     input, the mask and the fp32 dropped input; 16-bit ones (DeepSpeed's engine) read their input as it comes, the
     mask and the dropped input in 16 bits. 0 where it is not redrawn."""
-    lora = recipe.lora
-    if not (lora and lora.dropout and not recipe.keeps_dropout and mode in ("lora", "qlora")):
+    if not (recipe.redraws_dropout and mode in ("lora", "qlora")):
         return 0
     return 2 + dropout_bytes(cuda, 2) if half_adapters(recipe, mode) else 8 + dropout_bytes(cuda)
 

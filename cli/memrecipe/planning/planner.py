@@ -66,7 +66,7 @@ class Estimate:
     # registered arena); 0 on CPU
     host_pinned: int = 0
     stream_bytes: int = 2  # bytes an element of the residual stream (planning.activations.residual_bytes)
-    redraws_dropout: bool = False  # LoRA's adapters redraw their dropout in backward (Recipe.keeps_dropout's other side)
+    redraws_dropout: bool = False  # LoRA's adapters redraw their dropout in backward (Recipe.redraws_dropout)
 
     @property
     def total(self) -> int:
@@ -165,7 +165,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         saved_peak=int(act["saved_peak"]), working=int(working),
         host_load=int(load), notes=tuple(notes), step=int(step), attention=attention, refused=wraps,
         gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads), trainable=trained,
-        stream_bytes=stream, redraws_dropout=bool(recipe.lora and recipe.lora.dropout) and not recipe.keeps_dropout)
+        stream_bytes=stream, redraws_dropout=recipe.redraws_dropout)
     f = forecast(recipe, s, est, rates or (CPU_RATES if topo.cpu else REFERENCE), precision)
     return replace(est, step_seconds=f.step_seconds, tokens_per_second=f.tokens_per_second, forecast_on=f.device)
 
@@ -228,7 +228,7 @@ def decide_dropout(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, hos
     if lora is None or lora.redraw_dropout != "auto":
         return recipe, judged(recipe)
     kept, redrawn = (replace(recipe, lora=replace(lora, redraw_dropout=value)) for value in (False, True))
-    if not lora.dropout or redrawn.keeps_dropout:  # nothing is redrawn either way
+    if not redrawn.redraws_dropout:  # nothing is redrawn either way (no dropout; fp32 or compiled layers)
         return kept, judged(kept)
     verdict = judged(kept)
     if verdict.fits:

@@ -504,6 +504,12 @@ class Recipe:
                                                 or self.mixed_precision == "no" or lora.redraw_dropout is False)
 
     @property
+    def redraws_dropout(self) -> bool:
+        """LoRA's adapters have dropout and redraw it in backward (keeps_dropout's other side): what the plan counts as
+        redrawn, and what `lora.redraw_dropout: auto` weighs (planner.decide_dropout)."""
+        return bool(self.lora and self.lora.dropout) and not self.keeps_dropout
+
+    @property
     def recompute_skips_tiles(self) -> bool:
         """A layer's recompute leaves its tiled MLP out (training.tiling.TiledMLP, told when a recompute runs by
         training.layers.marked): backward recomputes the MLP tile by tile anyway. Under the loop's full
