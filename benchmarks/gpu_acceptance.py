@@ -60,9 +60,17 @@ LONG_TOKENS = {"gpu": 16384, "cpu": 1024}
 # under each kernel named: with the layers' inputs offloaded, the GPU's per-token working bytes are the 32-layer
 # model's, so the allocator's peak at the 32-layer plan's longest length checks the plan where it binds; the pinned
 # host bytes (the offload's registered arena, torch's host allocator) against the plan's pinned host figure. Each row two steps, with
-# the allocator's history recorded (snapshot_peak.py reads its peak blocks). --cpu: the embedded model at 1K, sdpa.
+# the allocator's history recorded (snapshot_peak.py reads its peak blocks). --cpu: the embedded model at 1K, sdpa's
+# kernel in query chunks of 256 (on a GPU `true`'s 16,384: the plan's rung past 512K).
 LONG_8B_LAYERS = 2
-LONG_8B_KERNELS = {"gpu": ("sdpa", "flex_attention"), "cpu": ("sdpa",)}
+LONG_8B_KERNELS = {"gpu": ("sdpa+chunks", "flex_attention"), "cpu": ("sdpa+chunks",)}
+
+
+def kernel_words(kernel: str, cpu: bool) -> list[str]:
+    """A long-8b row's words for its kernel: `sdpa+chunks` is sdpa in query chunks (the query chunks rung)."""
+    if kernel == "sdpa+chunks":
+        return ["attn_implementation=sdpa", f"query_chunks={256 if cpu else 'true'}"]
+    return [f"attn_implementation={kernel}"]
 # peers on the same shape, data sizes and settings (benchmarks/peers.py), run after the recipe's own row: (label,
 # library, method); the long-context row's peer is Trainer's LoRA at its length, one row a step
 PEERS = {"single-gpu-lora": [("Trainer + peft LoRA", "trainer", "lora"), ("TRL SFTTrainer, LoRA", "trl", "lora")],
@@ -130,7 +138,7 @@ def long_8b_lengths(config_file: Path, kernel: str) -> int:
     from memrecipe.planning.registry import load_recipe
     from memrecipe.planning.topology import Topology
 
-    recipe = load_recipe(LONG[0], [*LONG[1], f"attn_implementation={kernel}"])
+    recipe = load_recipe(LONG[0], [*LONG[1], *kernel_words(kernel, cpu=False)])
     return longest(recipe, structure(read_config(str(config_file))), Topology(1), 80e9, 2**50)[0]
 
 
@@ -257,6 +265,7 @@ def row(name: str, shape: str, processes: int, report: dict, busy: int | None = 
     return {"recipe": name, "shape": shape, "processes": processes, "status": "ran", **host,
             "memory_verdict": verdict, "memory_why": why,
             "attention": report["setup"].get("attention"),
+            "query_chunk": report["setup"].get("query_chunk") or None,  # queries a call of sdpa's kernel (query chunks)
             "planned": planned,
             "measured": {**measured, "total": peak, "device_used": used}, "peak_kind": peak_key,
             "device_in_use_before": busy,
@@ -496,7 +505,7 @@ def long_8b_rows(args, steps: int, timeout: float) -> list[dict]:
                                         lambda k: LONG_TOKENS["cpu"] if args.cpu else long_8b_lengths(config, k)):
         name = f"long-8b {kernel} {length / 1024:g}K"
         data = long_documents(args.out / f"long-{length}.jsonl", steps + 2, length)
-        words = [*LONG[1], f"attn_implementation={kernel}", f"max_seq_length={length}", f"max_steps={steps}",
+        words = [*LONG[1], *kernel_words(kernel, args.cpu), f"max_seq_length={length}", f"max_steps={steps}",
                  "save_steps=null", "eval_steps=null", "--dataset", str(data),
                  *([] if model is None else ["--model", model])]
         shape = "embedded" if args.cpu else f"8b, {LONG_8B_LAYERS} layers"

@@ -1,5 +1,6 @@
 """The activation ladder's price, in one process on CPU: for each rung (no checkpointing, selective, full, full with
-the inputs offloaded, full with lean norms, and with the MLP tiled too), at doubling lengths, the bytes a training
+the inputs offloaded, full with lean norms, with the MLP tiled too, and with sdpa's attention in query chunks), at
+doubling lengths, the bytes a training
 step's forward leaves held for backward (the CPU profiler) beside the planner's count, and the tokens per second of a
 forward and backward. Ratios are against full checkpointing, measured in the same script on the same batches.
 
@@ -35,7 +36,10 @@ from memrecipe.planning.registry import load_recipe  # noqa: E402
 RUNGS = {"none": ["gradient_checkpointing=false"], "selective": ["gradient_checkpointing=selective"],
          "full": ["gradient_checkpointing=true"], "offload": ["gradient_checkpointing=true", "activation_offload=true"],
          "lean": ["gradient_checkpointing=true", "lean_norms=true"],
-         "tiled": ["gradient_checkpointing=true", "lean_norms=true", "tiled_mlp=true"]}
+         "tiled": ["gradient_checkpointing=true", "lean_norms=true", "tiled_mlp=true"],
+         # sdpa's kernel in query chunks of 2,048 (the query chunks rung; on CPU each chunk's forward under a dense mask)
+         "chunks": ["gradient_checkpointing=true", "lean_norms=true", "tiled_mlp=true", "attn_implementation=sdpa",
+                    "packing=false", "query_chunks=2048"]}
 WIDE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
         "num_key_value_heads": 4, "head_dim": 64}
 

@@ -8,7 +8,8 @@ working bytes, and the per-token slope of each: small widths hide terms that gro
 
 Kernels: torch's CPU flash attention (planned as CPU: cuda=False), and flash-attn 2's and compiled flex_attention's
 CUDA kernels stood in for by what they allocate (tests/standins.py; planned as a GPU: cuda=True; the stand-ins
-allocate without computing, so `--kernels "flash-attn 2 stand-in" "flex_attention stand-in"` takes minutes). Slow on a CPU without a bf16 GEMM: on the
+allocate without computing, so `--kernels "flash-attn 2 stand-in" "flex_attention stand-in" "sdpa query chunks
+stand-in"` takes minutes), the last sdpa's CUDA kernel in query chunks of 256 (the query chunks rung). Slow on a CPU without a bf16 GEMM: on the
 2-core AVX2 machine (2026-11-28) 10 minutes gave no row yet (the CPU flash kernel's backward runs its bf16 GEMMs in a
 scalar loop); run it where torch has a bf16 GEMM (torch.ops.mkldnn._is_mkldnn_bf16_supported()), or on a GPU box.
 """
@@ -17,6 +18,7 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import memrecipe  # noqa: F401  (first: quiets library notices)
 import torch
@@ -37,7 +39,10 @@ TOP = ["gradient_checkpointing=true", "lean_norms=true", "tiled_mlp=true", "lora
        "optimizer_in_backward=false"]
 KERNELS = {"cpu flash (sdpa)": (None, "sdpa", False),
            "flash-attn 2 stand-in": ("standin_flash_attention_2", "flash_attention_2", True),
-           "flex_attention stand-in": ("standin_flex_attention", "flex_attention", True)}
+           "flex_attention stand-in": ("standin_flex_attention", "flex_attention", True),
+           # sdpa's CUDA kernel in query chunks of 256 (training.query_chunks; torch's kernel: standins.TorchFlash)
+           "sdpa query chunks stand-in": ("query_chunks", "sdpa", True)}
+WORDS = {"query_chunks": ["attn_implementation=sdpa", "query_chunks=256"]}
 
 
 def model(folder: Path) -> str:
@@ -61,8 +66,6 @@ def main():
                         help="LoRA's dropout (as shipped: 0.05), drawn as CUDA's fused kernel allocates")
     args = parser.parse_args()
     if args.dropout:  # CUDA's dropout and random states, as the stand-in kernels' rows are planned (cuda=True)
-        from types import SimpleNamespace
-
         torch.nn.functional.dropout = standins.cuda_dropout
         standins.use_cuda_random_states(SimpleNamespace(setattr=setattr))
     path = model(Path(tempfile.mkdtemp(prefix="memrecipe-real-width-")))
@@ -74,9 +77,12 @@ def main():
         standin, kernel, cuda = KERNELS[name]
         peaks, plans = {}, {}
         for length in args.lengths:
-            r = load_recipe("single-gpu-lora", [*TOP, f"max_seq_length={length}", f"lora.dropout={args.dropout}"])
+            r = load_recipe("single-gpu-lora", [*TOP, *WORDS.get(standin or "", []), f"max_seq_length={length}",
+                                                f"lora.dropout={args.dropout}"])
             m, _ = loop_model(r, path, "bf16")
-            if standin:
+            if standin == "query_chunks":
+                standins.use_torch_flash(SimpleNamespace(setattr=setattr))
+            elif standin:
                 standins.use(m, standin)
             m.train()
             ids = torch.randint(0, s.vocab, (1, length), generator=torch.Generator().manual_seed(0))

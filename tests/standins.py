@@ -122,6 +122,44 @@ def cuda_dropout(input, p=0.5, training=True, inplace=False):
     return FusedDropout.apply(input, p) if training and p > 0 else input
 
 
+class TorchFlash:
+    """torch's flash kernel on CUDA as training.query_chunks.CudaFlash calls it, one block of queries and keys a call.
+    Forward (aten's _scaled_dot_product_flash_attention -> mha_fwd, flash_api.cpp): out = empty_like(q) [b, c, h, d]
+    and softmax_lse fp32 [b, h, c]. Backward (_scaled_dot_product_flash_attention_backward -> _flash_attention_backward,
+    attention_backward.cu: grad_out and out made contiguous, no copy for one row -> mha_bwd): dq [b, c, h, d], dk and dv
+    at K's and V's own heads, under GQA dk_expanded and dv_expanded at every query head, the fp32 dq_accum
+    [b, c rounded up to 128, h, d rounded up to 32] and softmax_d fp32 [b, h, c rounded], then the expanded gradients
+    summed into dk and dv (at::sum_out)."""
+
+    @staticmethod
+    def forward(q, k, v, scale):
+        b, h, c, d = q.shape
+        return q.new_zeros(b, c, h, d).transpose(1, 2), [torch.zeros(b, h, c, dtype=torch.float32)]
+
+    @staticmethod
+    def backward(grad, q, k, v, out, kept, scale, causal):
+        b, h, c, d = q.shape
+        kv, keys = k.shape[1], k.shape[2]
+        grad, out = grad.transpose(1, 2).contiguous(), out.transpose(1, 2).contiguous()
+        dq, dk, dv = q.new_zeros(b, c, h, d), k.new_zeros(b, keys, kv, d), k.new_zeros(b, keys, kv, d)
+        expanded = [k.new_zeros(b, keys, h, d), k.new_zeros(b, keys, h, d)] if kv != h else []
+        rounded = -(-c // 128) * 128
+        dq_accum = torch.zeros(b, rounded, h, -(-d // 32) * 32, dtype=torch.float32)
+        softmax_d = torch.zeros(b, h, rounded, dtype=torch.float32)
+        if expanded:
+            torch.sum(expanded[0].view(b, keys, kv, h // kv, d), 3, out=dk)
+            torch.sum(expanded[1].view(b, keys, kv, h // kv, d), 3, out=dv)
+        del dq_accum, softmax_d, expanded, grad, out
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def use_torch_flash(monkeypatch) -> None:
+    """query_chunks' calls through TorchFlash, as on CUDA."""
+    from memrecipe.training import query_chunks
+
+    monkeypatch.setattr(query_chunks, "kernel_for", lambda device: TorchFlash)
+
+
 def flash_attention_2(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-function interface: out [b, L, h, d], no weights."""
     return FlashAttention2.apply(query, key, value), None

@@ -24,10 +24,11 @@ def test_the_acceptance_script_runs_sft_dpo_and_a_long_context_row_resumes_one_a
     assert all(r["tokens_per_second"] > 0 and r["speed_ratio"] > 0 and r["memory_ratio"] is None for r in peers), peers
     rows = [r for r in rows if "peer_of" not in r]
     assert [(r["recipe"], r["processes"], r["status"]) for r in rows] == [
-        ("long-8b sdpa 1K", 1, "ran"),  # first: the long-context row, one 1K-token document a step on the top rung
+        ("long-8b sdpa+chunks 1K", 1, "ran"),  # first: the long-context row, one 1K-token document a step on the top rung
         ("single-gpu-lora", 1, "ran"), ("single-gpu-lora attn_implementation=sdpa", 1, "ran"),
         ("dpo single-gpu-lora", 1, "ran")]
     assert [r["attention"] for r in rows] == ["sdpa"] * 4  # (auto on CPU)
+    assert [r["query_chunk"] for r in rows] == [256, None, None, None]  # (the long row: sdpa in chunks of 256)
     assert rows[3]["reward_accuracy"] > 0 and all(r["reward_accuracy"] is None for r in rows[:3])  # preference pairs
     assert rows[2]["kernels_agree"] is True, rows[2]["kernel_note"]  # on a GPU: auto's flash-attn or flex vs sdpa
     assert rows[0]["host_planned"] == 0 and rows[0]["host_pinned_peak"] is None  # (pinned memory: CUDA only)

@@ -4,7 +4,8 @@ Llama-family layers, measured on CPU), at each checkpointing mode, and the loss'
 from __future__ import annotations
 
 from .architecture import NORM_AFTER_MLP, SANDWICH_NORMED, Structure, lora_tensors_on_meta
-from .attention import block_mask_bytes, kept_mask_bytes, offset_limit, offsets_note, pick_attention, square_bytes
+from .attention import (block_mask_bytes, chunked, kept_mask_bytes, offset_limit, offsets_note, pick_attention,
+                        square_bytes)
 from .hardware import usable_cores
 from .recipe import Recipe
 
@@ -197,7 +198,8 @@ def lean_norm_saving(mode: str, h: int) -> int:
     return 4 * h if trains else (4 - residual_bytes(mode)) * h
 
 
-def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool, attention: str = "sdpa") -> int:
+def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool, attention: str = "sdpa",
+                             chunk: int = 0) -> int:
     """What the attention kernel's backward allocates beside the layer's saved tensors (the MLP's freed by then): the
     gradients of q, k and v, the gradient of the attention's output (`dout`, o_proj's input gradient: an argument of
     the kernel's backward, alive throughout it), and the kernel's working buffers:
@@ -211,10 +213,27 @@ def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool, a
       each query block's dq is summed in registers), and `delta`, the fp32 row sums of out x dout.
     - on CPU (torch's FlashAttentionKernel.cpp, measured): K and V repeated to every query head, grad_out made
       contiguous (which stands for dout) and each thread's fp32 and 16-bit blocks of scores (256 x 512 from 768
-      tokens)."""
+      tokens).
+    - under query_chunks (`chunk` queries a call: attention.chunked, training.query_chunks.QueryChunkedAttention),
+      each block of a chunk of queries and a chunk of keys one call of the kernel's backward: dq for the whole
+      sequence (written a query chunk at a time) and the fp32 sums of dK and dV (rounded to 16 bits a key chunk at a
+      time, then joined: as much again at the end), beside one call's buffers, mha_bwd's as above over a chunk of
+      queries and one of keys, and the query chunk's fp32 dq sum; on CPU, torch's CPU kernel for that block (its
+      buffers measured: tests/unit/training/test_query_chunks.py)."""
     cb = compute_bytes(mode)
     per_head = s.heads * s.head_dim
     dout = tokens * cb * per_head
+    if chunk:
+        whole = tokens * (cb * per_head + max(8, 4 * cb) * s.kv_dim)  # dq; dK's and dV's fp32 sums, or their join
+        call = chunk * (cb * per_head + 4 * per_head + 2 * cb * s.kv_dim)  # dq, its fp32 sum, dk and dv
+        if cuda:  # mha_bwd's dk and dv at every query head (GQA), dq_accum and softmax_d
+            expanded = 2 * cb * per_head if s.kv_heads != s.heads else 0
+            return dout + whole + call + chunk * (expanded + 4 * (per_head + s.heads))
+        # torch's CPU kernel: a second copy of the block's gradients, and the blocks of every thread but the first
+        # (measured: tests/unit/training/test_query_chunks.py; the first's is not live at the peak)
+        block = (256 if chunk >= 768 else 64 if chunk >= 192 else 32) * min(512, chunk)
+        return dout + whole + call + chunk * cb * (per_head + 2 * s.kv_dim) \
+            + (usable_cores() - 1) * block * (8 + (4 if cb == 2 else 0))
     if cuda and attention == "flex_attention":
         return dout + tokens * (cb * (per_head + 2 * s.kv_dim) + 4 * s.heads)  # dq, dk and dv, delta
     grads = tokens * 3 * cb * per_head
@@ -270,7 +289,7 @@ def ring_bytes(s: Structure, mode: str, tokens: int, cp: int) -> int:
 
 
 def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: int, cuda: bool = False,
-                  sp: int = 1, attention: str = "sdpa") -> int:
+                  sp: int = 1, attention: str = "sdpa", chunk: int = 0) -> int:
     """The most one layer holds while backward runs through it: `saved` (what it keeps, layer_activation_bytes) with
     what is allocated beside it, at the largest of three places (the CPU profiler's allocation peak inside a
     recomputed layer's backward, tests/unit/planning/test_activations.py), each beside the gradient arriving at the
@@ -286,7 +305,7 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
       under lean_norms, four over a tile of hidden_size tokens (training.norms.LeanRMSNorm.backward: the normed
       input, the upstream gradient, and two of the three products after them), beside its output's gradient (the MLP
       input's) and its input's;
-    - the attention kernel's backward (attention_backward_bytes, by kernel), the norm after it and o_proj's adapter's
+    - the attention kernel's backward (attention_backward_bytes, by kernel; `chunk`: query_chunks'), the norm after it and o_proj's adapter's
       rank-r output freed too;
     - with LoRA's dropout redrawn (training.adapters.recompute_dropout), an adapter outside the MLP (o_proj; q, k
       and v hold less there) over the whole sequence (a tile of it under tiled_mlp): its fp32 input, the mask and the
@@ -313,7 +332,7 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     o_rank = 2 * lora.r * tokens if lora and any(lin.name == "o_proj" for lin in s.lora_linears(
         lora.target_modules)) else 0
     places = [mlp_freed + norm,
-              mlp_freed - after_attention - o_rank + attention_backward_bytes(s, mode, tokens, cuda, attention)]
+              mlp_freed - after_attention - o_rank + attention_backward_bytes(s, mode, tokens, cuda, attention, chunk)]
     if s.model_type in NORM_AFTER_MLP:  # the norm after the MLP: its backward first, the MLP's tensors still held
         # (under tiled_mlp none of a tile's yet: TiledMLP's backward makes them after it)
         places.append(saved + norm - (mlp_tokens * mlp_bytes(recipe, s, mode, cuda) if mlp_tokens < tokens else 0))
@@ -486,16 +505,14 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     tp = recipe.tensor_parallel
     layers = [(g.layers, slice_layer_bytes(recipe, g, mode, b, seq, attention, cuda, sp), g) for g in s.groups()]
     layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
-    in_backward = max(layer_backward_bytes(recipe, g, mode, T, one, tp, cuda, sp, attention) for _, one, g in layers)
+    chunk = chunked(recipe.query_chunks, attention, recipe.packing, b, seq)  # (queries a call; 0: the row whole)
+    in_backward = max(layer_backward_bytes(recipe, g, mode, T, one, tp, cuda, sp, attention, chunk)
+                      for _, one, g in layers)
     every_layer = sum(n * one for n, one, _ in layers)
     host = 0
     residual = residual_bytes(mode)
     rope = T * 2 * d * (4 if mode in ("fp32", "mixed", "qlora") else 2)
-    norm = T * ({"fp32": 12, "mixed": 10, "half": 8, "lora": 4, "qlora": 10}[mode] * h + 4)
-    if recipe.fused_loss:  # the head's matmul no longer keeps its input (the chunks keep the targets' own)
-        norm -= T * h * {"fp32": 4, "mixed": 2, "half": 2, "lora": 0, "qlora": 2}[mode]
-    if recipe.lean_norms:  # the final norm too
-        norm -= T * lean_norm_saving(mode, h)
+    norm = final_norm_bytes(recipe, mode, T, h)
     head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
     # input ids, rotary cos/sin, flex's BlockMask, sdpa's boolean mask (kept by the checkpoints)
     small = T * 8 + rope + block_mask_bytes(attention, b, seq) + kept_mask_bytes(attention, recipe.packing, b, seq,
@@ -527,8 +544,18 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
             "layer": layer, "host": host, "working": working}
 
 
+def final_norm_bytes(recipe: Recipe, mode: str, T: int, h: int) -> int:
+    """What the final norm and the head's matmul keep for backward (the fused loss's chunks keep the targets' own)."""
+    norm = T * ({"fp32": 12, "mixed": 10, "half": 8, "lora": 4, "qlora": 10}[mode] * h + 4)
+    if recipe.fused_loss:  # the head's matmul no longer keeps its input
+        norm -= T * h * {"fp32": 4, "mixed": 2, "half": 2, "lora": 0, "qlora": 2}[mode]
+    if recipe.lean_norms:  # the final norm is lean too
+        norm -= T * lean_norm_saving(mode, h)
+    return norm
+
+
 def layer_backward_bytes(recipe: Recipe, g: Structure, mode: str, T: int, one: int, tp: int, cuda: bool, sp: int,
-                         attention: str) -> int:
+                         attention: str, chunk: int = 0) -> int:
     """A layer's backward (backward_peak) beside what the checkpoints keep. Selectively checkpointed, its matmuls'
     outputs are counted with the checkpoints, but for its last matmul's, which the recompute never replays:
     non-reentrant checkpointing stops at the layer's last saved tensor, an input of its last matmul (the down
@@ -537,7 +564,7 @@ def layer_backward_bytes(recipe: Recipe, g: Structure, mode: str, T: int, one: i
     kept = 0
     if recipe.gradient_checkpointing == "selective":
         kept = selective_bytes(recipe, g, mode, T) - T * compute_bytes(mode) * g.hidden
-    return (backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention) - kept) // tp
+    return (backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention, chunk) - kept) // tp
 
 
 def first_norm_bytes(recipe: Recipe, mode: str, T: int, h: int) -> int:
@@ -573,7 +600,8 @@ def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: i
         act = kernels[attention]
     else:
         act = activation_bytes(recipe, s, mode, batch, seq, attention, cuda=not cpu, sp=sp)
-    wraps = None if cpu else offsets_note(attention, tokens, heads, s.head_dim)
+    calls = chunked(recipe.query_chunks, attention, recipe.packing, batch, seq) or tokens  # (a call's queries)
+    wraps = None if cpu else offsets_note(attention, calls, heads, s.head_dim)
     if wraps:  # refused: not a matter of bytes
         notes.append(wraps)
     return attention, act, wraps

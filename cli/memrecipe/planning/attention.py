@@ -39,6 +39,23 @@ def offset_limit(heads: int, head_dim: int) -> int:
     return 2**31 // (heads * (-(-head_dim // step) * step))
 
 
+QUERY_CHUNK = 16 * 1024  # query_chunks: true's queries a call (a chunk's backward holds 24 KB a query at 32 x 128)
+
+
+def query_chunk_tokens(query_chunks: bool | int) -> int:
+    """Queries per call of sdpa's kernel under query_chunks (training.query_chunks); 0: the whole row."""
+    if query_chunks is False:
+        return 0
+    return QUERY_CHUNK if query_chunks is True else query_chunks
+
+
+def chunked(query_chunks: bool | int, name: str, packing: bool, micro_batch: int, seq: int) -> int:
+    """The queries one call of the kernel holds in a plan under query_chunks, where a row of `seq` runs in chunks
+    (sdpa without a mask, longer than one chunk); 0 where it runs whole."""
+    chunk = query_chunk_tokens(query_chunks)
+    return chunk if chunk and name == "sdpa" and not dense_mask(name, packing, micro_batch) and seq > chunk else 0
+
+
 def offsets_note(name: str, tokens: int, heads: int, head_dim: int) -> str | None:
     """One line when `tokens` in one call of `name` on CUDA pass offset_limit (`heads`: those one process attends
     to): the run is refused, naming the kernel that is safe."""

@@ -45,18 +45,22 @@ def rungs(recipe: Recipe) -> list[Rung]:
 
 def climbs(recipe: Recipe, topo: Topology | None = None):
     """(rung, the recipe on it) for the recipe's own rung and each of LADDER's it climbs to that its rules (and
-    `topo`, when given) accept, cheapest first."""
-    out = [Rung(rung_of(recipe, topo.num_processes if topo else None), ())]
-    for technique in LADDER:
-        if technique.offered(recipe, topo):
-            out.append(Rung(technique.name, technique.words(recipe, topo, out[-1].words)))
-    for rung in out:
+    `topo`, when given) accept, cheapest first: each rung's words add to those of the last accepted below it (a rung
+    the rules refuse, FSDP's tiled MLP, is stepped over)."""
+    below = ()
+    rungs = [Rung(rung_of(recipe, topo.num_processes if topo else None), ())]
+    rungs += [Rung(t.name, ()) for t in LADDER if t.offered(recipe, topo)]  # (words made as the climb goes)
+    for n, rung in enumerate(rungs):
+        if n:
+            technique = next(t for t in LADDER if t.name == rung.name)
+            rung = Rung(rung.name, technique.words(recipe, topo, below))
         try:
             climbed = with_words(recipe, rung.words)
             if topo is not None:
                 check_supported(climbed, topo)
         except RecipeError:  # a rung its rules, or this topology, refuse
             continue
+        below = rung.words
         yield rung, climbed
 
 

@@ -411,6 +411,16 @@ class Recipe:
               'and its backward works a tile of `hidden_size` tokens at a time (`training/norms.py`): the same output '
               'bit for bit, gradients equal to rounding, for one more pass over its input in backward; any engine (not '
               '`torch_compile`, not tensor parallelism)'))
+    # sdpa's attention a chunk of queries a call (true: 16,384 queries; or a number): the backward's buffers over a
+    # chunk of queries and one of keys, not the sequence, and within the 32-bit offsets of torch's flash kernel past
+    # 524,288 tokens; a kernel call per block of a chunk's queries and keys (one more rounding per block's gradient)
+    query_chunks: bool | int = spec(False, low=1, shown='false',
+        help=("sdpa's attention a chunk of queries at a time (`true`: 16,384; or a number): forward, each chunk "
+              'against every key before its end; backward, each chunk of queries against each chunk of keys it sees, '
+              'the gradients summed in fp32 (`training/query_chunks.py`). Exact; the backward\'s buffers over a chunk '
+              "of queries and one of keys, not the sequence, and past 524,288 tokens within the 32-bit offsets of "
+              "torch's flash kernel (CUDA); a kernel call per block. `attn_implementation: sdpa`, rows unpacked, no "
+              'Ulysses or ring attention'))
     fused_loss: bool = spec(True, shown='true',
         help=('the LM head and the cross-entropy run chunk by chunk over the target positions, recomputed in backward: '
               'the [tokens x vocab] logits are never held'))

@@ -67,6 +67,29 @@ def _check_lean_norms(r) -> None:
                           f"{'torch_compile=false' if r.torch_compile else 'parallelism=null'}")
 
 
+def _check_query_chunks(r) -> None:
+    if r.query_chunks is False:
+        return
+    if r.attn_implementation != "sdpa":
+        raise RecipeError("query_chunks runs sdpa's kernel a chunk of queries a call (flash_attention_2 and "
+                          "flex_attention have their own long-context paths): set attn_implementation=sdpa")
+    if r.packing:
+        raise RecipeError("query_chunks runs rows without a mask, and a packed row carries one under sdpa: "
+                          "set packing=false")
+    if r.sequence_parallel != 1 or r.context_parallel > 1:
+        raise RecipeError("query_chunks runs one process's whole sequence; Ulysses and ring attention wrap sdpa's "
+                          "kernel themselves: set query_chunks=false")
+    if r.torch_compile or r.tensor_parallel > 1:
+        raise RecipeError("query_chunks calls the kernel once a chunk, and torch_compile traces a layer whole (under "
+                          "tensor parallelism it is not checked yet): set query_chunks=false or "
+                          f"{'torch_compile=false' if r.torch_compile else 'parallelism=null'}")
+
+
+def _chunk_words(r, topo, below) -> tuple[str, ...]:
+    sdpa = ("attn_implementation=sdpa",) if r.attn_implementation == "auto" else ()
+    return (*below, *sdpa, *(("packing=false",) if r.packing else ()), "query_chunks=true")
+
+
 def _full_phrase(facts, r) -> str | None:
     if facts.gradient_checkpointing is True:
         return "full checkpointing (each layer keeps its input)"
@@ -140,6 +163,15 @@ LADDER = (
               "Collator pads each row to a multiple of the group",
               phrase=lambda f, r: f"each sequence split over {f.sequence_parallel} processes"
               if f.sequence_parallel > 1 else None),
+    # sdpa's attention a chunk of queries a call, on rows without a mask: its backward's buffers over a chunk of
+    # queries and one of keys, its offsets within 32 bits (from auto too: sdpa's kernel in chunks holds less than
+    # flash-attn's or flex_attention's whole)
+    Technique("query chunks", on=lambda r, n: r.query_chunks is not False,
+              offered=lambda r, topo: r.attn_implementation in ("auto", "sdpa") and r.query_chunks is False,
+              words=_chunk_words, said=lambda r: "attention in query chunks" if r.query_chunks is not False else None,
+              check=_check_query_chunks, term="attention_backward_bytes", hook="query_chunks",
+              phrase=lambda f, r: f"attention {f.query_chunk:,} queries a call in rows without a mask"
+              if f.query_chunk else None),
 )
 
 

@@ -39,6 +39,7 @@ class SetupFacts:
     engine_checkpointed_layers: int = 0  # layers checkpointed by the engine's wrapper (fsdp.activation_checkpointing)
     tiled_mlps: int = 0  # MLPs running in tiles of tokens (training.tiling)
     lean_norms: int = 0  # RMSNorms keeping their inputs (training.norms)
+    query_chunk: int = 0  # queries per call of sdpa's kernel in a row without a mask (training.query_chunks; 0: all)
     lora_shared_inputs: int = 0  # LoRA layers whose adapters read their input as it comes (adapters.share_inputs)
     lora_recomputed_dropout: int = 0  # adapters whose dropout runs in a checkpoint of its own (adapters)
     attention: str | None = None  # the kernel transformers runs (training.loading.attention: auto resolved)
@@ -91,7 +92,7 @@ def describe_setup(accelerator, model, optimizer) -> SetupFacts:
     from torch.distributed.fsdp import FSDPModule
 
     from .. import ALLOCATOR_CONF
-    from . import cpu_matmul
+    from . import cpu_matmul, query_chunks
     from .norms import lean_forward
     from .ring import Ring
     from .tiling import tiled_forward
@@ -105,6 +106,9 @@ def describe_setup(accelerator, model, optimizer) -> SetupFacts:
         return q.shape.numel() if q is not None else getattr(p, "ds_numel", p.numel())
 
     attention = getattr(getattr(unwrapped, "config", None), "_attn_implementation", None)
+    chunk = max((getattr(m, "query_chunk", 0) for m in unwrapped.modules()), default=0) \
+        if attention == query_chunks.NAME else 0
+    attention = "sdpa" if chunk else attention  # (sdpa's kernel, a chunk of queries a call)
     facts = SetupFacts(
         distributed_type=accelerator.distributed_type.value,
         engine=ENGINES.get(accelerator.distributed_type.value) or accelerator.distributed_type.value,
@@ -126,6 +130,7 @@ def describe_setup(accelerator, model, optimizer) -> SetupFacts:
         engine_checkpointed_layers=sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
         tiled_mlps=_runs_as(model, tiled_forward),
         lean_norms=_runs_as(model, lean_forward),
+        query_chunk=chunk,
         lora_shared_inputs=sum(getattr(m, "cast_input_dtype_enabled", True) is False for m in model.modules()),
         lora_recomputed_dropout=sum(hasattr(m, "input_dropout") for m in model.modules()),
         attention=attention,

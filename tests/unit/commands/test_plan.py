@@ -159,16 +159,18 @@ def test_plan_longest_finds_each_recipes_longest_sequence_its_rung_and_host_ram(
     assert header == ["RECIPE", "METHOD", "LONGEST", "RUNG", "GPU", "GiB", "HOST", "GiB", "S/STEP", "ADD"]
     data = json.loads(cli(*words, "--json", "--method", "qlora", "lora.r=32").stdout)
     (qlora,) = data["estimates"]
-    assert qlora["recipe"] == "qlora" and qlora["rung"] == "tiled MLP" and qlora["micro_batch"] == 1
-    assert qlora["add"] == ["activation_offload=true", "lean_norms=true", "tiled_mlp=true"]
+    top = ["activation_offload=true", "lean_norms=true", "tiled_mlp=true", "attn_implementation=sdpa", "packing=false",
+           "query_chunks=true"]
+    assert qlora["recipe"] == "qlora" and qlora["rung"] == "query chunks" and qlora["micro_batch"] == 1
+    assert qlora["add"] == top
     assert qlora["seq_length"] == qlora["longest_seq_length"]
-    r = load_recipe("qlora", ["lora.r=32", "per_device_train_batch_size=1", "activation_offload=true", "lean_norms=true",
-                              "tiled_mlp=true"])
+    r = load_recipe("qlora", ["lora.r=32", "per_device_train_batch_size=1", *top])
     at = estimate(r, structure(LLAMA_8B), Topology(1), seq_length=qlora["longest_seq_length"])
     assert at.total == qlora["total"] and at.total <= 80 * 10**9 < estimate(
         r, structure(LLAMA_8B), Topology(1), seq_length=qlora["longest_seq_length"] + 1024).total
-    assert re.search(r"\nqlora +QLoRA +\d+K +tiled MLP +[\d.]+ +[\d.]+ +[\d.,]+ +activation_offload=true "
-                     r"lean_norms=true tiled_mlp=true\n", done.stdout)
+    assert re.search(r"\nqlora +QLoRA +\d+K +query chunks +[\d.]+ +[\d.]+ +[\d.,]+ +activation_offload=true "
+                     r"lean_norms=true tiled_mlp=true attn_implementation=sdpa packing=false query_chunks=true\n",
+                     done.stdout)
     # a step at that length, forecast on the GPU named (the reference H100 where only a size is given)
     assert qlora["forecast_on"] == "H100" and qlora["step_seconds"] > 0
     h200 = json.loads(cli("plan", "--model", str(folder), "--gpu", "H200", "--longest", "--json", "--method", "qlora",
@@ -224,10 +226,10 @@ def test_nothing_fits_quotes_the_closest_rung_at_micro_batch_1_and_only_advice_t
     done = cli("plan", "--model", model, "--gpu-memory", "24GB", "--method", "lora", "max_seq_length=65536")
     assert "no recipe fits its own micro batch here: planned at micro batch 1" in done.stdout
     row = next(line.split() for line in done.stdout.splitlines() if line.startswith("single-gpu-lora"))
-    assert row[0] == "single-gpu-lora+MLP" and row[1:4] == ["1", "x", "65536"] and float(row[8]) < 30
-    assert "single-gpu-lora+MLP: does not fit on any rung; shown at its closest, tiled MLP" in done.stdout
+    assert row[0] == "single-gpu-lora+chunks" and row[1:4] == ["1", "x", "65536"] and float(row[8]) < 30
+    assert "single-gpu-lora+chunks: does not fit on any rung; shown at its closest, query chunks" in done.stdout
     said = done.stdout + done.stderr
-    assert "nothing fits on the GPUs: the least is single-gpu-lora+MLP" in said
+    assert "nothing fits on the GPUs: the least is single-gpu-lora+chunks" in said
     assert "per_device_train_batch_size=1" not in said.split("nothing fits on the GPUs")[1]
 
 
@@ -246,7 +248,8 @@ def test_longest_says_what_no_dropout_reaches_only_where_it_reaches_further_and_
     from memrecipe.planning.ladder import Longest
 
     real = plan.longest_per_recipe
-    words = ["--model", model, "--gpu-memory", "24GB", "--longest", "--method", "lora"]
+    words = ["--model", model, "--gpu-memory", "24GB", "--longest", "--method", "lora",
+             "attn_implementation=flash_attention_2"]
     out = CliRunner().invoke(plan.command, words)
     assert "lora.dropout=0" not in out.output  # the plan gives the same lengths with and without dropout here
 

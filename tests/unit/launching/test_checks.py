@@ -1,5 +1,6 @@
 """What is checked before a run starts: a run that will not fit is refused with what would fit instead."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -81,17 +82,25 @@ def test_a_run_that_fits_a_rung_up_the_ladder_is_refused_naming_the_words_that_c
 
 
 def test_a_long_run_on_a_kernel_that_keeps_s_by_s_tensors_is_refused_naming_the_kernels_that_keep_none():
-    """sdpa over packed rows at 256K keeps a 128 GiB dense mask in every layer: no rung of the ladder fits, and the
-    refusal says which kernels this length needs; the plan of a kernel that keeps none says nothing of it."""
+    """sdpa over packed rows at 256K keeps a 128 GiB dense mask in every layer: the plan says which kernels this
+    length needs, and the refusal names the rung that fits, sdpa's kernel on unpacked rows in query chunks; with a
+    rule that refuses that rung (torch_compile) no rung fits, and the refusal is the plan's note. The plan of a
+    kernel that keeps none says nothing of it."""
     from memrecipe.launching.checks import check_fits
     from memrecipe.planning.hardware import Machine
 
     gpu = Machine(gpus=1, gpu_memory=80 * 10**9, bf16=True, cores=16, host_memory=512 * 2**30)
     words = ["per_device_train_batch_size=1", "max_seq_length=262144", "attn_implementation=sdpa"]
-    with pytest.raises(RecipeError, match=r"attention: sdpa keeps 128\.0 GiB per layer in its \[262144 x 262144\] dense "
-                                          r"mask \(packed or padded rows\): at this length use "
-                                          r"attn_implementation=flash_attention_2 .* or flex_attention"):
+    note = (r"attention: sdpa keeps 128\.0 GiB per layer in its \[262144 x 262144\] dense mask \(packed or padded "
+            r"rows\): at this length use attn_implementation=flash_attention_2 .* or flex_attention")
+    assert any(re.match(note, n) for n in estimate(load_recipe("single-gpu-lora", words), structure(LLAMA_8B),
+                                                   Topology(1)).notes)
+    with pytest.raises(RecipeError, match=r"with query chunks it would .* add .*packing=false query_chunks=true"):
         check_fits(load_recipe("single-gpu-lora", words), Topology(1), gpu, words, force=False,
+                   shape=structure(LLAMA_8B))
+    compiled = [*words, "torch_compile=true", "lora.dropout=0"]
+    with pytest.raises(RecipeError, match=note):
+        check_fits(load_recipe("single-gpu-lora", compiled), Topology(1), gpu, compiled, force=False,
                    shape=structure(LLAMA_8B))
     flex = estimate(load_recipe("single-gpu-lora", [*words[:2], "attn_implementation=flex_attention"]),
                     structure(LLAMA_8B), Topology(1))

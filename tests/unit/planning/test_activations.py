@@ -495,7 +495,8 @@ def test_ring_attention_plans_each_process_a_slice_and_the_rings_buffers_in_back
 @pytest.mark.parametrize("kernel, overrides", [
     ("flash_attention_2", ["lora.dropout=0", "tiled_mlp=true"]),  # the kernel's backward binds
     ("flex_attention", ["lora.dropout=0", "tiled_mlp=true"]),  # ... flex's own buffers, o_proj reading its output
-    ("flex_attention", ["tiled_mlp=16"])])  # LoRA's dropout redrawn over the whole sequence in o_proj's backward
+    ("flex_attention", ["tiled_mlp=16"]),  # LoRA's dropout redrawn over the whole sequence in o_proj's backward
+    ("sdpa", ["lora.dropout=0", "tiled_mlp=true", "attn_implementation=sdpa", "query_chunks=256"])])  # sdpa's CUDA kernel in query chunks
 def test_on_a_gpu_the_plan_is_a_steps_peak_with_stand_ins_for_the_cuda_kernels(wide, monkeypatch, kernel, overrides):
     """The CUDA kernels, stood in for on CPU by what they allocate (tests/standins.py, from their sources): flash-attn
     2's, compiled flex_attention's and the fused dropout's. On the top rung the plan for a GPU (cuda=True) is the
@@ -505,7 +506,8 @@ def test_on_a_gpu_the_plan_is_a_steps_peak_with_stand_ins_for_the_cuda_kernels(w
     only: measuring.only_parameters_gradients; a plan without that gradient is 8% under flex's peak) and the tiled
     MLP's random states as CUDA's (standins.CudaRandomState). LoRA as shipped (dropout 0.05) with 16 MLP tiles: the
     adapters outside the MLP redraw their dropout in tiles too (tiling.tile_redraws; the plan 3.7% under the peak
-    without them)."""
+    without them). sdpa's kernel in query chunks of 256 (training.query_chunks through standins.TorchFlash): the
+    plan's blocks of queries and keys, where sdpa's whole backward would bind."""
     import standins
     from helpers import loop_model
     from measuring import step_peak
@@ -520,7 +522,10 @@ def test_on_a_gpu_the_plan_is_a_steps_peak_with_stand_ins_for_the_cuda_kernels(w
                                             f"max_seq_length={length}", "packing=false",
                                             "per_device_train_batch_size=1", "optimizer_in_backward=false"])
         model, _ = loop_model(r, wide, "bf16")
-        standins.use(model, f"standin_{kernel}")
+        if kernel == "sdpa":
+            standins.use_torch_flash(monkeypatch)
+        else:
+            standins.use(model, f"standin_{kernel}")
         model.train()
         ids = torch.randint(0, s.vocab, (1, length), generator=torch.Generator().manual_seed(0))
         b = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(length)[None]}

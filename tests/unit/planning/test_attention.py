@@ -228,6 +228,32 @@ def test_flash_and_sdpa_are_refused_past_their_32_bit_offsets_and_auto_takes_fle
         check_fits(load_recipe("single-gpu-lora", words), Topology(1), gpu, words, force=True, shape=s)
 
 
+def test_sdpa_in_query_chunks_runs_past_its_offsets_and_the_8b_reaches_the_goals():
+    """Under query_chunks one call of sdpa's kernel holds a chunk of queries (its keys are addressed in 64 bits, and
+    torch launches the key-parallel backward only): past 524,288 tokens sdpa is planned, not refused, unless the chunk
+    itself passes the limit. On one 80 GB GPU (80e9 bytes) `plan --longest` under sdpa named climbs to query chunks
+    and Llama-3.1-8B reaches the issue's goals, 700K with LoRA r16 and 800K with QLoRA r32 (as shipped, dropout
+    0.05), where sdpa whole stops at its offsets with memory to spare."""
+    from memrecipe.planning.ladder import STEP, longest, longest_per_recipe
+    from memrecipe.planning.planner import judge
+    from model_configs import LLAMA_8B
+
+    s, one = structure(LLAMA_8B), ["per_device_train_batch_size=1", "packing=false", "attn_implementation=sdpa"]
+    top = [*one, "activation_offload=true", "lean_norms=true", "tiled_mlp=true"]
+    chunked = estimate(load_recipe("single-gpu-lora", [*top, "max_seq_length=700000", "query_chunks=true"]), s,
+                       Topology(1))
+    assert chunked.refused is None and judge(chunked, 80 * 10**9, None).fits
+    wide = estimate(load_recipe("single-gpu-lora", [*top, "max_seq_length=800000", "query_chunks=600000"]), s,
+                    Topology(1))
+    assert "wrap past 524,288 tokens a micro batch" in wide.refused
+    whole, _ = longest(load_recipe("single-gpu-lora", top), s, Topology(1), 80 * 10**9, None)
+    assert whole == 512 * STEP  # the offsets, not the memory
+    lora = longest_per_recipe(load_recipe("single-gpu-lora", one), s, Topology(1), 80 * 10**9, None)
+    qlora = longest_per_recipe(load_recipe("qlora", [*one, "lora.r=32"]), s, Topology(1), 80 * 10**9, None)
+    assert (lora.rung.name, qlora.rung.name) == ("query chunks", "query chunks")
+    assert lora.seq_length >= 700 * STEP and qlora.seq_length >= 800 * STEP, (lora.seq_length, qlora.seq_length)
+
+
 def test_the_loop_refuses_a_kernel_past_its_offsets_and_auto_takes_flex(monkeypatch):
     """What a plain accelerate launch meets on the GPU box (memrecipe run refused it before): the embedded model's
     4 heads x 32 wrap past 2^31 / 128 = 16,777,216 tokens a micro batch."""

@@ -23,16 +23,19 @@ def test_each_rung_is_words_the_recipes_rules_accept_and_climbing_keeps_fewer_ac
         if recipe.sequence_parallel != 1:  # zero3-ulysses: at the top already
             assert [(rung.name, rung.words) for rung in ladder] == [("sequence parallelism", ())], name
             continue
-        assert ladder[0].words == () and ladder[-1].name in ("activation offload", "lean norms", "tiled MLP"), name
+        names = [rung.name for rung in ladder]
+        assert ladder[0].words == () and names[-1] in ("activation offload", "lean norms", "tiled MLP", "query chunks"), name
         tiles = recipe.distributed_type != "fsdp" and not recipe.optimizer_in_backward and not recipe.torch_compile
-        assert (ladder[-1].name == "tiled MLP") == tiles, name
+        assert ("tiled MLP" in names) == tiles, name
+        assert (names[-1] == "query chunks") == (not recipe.torch_compile and recipe.attn_implementation == "auto"
+                                                 and recipe.tensor_parallel == 1), name
         assert ("lean norms" in [rung.name for rung in ladder]) == (not recipe.lean_norms and not recipe.torch_compile
                                                                 and recipe.tensor_parallel == 1)
         on_gpu = [estimate(with_words(recipe, rung.words), s, Topology(8)).activations for rung in ladder]
         assert on_gpu == sorted(on_gpu, reverse=True) and (on_gpu[-1] < on_gpu[0] or len(ladder) == 1), (name, on_gpu)
-    fsdp = rungs(load_recipe("fsdp"))[-1].words  # FSDP's own checkpoint wrapper gives way to the loop's
+    fsdp = rungs(load_recipe("fsdp"))[-1].words  # FSDP's own checkpoint wrapper gives way to the loop's; no tiles
     assert fsdp == ("gradient_checkpointing=true", "fsdp.activation_checkpointing=false", "activation_offload=true",
-                    "lean_norms=true")
+                    "lean_norms=true", "attn_implementation=sdpa", "packing=false", "query_chunks=true")
 
 
 def test_the_longest_sequence_fits_and_one_k_more_does_not():
@@ -47,8 +50,9 @@ def test_the_longest_sequence_fits_and_one_k_more_does_not():
 def test_a_recipe_reaches_furthest_on_its_highest_rung_and_the_host_ram_can_bind():
     s = structure(LLAMA_8B)
     lora = longest_per_recipe(load_recipe("single-gpu-lora"), s, Topology(1), GPU80, None)
-    assert lora.rung.name == "tiled MLP"
-    assert lora.rung.words == ("activation_offload=true", "lean_norms=true", "tiled_mlp=true")
+    assert lora.rung.name == "query chunks"
+    assert lora.rung.words == ("activation_offload=true", "lean_norms=true", "tiled_mlp=true",
+                               "attn_implementation=sdpa", "packing=false", "query_chunks=true")
     assert lora.recipe.per_device_train_batch_size == 1 and lora.seq_length > 128 * STEP
     tight = longest_per_recipe(load_recipe("single-gpu-lora"), s, Topology(1), GPU80, 32 * GiB)
     assert tight.seq_length < lora.seq_length and tight.verdict.estimate.host_total() <= 32 * GiB
@@ -63,7 +67,7 @@ def test_the_cheapest_rung_that_fits_is_taken(recipe, length, rung):
     climbed, taken, fits = climb(r, s, Topology(1), GPU80, None)
     assert fits and taken.name == rung and judge(estimate(climbed, s, Topology(1)), GPU80, None).fits
     closest, at, fits = climb(r, s, Topology(1), 10 * GiB, None)  # nothing fits: the rung that comes closest
-    assert not fits and at.name == "tiled MLP" and estimate(closest, s, Topology(1)).total == min(
+    assert not fits and at.name == "query chunks" and estimate(closest, s, Topology(1)).total == min(
         estimate(c, s, Topology(1)).total for _, c in climbs(r, Topology(1)))
 
 
@@ -74,13 +78,15 @@ def test_lengths_read_as_people_write_them():
 def test_a_recipe_without_checkpointing_climbs_through_selective_then_full_checkpointing():
     names = [rung.name for rung in rungs(load_recipe("ddp", ["gradient_checkpointing=false"]))]
     assert names == ["no checkpointing", "selective checkpointing", "full checkpointing", "activation offload",
-                     "lean norms", "tiled MLP"]
+                     "lean norms", "tiled MLP", "query chunks"]
     selective = rungs(load_recipe("single-gpu-lora", ["gradient_checkpointing=selective"]))
     assert [(r.name, r.words) for r in selective] == [
         ("selective checkpointing", ()), ("full checkpointing", ("gradient_checkpointing=true",)),
         ("activation offload", ("gradient_checkpointing=true", "activation_offload=true")),
         ("lean norms", ("gradient_checkpointing=true", "activation_offload=true", "lean_norms=true")),
-        ("tiled MLP", ("gradient_checkpointing=true", "activation_offload=true", "lean_norms=true", "tiled_mlp=true"))]
+        ("tiled MLP", ("gradient_checkpointing=true", "activation_offload=true", "lean_norms=true", "tiled_mlp=true")),
+        ("query chunks", ("gradient_checkpointing=true", "activation_offload=true", "lean_norms=true", "tiled_mlp=true",
+                          "attn_implementation=sdpa", "packing=false", "query_chunks=true"))]
 
 
 def test_on_several_gpus_the_ladder_climbs_on_to_sequence_parallelism():
@@ -99,5 +105,5 @@ def test_on_several_gpus_the_ladder_climbs_on_to_sequence_parallelism():
     assert 3.7e6 < kept.seq_length < offset_limit(4, 128)
     unsplit = longest_per_recipe(load_recipe("zero3-offload", [*lora, "parallelism.sp_size=1"]), s, Topology(1), GPU80,
                                  2 * 10**12)
-    assert unsplit.rung.name == "tiled MLP" and 8 * unsplit.seq_length > eight.seq_length
+    assert unsplit.rung.name == "query chunks" and 8 * unsplit.seq_length > eight.seq_length
     assert "sequence parallelism" not in [r.name for r, _ in climbs(load_recipe("fsdp-lora"), Topology(8))]

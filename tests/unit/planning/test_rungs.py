@@ -65,7 +65,8 @@ def test_every_rung_has_all_its_parts():
     from memrecipe.training.facts import SetupFacts
 
     counted = reached_by("activation_bytes")
-    on_every_rung = SetupFacts(gradient_checkpointing=True, tiled_mlps=2, lean_norms=5, sequence_parallel=2)
+    on_every_rung = SetupFacts(gradient_checkpointing=True, tiled_mlps=2, lean_norms=5, sequence_parallel=2,
+                               query_chunk=16384)
     top = load_recipe("zero3-ulysses", ["activation_offload=true", "lean_norms=true", "tiled_mlp=true"])
     for technique in LADDER:
         assert technique.term in counted, technique.name
@@ -91,6 +92,12 @@ def test_each_rungs_rules_are_the_recipes():
 
     for words, message in ((["tiled_mlp=true", "torch_compile=true"], "tiled_mlp gives each weight its gradient"),
                            (["lean_norms=true", "torch_compile=true"], "lean_norms replaces each RMSNorm"),
-                           (["activation_offload=true", "gradient_checkpointing=false"], "activation_offload works with")):
+                           (["activation_offload=true", "gradient_checkpointing=false"], "activation_offload works with"),
+                           (["query_chunks=true"], "query_chunks runs sdpa's kernel .*: set attn_implementation=sdpa"),
+                           (["query_chunks=true", "attn_implementation=sdpa"], "carries one under sdpa: set packing=false"),
+                           (["query_chunks=true", "attn_implementation=sdpa", "packing=false", "torch_compile=true"],
+                            "query_chunks calls the kernel once a chunk"),
+                           (["query_chunks=true", "attn_implementation=sdpa", "packing=false", "parallelism.sp_size=2"],
+                            "Ulysses and ring attention wrap sdpa's kernel themselves: set query_chunks=false")):
         with pytest.raises(RecipeError, match=message):
-            load_recipe("single-gpu-lora", words)
+            load_recipe("single-gpu-lora" if "parallelism.sp_size=2" not in words else "zero3-ulysses", words)

@@ -1,0 +1,170 @@
+"""Attention a chunk of queries at a time (the `query_chunks` rung), exact: forward, each chunk of a row's queries
+against every key before its end, causal from the bottom right (each chunk sees all its keys, so its output needs no
+log-sum-exp merge); backward, each chunk of queries against each chunk of keys it sees (QueryChunkedAttention).
+
+Why, on CUDA (torch 2.13's copy of flash-attn 2, which sdpa runs there):
+- the backward's fp32 dq accumulator is addressed with 32-bit offsets (planning.attention.offset_limit: 524,288
+  queries at 32 heads x 128); in chunks its offsets stay within a chunk. The key side is addressed in 64 bits
+  (flash_bwd_kernel.h: the dk/dv row offsets are index_t), and torch launches only the key-parallel backward
+  (flash_bwd_launch_template.h, run_flash_bwd: run_flash_bwd_seqk_parallel);
+- the backward's buffers (flash_api.cpp, mha_bwd: dq_accum and softmax_d over the queries, dK and dV at every query
+  head under GQA over the keys) hold a chunk of each, not the sequence: at Llama-3.1-8B's widths 52 KB a token of
+  one layer's backward becomes 24 (planning.activations.attention_backward_bytes).
+Each forward call is the kernel sdpa runs (aten's _scaled_dot_product_flash_attention with is_causal, which flash
+reads from the bottom right when there are more keys than queries: torch's CausalBias calls it so), each backward
+call that kernel's backward.
+
+On CPU the same chunks run torch's CPU flash kernel (no 32-bit limit there: the rung runs so that the suite and the
+smoke tests train through it), a chunk's forward under its dense bottom-right mask (CPU's is_causal reads from the
+top left). Rows with a mask (packed or padded) go to transformers' sdpa as they are."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import RecipeError
+from ..planning.attention import query_chunk_tokens
+
+NAME = "sdpa_query_chunks"  # the model's attn_implementation once applied (no "flash" in it: loss.varlen)
+
+
+class CudaFlash:
+    """torch's flash kernel on CUDA: forward keeps what its backward reads (the logsumexp, the sequence bounds and the
+    random state, as aten's autograd formula for it does)."""
+
+    @staticmethod
+    def forward(q, k, v, scale):
+        out, *kept = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        return out, kept[:7]  # (logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused)
+
+    @staticmethod
+    def backward(grad, q, k, v, out, kept, scale, causal):
+        lse, cum_q, cum_k, max_q, max_k, rng, unused = kept
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale)
+
+
+class CpuFlash:
+    """torch's CPU flash kernel: a chunk after the first under its dense bottom-right mask in forward (CPU's is_causal
+    reads from the top left); in backward every block is square and causal or wholly visible, so none."""
+
+    @staticmethod
+    def forward(q, k, v, scale):
+        queries, keys = q.shape[2], k.shape[2]
+        mask = None
+        if queries != keys:
+            visible = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
+            mask = torch.zeros(queries, keys, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, mask is None,
+                                                                              attn_mask=mask, scale=scale)
+        return out, [lse]
+
+    @staticmethod
+    def backward(grad, q, k, v, out, kept, scale, causal):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, kept[0], 0.0, causal, scale=scale)
+
+
+def kernel_for(device: torch.device):
+    """The kernel one chunk runs on (tests stand in for CUDA's on CPU: tests/standins.py)."""
+    return CudaFlash if device.type == "cuda" else CpuFlash
+
+
+class QueryChunkedAttention(torch.autograd.Function):
+    """Causal attention over q [b, h, L, d] and k, v [b, kv, L, d] (K/V heads as the model has them), `chunk` queries
+    a call.
+
+    Forward: each chunk of queries against every key before its end, one call; the outputs written into one
+    [b, L, h, d] tensor (the layout sdpa returns, which o_proj reads with no copy), kept for backward with each
+    chunk's logsumexp.
+
+    Backward: each chunk of queries against each chunk of keys before it (wholly visible) and its own (square,
+    causal), one call of the kernel's backward each. That is exact: the kernel remakes the probabilities from the
+    logsumexp it is given (the chunk's, over all its keys) and the row sums of dout x out from the chunk's whole
+    output, so a block of keys gets its own share of every gradient. The kernel's buffers over the keys (dK and dV at
+    every query head under GQA) hold a chunk, not the sequence. A chunk of queries sums its dq over the key chunks
+    in fp32; a chunk of keys sums its dK and dV over the query chunks in fp32 until the last that reads it (itself:
+    the query chunks are walked from the last) and is then rounded once."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunk, scale):
+        kernel = kernel_for(q.device)
+        b, h, length, d = q.shape
+        out = q.new_empty(b, length, h, d).transpose(1, 2)
+        bounds, kept = [], []
+        for start in range(0, length, chunk):
+            end = min(start + chunk, length)
+            part, rest = kernel.forward(q[:, :, start:end], k[:, :, :end], v[:, :, :end], scale)
+            out[:, :, start:end] = part
+            del part
+            bounds.append((start, end))
+            kept.append(rest)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.kernel, ctx.bounds, ctx.kept, ctx.scale = kernel, bounds, kept, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out = ctx.saved_tensors
+        bounds = ctx.bounds
+        dq = torch.empty_like(out)
+        sums: dict[int, tuple] = {}  # each key chunk's fp32 dK and dV while query chunks read it
+        done: dict[int, tuple] = {}  # ... then in k's dtype
+        for i in reversed(range(len(bounds))):
+            start, end = bounds[i]
+            rows = grad[:, :, start:end], q[:, :, start:end]
+            dq_i = torch.zeros(q[:, :, start:end].shape, dtype=torch.float32, device=q.device)
+            for j, (first, last) in enumerate(bounds[:i + 1]):
+                part_q, part_k, part_v = ctx.kernel.backward(*rows, k[:, :, first:last], v[:, :, first:last],
+                                                             out[:, :, start:end], ctx.kept[i], ctx.scale, j == i)
+                dq_i += part_q
+                if j in sums:
+                    sums[j][0].add_(part_k)
+                    sums[j][1].add_(part_v)
+                else:
+                    sums[j] = (part_k.float(), part_v.float())
+                del part_q, part_k, part_v
+            dq[:, :, start:end] = dq_i
+            del dq_i
+            done[i] = tuple(part.to(k.dtype) for part in sums.pop(i))  # (no query chunk before i reads key chunk i)
+        dk = torch.cat([done[i][0] for i in range(len(bounds))], dim=2)
+        dv = torch.cat([done[i][1] for i in range(len(bounds))], dim=2)
+        return dq, dk, dv, None, None
+
+
+def chunked_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention-function interface (its sdpa_attention_forward's arguments). A row without a mask
+    runs in chunks of the module's `query_chunk` queries (where it is longer than one); a row with one (packed or
+    padded) runs transformers' sdpa as it is, which the plan counts so."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    chunk = getattr(module, "query_chunk", 0)
+    if attention_mask is not None or not chunk or query.shape[2] <= chunk or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout:
+        raise RecipeError(f"query_chunks runs attention without dropout; this model's attention_dropout is {dropout}: "
+                          "set query_chunks=false")
+    out = QueryChunkedAttention.apply(query, key, value, chunk, scaling)
+    return out.transpose(1, 2), None  # [b, L, h, d], as sdpa_attention_forward returns it
+
+
+def apply(model, recipe, accelerator) -> int:
+    """The rung (planning/rungs.py): every attention module's calls through chunked_attention, `query_chunk`
+    queries each (planning.attention.query_chunk_tokens); returns that chunk."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    config = model.config
+    if getattr(config, "attention_dropout", 0.0):
+        raise RecipeError(f"query_chunks runs attention without dropout; this model's attention_dropout is "
+                          f"{config.attention_dropout}: set query_chunks=false")
+    chunk = query_chunk_tokens(recipe.query_chunks)
+    AttentionInterface.register(NAME, chunked_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # (the masks sdpa gets: none for a row of one document)
+    for module in model.modules():
+        if getattr(getattr(module, "config", None), "_attn_implementation", None) == "sdpa":
+            module.config._attn_implementation = NAME
+        if hasattr(module, "is_causal") and hasattr(module, "head_dim"):  # an attention module
+            module.query_chunk = chunk
+    return chunk

@@ -1,0 +1,153 @@
+"""training/query_chunks.py: attention a chunk of queries at a time is sdpa's attention (its output and its
+gradients), through a model as the loop builds it, and its backward holds what the plan says, with torch's CPU kernel
+and with a stand-in for the CUDA kernel's allocations (tests/standins.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memrecipe.training.query_chunks import QueryChunkedAttention
+
+
+def attention_and_gradients(dtype, chunk, length=100, heads=4, kv_heads=2, dim=16):
+    """(out, dq, dk, dv) in float64 from one causal attention over fixed inputs in `dtype`: chunked, or sdpa's own
+    (chunk 0); q, k and v in the layout transformers hands over ([b, h, L, d] views of [b, L, h, d])."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, length, n, dim, dtype=torch.float64) for n in (heads, kv_heads, kv_heads)]
+    q, k, v = [x.to(dtype).transpose(1, 2).requires_grad_() for x in inputs]
+    if chunk:
+        out = QueryChunkedAttention.apply(q, k, v, chunk, None)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out.backward(torch.linspace(-1, 1, length, dtype=dtype).view(1, 1, length, 1).expand_as(out))
+    return [out.double(), *(x.grad.double() for x in (q, k, v))]
+
+
+@pytest.mark.parametrize("chunk", [7, 32, 50])  # chunks that do and do not divide the 100 tokens
+def test_chunked_attention_is_sdpas_to_fp32_rounding(chunk):
+    """Every chunk sees every key before its end and none after (the forward's bottom-right causal mask), and each
+    block of queries and keys gets its own share of the gradients (the backward's chunk-wise logsumexp): the output
+    and dq, dk, dv equal sdpa's in fp32. Reading the chunks' causal mask from the top left fails this."""
+    reference = attention_and_gradients(torch.float64, 0)
+    for got, want in zip(attention_and_gradients(torch.float32, chunk), reference):
+        assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
+
+
+def test_in_bf16_the_chunks_gradients_are_as_close_to_exact_as_sdpas():
+    """In bf16 (the recipe's precision) each block's gradients are rounded once and summed in fp32: the chunks'
+    largest error against float64 is within 1.5x of sdpa's own in bf16, for 14 chunks of queries."""
+    reference = attention_and_gradients(torch.float64, 0)
+    sdpa = attention_and_gradients(torch.bfloat16, 0)
+    chunked = attention_and_gradients(torch.bfloat16, 7)
+    for name, ours, theirs, want in zip("out dq dk dv".split(), chunked, sdpa, reference):
+        assert (ours - want).abs().max() <= 1.5 * (theirs - want).abs().max(), name
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def test_a_model_trains_through_the_chunks_as_through_sdpa(llama, monkeypatch):
+    """apply() routes every attention module of a bf16 Llama through the chunks (two layers, 300 tokens, chunks of
+    64: five a layer, counted); its loss is sdpa's and its weight gradients within bf16 rounding. A padded row (a
+    mask) runs transformers' sdpa as it is."""
+    import copy
+    from types import SimpleNamespace
+
+    from memrecipe.training import query_chunks
+
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    plain = copy.deepcopy(llama)
+    loss = plain(input_ids=ids, labels=ids).loss
+    loss.backward()
+    chunked = copy.deepcopy(llama)
+    assert query_chunks.apply(chunked, SimpleNamespace(query_chunks=64), None) == 64
+    calls = []
+    kernel = query_chunks.CpuFlash
+    monkeypatch.setattr(kernel, "forward", staticmethod(lambda *a, f=kernel.forward: (calls.append(1), f(*a))[1]))
+    ours = chunked(input_ids=ids, labels=ids).loss
+    ours.backward()
+    assert len(calls) == 2 * 5 and ours.item() == pytest.approx(loss.item(), abs=1e-3)
+    for (name, a), b in zip(plain.named_parameters(), chunked.parameters()):
+        assert torch.allclose(a.grad.float(), b.grad.float(), rtol=0.05, atol=0.02 * a.grad.abs().max().item()), name
+    calls.clear()
+    padded = torch.ones_like(ids)
+    padded[:, -20:] = 0  # a padded row: sdpa's mask
+    chunked(input_ids=ids, attention_mask=padded, labels=ids)
+    assert not calls
+
+
+def test_a_model_with_attention_dropout_is_refused(llama):
+    import copy
+    from types import SimpleNamespace
+
+    from memrecipe.errors import RecipeError
+    from memrecipe.training import query_chunks
+
+    model = copy.deepcopy(llama)
+    model.config.attention_dropout = 0.1
+    with pytest.raises(RecipeError, match="attention_dropout is 0.1: set query_chunks=false"):
+        query_chunks.apply(model, SimpleNamespace(query_chunks=64), None)
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "cuda"])
+@pytest.mark.parametrize("length, chunk", [(2048, 256), (4096, 256), (4096, 512)])
+def test_the_chunks_backward_holds_what_the_plan_says(monkeypatch, kernel, length, chunk):
+    """One attention's backward, 8 query heads over 2 K/V heads of 64 (GQA) in bf16, beside what the forward kept:
+    torch's CPU kernel, and the CUDA kernel's allocations stood in for (standins.TorchFlash, from mha_bwd's source):
+    the allocation peak is planning.activations.attention_backward_bytes(chunk=...) within 3% (the CPU's 5%, never
+    under), dout (the gradient handed in) aside. Without the fp32 sums of dK and dV, or with the kernel's buffers over the whole sequence (the
+    plan of sdpa unchunked), the plan is off by more than 10%."""
+    import standins
+    from measuring import allocation_peak_of
+    from memrecipe.planning.activations import attention_backward_bytes
+    from memrecipe.planning.architecture import Structure
+    from memrecipe.planning.hardware import usable_cores
+
+    if kernel == "cuda":
+        standins.use_torch_flash(monkeypatch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())  # (the CPU kernel's blocks are per thread: the loop runs one a core)
+    within = 0.03 if kernel == "cuda" else 0.05  # (the CPU's blocks of its second thread not always live at the peak)
+    heads, kv, dim = 8, 2, 64
+    q = torch.randn(1, length, heads, dim, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    k, v = [torch.randn(1, length, kv, dim, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in "kv"]
+    out = QueryChunkedAttention.apply(q, k, v, chunk, None)
+    grad = torch.ones(1, length, heads, dim, dtype=torch.bfloat16).transpose(1, 2)
+    try:
+        peak = allocation_peak_of(lambda: out.backward(grad))
+    finally:
+        torch.set_num_threads(threads)
+    s = Structure("llama", vocab=128, hidden=heads * dim, layers=1, heads=heads, kv_heads=kv, head_dim=dim,
+                  intermediate=4 * heads * dim, gated_mlp=True, linears=(), layer_norm_params=(), top_params=(),
+                  tied_embeddings=False)
+    dout = length * 2 * heads * dim
+    plan = attention_backward_bytes(s, "lora", length, kernel == "cuda", "sdpa", chunk) - dout
+    assert plan == pytest.approx(peak, rel=within) and plan >= peak * 0.999, (plan, peak)
+    whole = attention_backward_bytes(s, "lora", length, kernel == "cuda", "sdpa") - dout
+    assert not whole == pytest.approx(peak, rel=0.1)
+    unsummed = plan - length * 8 * kv * dim
+    assert not unsummed == pytest.approx(peak, rel=0.1)
+
+
+def test_the_loop_builds_the_model_with_its_attention_in_chunks():
+    """The rung's hook (planning/rungs.py: training.query_chunks.apply) runs where the loop builds the model: every
+    attention module of the embedded model, LoRA on it, calls the chunks, `query_chunks=64` queries each; without the
+    rung the model runs transformers' sdpa."""
+    from helpers import loop_model
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.training import query_chunks
+    from memrecipe.training.loading import embedded_model
+
+    words = ["attn_implementation=sdpa", "packing=false", "per_device_train_batch_size=1"]
+    model, _ = loop_model(load_recipe("single-gpu-lora", [*words, "query_chunks=64"]), embedded_model(), "bf16")
+    chunks = [m.query_chunk for m in model.modules() if hasattr(m, "query_chunk")]
+    assert model.config._attn_implementation == query_chunks.NAME and chunks and set(chunks) == {64}
+    plain, _ = loop_model(load_recipe("single-gpu-lora", words), embedded_model(), "bf16")
+    assert plain.config._attn_implementation == "sdpa"
