@@ -151,3 +151,19 @@ def test_the_loop_builds_the_model_with_its_attention_in_chunks():
     assert model.config._attn_implementation == query_chunks.NAME and chunks and set(chunks) == {64}
     plain, _ = loop_model(load_recipe("single-gpu-lora", words), embedded_model(), "bf16")
     assert plain.config._attn_implementation == "sdpa"
+
+
+def test_the_cuda_kernels_calls_take_the_arguments_torch_gives_on_meta_tensors(monkeypatch):
+    """The CUDA path (query_chunks.CudaFlash: aten's _scaled_dot_product_flash_attention and its backward, as the
+    chunks call them) run through torch's meta kernels, which check the shapes and the arguments as the CUDA ones
+    take them (the dense forward's undefined cum_seq tensors passed back as None, K/V at their own heads): forward and
+    backward of 3 chunks of 32 over 4 query and 2 K/V heads give the shapes sdpa's do."""
+    from memrecipe.training import query_chunks
+
+    monkeypatch.setattr(query_chunks, "kernel_for", lambda device: query_chunks.CudaFlash)
+    q = torch.empty(1, 96, 4, 16, device="meta", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    k, v = [torch.empty(1, 96, 2, 16, device="meta", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+            for _ in "kv"]
+    out = QueryChunkedAttention.apply(q, k, v, 32, None)
+    out.backward(torch.empty_like(out))
+    assert out.shape == q.shape and (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
