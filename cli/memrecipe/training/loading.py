@@ -103,7 +103,7 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import is_flash_attn_2_available
 
-    from ..planning.attention import offset_limit, offsets_note, pick_attention
+    from ..planning.attention import chunked, offset_limit, offsets_note, pick_attention
 
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=recipe.trust_remote_code)
     try:
@@ -124,7 +124,9 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
                             packing=recipe.packing, flash=flash, flex=flex, flash_error=error,
                             sequence_parallel=recipe.sequence_parallel != 1, ring=recipe.context_parallel > 1,
                             past_offsets=tokens > offset_limit(heads, head_dim))
-    wraps = offsets_note(picked.name, tokens, heads, head_dim) if cuda else None
+    calls = chunked(recipe.query_chunks, picked.name, recipe.packing, recipe.per_device_train_batch_size,
+                    recipe.max_seq_length) or tokens  # (query chunks: a call's queries)
+    wraps = offsets_note(picked.name, calls, heads, head_dim) if cuda else None
     if wraps:  # (a plain accelerate launch meets it here; memrecipe run refused it before launching)
         raise RecipeError(wraps)
     return picked

@@ -139,7 +139,8 @@ def chunked_attention(module, query, key, value, attention_mask, dropout: float 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     chunk = getattr(module, "query_chunk", 0)
-    if attention_mask is not None or not chunk or query.shape[2] <= chunk or query.shape[2] != key.shape[2]:
+    plain = kwargs.get("s_aux") is not None or kwargs.get("softcap")  # (sinks, a softcap: not what the chunks compute)
+    if attention_mask is not None or plain or not chunk or query.shape[2] <= chunk or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if dropout:

@@ -256,7 +256,7 @@ def test_sdpa_in_query_chunks_runs_past_its_offsets_and_the_8b_reaches_the_goals
 
 def test_the_loop_refuses_a_kernel_past_its_offsets_and_auto_takes_flex(monkeypatch):
     """What a plain accelerate launch meets on the GPU box (memrecipe run refused it before): the embedded model's
-    4 heads x 32 wrap past 2^31 / 128 = 16,777,216 tokens a micro batch."""
+    4 heads x 32 wrap past 2^31 / 128 = 16,777,216 tokens a micro batch; sdpa in query chunks runs past them."""
     cuda_facts(monkeypatch, flash=True, triton=True)
     words = ["per_device_train_batch_size=2", "max_seq_length=8388609"]
     with pytest.raises(RecipeError, match="flash_attention_2's backward addresses its dq accumulator with 32-bit offsets"):
@@ -264,5 +264,10 @@ def test_the_loop_refuses_a_kernel_past_its_offsets_and_auto_takes_flex(monkeypa
                   "bf16", torch.device("cuda"))
     assert attention(load_recipe("single-gpu-lora", words), embedded_model(), "bf16", torch.device("cuda")).name == \
         "flex_attention"
+    one = ["per_device_train_batch_size=1", "max_seq_length=16777217", "attn_implementation=sdpa", "packing=false"]
+    with pytest.raises(RecipeError, match="sdpa's backward addresses its dq accumulator with 32-bit offsets"):
+        attention(load_recipe("single-gpu-lora", one), embedded_model(), "bf16", torch.device("cuda"))
+    chunked = load_recipe("single-gpu-lora", [*one, "query_chunks=true"])  # a call holds a chunk of queries
+    assert attention(chunked, embedded_model(), "bf16", torch.device("cuda")).name == "sdpa"
     assert attention(load_recipe("single-gpu-lora", words[:1]), embedded_model(), "bf16", torch.device("cuda")).name == \
         "flash_attention_2"
