@@ -146,6 +146,9 @@ def chunked_attention(module, query, key, value, attention_mask, dropout: float 
     if dropout:
         raise RecipeError(f"query_chunks runs attention without dropout; this model's attention_dropout is {dropout}: "
                           "set query_chunks=false")
+    if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
+        raise RecipeError(f"query_chunks runs torch's flash kernel, in 16 bits on a GPU; this run's attention computes "
+                          f"in {str(query.dtype).removeprefix('torch.')}: set mixed_precision=bf16")
     out = QueryChunkedAttention.apply(query, key, value, chunk, scaling)
     return out.transpose(1, 2), None  # [b, L, h, d], as sdpa_attention_forward returns it
 
@@ -160,6 +163,14 @@ def apply(model, recipe, accelerator) -> int:
     if getattr(config, "attention_dropout", 0.0):
         raise RecipeError(f"query_chunks runs attention without dropout; this model's attention_dropout is "
                           f"{config.attention_dropout}: set query_chunks=false")
+    device = getattr(accelerator, "device", None)
+    if device is not None and device.type == "cuda":  # (flash_api.cpp's checks, said before the first step)
+        capability = torch.cuda.get_device_capability(device)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if capability < (8, 0) or head_dim % 8 or head_dim > 256:
+            raise RecipeError(f"query_chunks runs torch's flash kernel, which needs compute capability 8.0 or more "
+                              f"and a head dim that is a multiple of 8 up to 256 (this GPU: {capability[0]}."
+                              f"{capability[1]}, head dim {head_dim}): set query_chunks=false")
     chunk = query_chunk_tokens(recipe.query_chunks)
     AttentionInterface.register(NAME, chunked_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # (the masks sdpa gets: none for a row of one document)

@@ -167,3 +167,20 @@ def test_the_cuda_kernels_calls_take_the_arguments_torch_gives_on_meta_tensors(m
     out = QueryChunkedAttention.apply(q, k, v, 32, None)
     out.backward(torch.empty_like(out))
     assert out.shape == q.shape and (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_a_gpu_the_flash_kernel_cannot_run_on_is_refused_in_one_line(llama, monkeypatch):
+    """torch's flash kernel needs compute capability 8.0 (flash_api.cpp): on an older GPU the rung is refused at
+    load, naming it, rather than failing in the first step."""
+    import copy
+    from types import SimpleNamespace
+
+    from memrecipe.errors import RecipeError
+    from memrecipe.training import query_chunks
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    cuda = SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(RecipeError, match=r"compute capability 8.0 .*\(this GPU: 7.5, head dim 16\)"):
+        query_chunks.apply(copy.deepcopy(llama), SimpleNamespace(query_chunks=64), cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert query_chunks.apply(copy.deepcopy(llama), SimpleNamespace(query_chunks=64), cuda) == 64
