@@ -15,8 +15,8 @@ reads from the bottom right when there are more keys than queries: torch's Causa
 call that kernel's backward.
 
 On CPU the same chunks run torch's CPU flash kernel (no 32-bit limit there: the rung runs so that the suite and the
-smoke tests train through it), a chunk's forward under its dense bottom-right mask (CPU's is_causal reads from the
-top left). Rows with a mask (packed or padded) go to transformers' sdpa as they are."""
+smoke tests train through it), a chunk's forward in two calls merged by log-sum-exp (CpuFlash: CPU's is_causal reads
+from the top left). Rows with a mask (packed or padded) go to transformers' sdpa as they are."""
 
 from __future__ import annotations
 
@@ -45,18 +45,20 @@ class CudaFlash:
 
 
 class CpuFlash:
-    """torch's CPU flash kernel: a chunk after the first under its dense bottom-right mask in forward (CPU's is_causal
-    reads from the top left); in backward every block is square and causal or wholly visible, so none."""
+    """torch's CPU flash kernel, whose is_causal reads from the top left: a chunk's forward as two calls, its own keys
+    (a square, causal) and the keys before them (wholly visible), merged by their log-sum-exps, so no dense mask is
+    made; in backward every block is one of those two, so none is needed there either."""
 
     @staticmethod
     def forward(q, k, v, scale):
-        queries, keys = q.shape[2], k.shape[2]
-        mask = None
-        if queries != keys:
-            visible = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
-            mask = torch.zeros(queries, keys, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, mask is None,
-                                                                              attn_mask=mask, scale=scale)
+        op, start = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, k.shape[2] - q.shape[2]
+        out, lse = op(q, k[:, :, start:], v[:, :, start:], 0.0, True, scale=scale)
+        if start:
+            before, lse_before = op(q, k[:, :, :start], v[:, :, :start], 0.0, False, scale=scale)
+            total = torch.logaddexp(lse, lse_before)
+            out = (out.float() * (lse - total).exp().unsqueeze(-1)
+                   + before.float() * (lse_before - total).exp().unsqueeze(-1)).to(q.dtype)
+            lse = total
         return out, [lse]
 
     @staticmethod
