@@ -16,17 +16,16 @@ def saved_output(ctx, q, k, v):
 
 
 def gradients(q, k):
-    """dq at the query's heads, dk and dv at K's and V's own, each [b, L, heads, d] in memory."""
+    """dq at the query's heads, dk and dv at K's and V's own, each [b, length, heads, d] in memory."""
     b, h, length, d = q.shape
-    return q.new_zeros(b, length, h, d), k.new_zeros(b, length, k.shape[1], d), k.new_zeros(b, length, k.shape[1], d)
+    kv, keys = k.shape[1], k.shape[2]
+    return q.new_zeros(b, length, h, d), k.new_zeros(b, keys, kv, d), k.new_zeros(b, keys, kv, d)
 
 
 class FlashAttention2(torch.autograd.Function):
     """flash-attn 2 (csrc/flash_attn/flash_api.cpp). mha_fwd returns out [b, L, h, d] and softmax_lse fp32 [b, h, L],
     and the autograd function keeps q, k, v, out and softmax_lse. mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv)
-    takes dout (alive throughout: it is the backward's argument), allocates dq, dk and dv (k's and v's heads), under
-    GQA dk_expanded and dv_expanded at every query head, the fp32 dq_accum [b, L, h, d] (seqlen rounded up to 128)
-    and softmax_d fp32 [b, h, L], runs the kernel, then sums the expanded gradients into dk and dv (at::sum_out)."""
+    takes dout (alive throughout: it is the backward's argument) and allocates what mha_bwd (below) does."""
 
     @staticmethod
     def forward(ctx, q, k, v):
@@ -35,18 +34,26 @@ class FlashAttention2(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors  # (flash_attn_interface: every saved tensor held to the end)
-        b, h, length, d = q.shape
-        kv = k.shape[1]
-        dq, dk, dv = gradients(q, k)
-        expanded = [k.new_zeros(b, length, h, d), v.new_zeros(b, length, h, d)] if kv != h else []
-        rounded = -(-length // 128) * 128
-        dq_accum = torch.zeros(b, rounded, h, d, dtype=torch.float32)
-        softmax_d = torch.zeros(b, h, rounded, dtype=torch.float32)
-        if expanded:
-            torch.sum(expanded[0].view(b, length, kv, h // kv, d), 3, out=dk)
-            torch.sum(expanded[1].view(b, length, kv, h // kv, d), 3, out=dv)
-        del dq_accum, softmax_d, expanded
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return mha_bwd(q, k)
+
+
+def mha_bwd(q, k):
+    """What flash_api.cpp's mha_bwd allocates for q [b, h, c, d] and k [b, kv, keys, d] (as transformers hands them
+    over), and returns: dq, dk and dv ([b, c, h, d] and [b, keys, kv, d] in memory), under GQA dk_expanded and
+    dv_expanded at every query head, the fp32 dq_accum [b, c rounded up to 128, h, d rounded up to 32] and softmax_d
+    fp32 [b, h, c rounded], then the expanded gradients summed into dk and dv (at::sum_out)."""
+    b, h, c, d = q.shape
+    kv, keys = k.shape[1], k.shape[2]
+    dq, dk, dv = gradients(q, k)
+    expanded = [k.new_zeros(b, keys, h, d), k.new_zeros(b, keys, h, d)] if kv != h else []
+    rounded = -(-c // 128) * 128
+    dq_accum = torch.zeros(b, rounded, h, -(-d // 32) * 32, dtype=torch.float32)
+    softmax_d = torch.zeros(b, h, rounded, dtype=torch.float32)
+    if expanded:
+        torch.sum(expanded[0].view(b, keys, kv, h // kv, d), 3, out=dk)
+        torch.sum(expanded[1].view(b, keys, kv, h // kv, d), 3, out=dv)
+    del dq_accum, softmax_d, expanded
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 class FlexAttention(torch.autograd.Function):
@@ -138,19 +145,8 @@ class TorchFlash:
 
     @staticmethod
     def backward(grad, q, k, v, out, kept, scale, causal):
-        b, h, c, d = q.shape
-        kv, keys = k.shape[1], k.shape[2]
         grad, out = grad.transpose(1, 2).contiguous(), out.transpose(1, 2).contiguous()
-        dq, dk, dv = q.new_zeros(b, c, h, d), k.new_zeros(b, keys, kv, d), k.new_zeros(b, keys, kv, d)
-        expanded = [k.new_zeros(b, keys, h, d), k.new_zeros(b, keys, h, d)] if kv != h else []
-        rounded = -(-c // 128) * 128
-        dq_accum = torch.zeros(b, rounded, h, -(-d // 32) * 32, dtype=torch.float32)
-        softmax_d = torch.zeros(b, h, rounded, dtype=torch.float32)
-        if expanded:
-            torch.sum(expanded[0].view(b, keys, kv, h // kv, d), 3, out=dk)
-            torch.sum(expanded[1].view(b, keys, kv, h // kv, d), 3, out=dv)
-        del dq_accum, softmax_d, expanded, grad, out
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return mha_bwd(q, k)
 
 
 def use_torch_flash(monkeypatch) -> None:

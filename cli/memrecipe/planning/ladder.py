@@ -48,12 +48,9 @@ def climbs(recipe: Recipe, topo: Topology | None = None):
     `topo`, when given) accept, cheapest first: each rung's words add to those of the last accepted below it (a rung
     the rules refuse, FSDP's tiled MLP, is stepped over)."""
     below = ()
-    rungs = [Rung(rung_of(recipe, topo.num_processes if topo else None), ())]
-    rungs += [Rung(t.name, ()) for t in LADDER if t.offered(recipe, topo)]  # (words made as the climb goes)
-    for n, rung in enumerate(rungs):
-        if n:
-            technique = next(t for t in LADDER if t.name == rung.name)
-            rung = Rung(rung.name, technique.words(recipe, topo, below))
+    for technique in (None, *(t for t in LADDER if t.offered(recipe, topo))):
+        rung = Rung(rung_of(recipe, topo.num_processes if topo else None), ()) if technique is None else \
+            Rung(technique.name, technique.words(recipe, topo, below))
         try:
             climbed = with_words(recipe, rung.words)
             if topo is not None:

@@ -115,7 +115,7 @@ class QueryChunkedAttention(torch.autograd.Function):
         for i in reversed(range(len(bounds))):
             start, end = bounds[i]
             rows = grad[:, :, start:end], q[:, :, start:end]
-            dq_i = torch.zeros(q[:, :, start:end].shape, dtype=torch.float32, device=q.device)
+            dq_i = torch.zeros(rows[1].shape, dtype=torch.float32, device=q.device)
             for j, (first, last) in enumerate(bounds[:i + 1]):
                 part_q, part_k, part_v = ctx.kernel.backward(*rows, k[:, :, first:last], v[:, :, first:last],
                                                              out[:, :, start:end], ctx.kept[i], ctx.scale, j == i)
