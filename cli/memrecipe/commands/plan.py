@@ -316,6 +316,8 @@ def echo_table(rows, gpu, host, topo, global_batch, shapes, gpu_name=None):
         e = v.estimate
         short = f"{'host' if topo.cpu else v.binding} " if not v.fits else ""  # which resource is short
         fits = ("yes" if v.fits else "no") + (f" ({short}{v.headroom / GiB:+.1f})" if v.headroom is not None else "")
+        if e.refused:  # not a matter of memory: the note under the table says why
+            fits = "refused"
         body.append([r.name, f"{e.micro_batch} x {e.seq_length}", *(f"{getattr(e, c) / GiB:.2f}" for c in CATEGORIES[:5]),
                      f"{e.total / GiB:.2f}",
                      f"{e.host_total() / GiB:.1f}", fits, seconds(e.step_seconds), f"{e.tokens_per_second:,.0f}"]

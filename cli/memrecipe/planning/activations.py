@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .architecture import NORM_AFTER_MLP, SANDWICH_NORMED, Structure, lora_tensors_on_meta
 from .attention import (block_mask_bytes, chunked, kept_mask_bytes, offset_limit, offsets_note, pick_attention,
-                        square_bytes)
+                        square_bytes, unsupported_note)
 from .hardware import usable_cores
 from .recipe import Recipe
 
@@ -164,7 +164,7 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         total -= others * (mlp_bytes(recipe, s, mode, cuda) - shared_mlp_input_bytes(recipe, s, mode))
     cb = compute_bytes(mode)  # the attention's compute dtype
     repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
-    square = square_bytes(attention, recipe.packing, b, seq, a, fp32=mode == "fp32")
+    square = square_bytes(attention, recipe.packing, b, seq, a, fp32=mode == "fp32", window=s.window)
     if attention == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated, no log-sum-exp
         total += square + repeated - T * 4 * a
     elif square:  # sdpa under a mask: K/V repeated, the mask made additive
@@ -499,14 +499,15 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
     if attention is None:  # the kernel on CPU (what the tests measure)
         attention = pick_attention(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,
-                            flash=False, flex=False).name
+                                   flash=False, flex=False, sdpa=s.sdpa).name
     # tensor parallelism splits each layer's attention and MLP over tp_size processes (counted as if the
     # norms were split too: optimistic by ~10 bytes x hidden per token and layer); inputs stay whole
     tp = recipe.tensor_parallel
     layers = [(g.layers, slice_layer_bytes(recipe, g, mode, b, seq, attention, cuda, sp), g) for g in s.groups()]
     layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
-    chunk = chunked(recipe.query_chunks, attention, recipe.packing, b, seq)  # (queries a call; 0: the row whole)
-    in_backward = max(layer_backward_bytes(recipe, g, mode, T, one, tp, cuda, sp, attention, chunk)
+    # (query_chunks: queries a call, in each group's layers; 0: the row whole)
+    in_backward = max(layer_backward_bytes(recipe, g, mode, T, one, tp, cuda, sp, attention,
+                                           chunked(recipe.query_chunks, attention, recipe.packing, b, seq, g.window))
                       for _, one, g in layers)
     every_layer = sum(n * one for n, one, _ in layers)
     host = 0
@@ -515,8 +516,8 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     norm = final_norm_bytes(recipe, mode, T, h)
     head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
     # input ids, rotary cos/sin, flex's BlockMask, sdpa's boolean mask (kept by the checkpoints)
-    small = T * 8 + rope + block_mask_bytes(attention, b, seq) + kept_mask_bytes(attention, recipe.packing, b, seq,
-                                                                                 recipe.checkpoints)
+    small = T * 8 + rope + block_mask_bytes(attention, b, seq) + kept_mask_bytes(
+        attention, recipe.packing, b, seq, recipe.checkpoints, tuple(g.window for g in s.groups()))
     saved_logits, logits, head_copy = loss_bytes(recipe, s, mode, b, T, head_copy)
     waiting, embedding_end = embedding_gradient_bytes(recipe, s, mode)
     final_norm = norm_backward_bytes(recipe, s, residual, T)
@@ -587,8 +588,9 @@ def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: i
     if attention is None:
         picks = {picked.name: picked for picked in (
             pick_attention(recipe.attn_implementation, cuda=not cpu, half=half, packing=recipe.packing,
-                           flash=flash, flex=True, sequence_parallel=sp > 1, ring=recipe.context_parallel > 1,
-                           past_offsets=tokens > offset_limit(heads, s.head_dim))
+                           flash=flash, flex=s.flex, sequence_parallel=sp > 1, ring=recipe.context_parallel > 1,
+                           past_offsets=tokens > offset_limit(heads, s.head_dim), windowed=bool(s.masked_windows(seq)),
+                           sdpa=s.sdpa)
             for flash in (True, False))}  # (a GPU box with flash-attn installed, and one without)
         kernels = {name: activation_bytes(recipe, s, mode, batch, seq, name, cuda=not cpu, sp=sp) for name in picks}
         attention = max(kernels, key=lambda name: kernels[name]["working"])
@@ -600,8 +602,10 @@ def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: i
         act = kernels[attention]
     else:
         act = activation_bytes(recipe, s, mode, batch, seq, attention, cuda=not cpu, sp=sp)
-    calls = chunked(recipe.query_chunks, attention, recipe.packing, batch, seq) or tokens  # (a call's queries)
-    wraps = None if cpu else offsets_note(attention, calls, heads, s.head_dim)
+    calls = max(chunked(recipe.query_chunks, attention, recipe.packing, batch, seq, g.window) or tokens
+                for g in s.groups())  # (a call's queries)
+    wraps = unsupported_note(attention, s.sdpa, s.flex, s.model_type) or (
+        None if cpu else offsets_note(attention, calls, heads, s.head_dim))
     if wraps:  # refused: not a matter of bytes
         notes.append(wraps)
     return attention, act, wraps

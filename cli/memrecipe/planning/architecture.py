@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import RecipeError
@@ -33,6 +33,16 @@ SANDWICH_NORMED = {"gemma2", "gemma3_text"}
 # first, beside everything the layer saved (training.tiling.mlp_output_unsaved reads the same off the layer's code)
 NORM_AFTER_MLP = {"gemma2", "gemma3_text", "olmo2"}
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "smollm3"}
+# the read-by-hand families whose layers may attend through a sliding window, and the window their config class
+# takes where config.json names none (transformers 5's configuration_*.py); the Qwens and SmolLM3 only under
+# use_sliding_window
+SLIDING_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "gemma2": 4096, "gemma3_text": 4096, "smollm3": None,
+                  "phi3": None}
+FLAGGED_WINDOW = {"qwen2", "qwen3", "smollm3"}
+# the read-by-hand families whose transformers 5 class has no sdpa path (Gemma 2: its soft-capped scores) or no
+# flex_attention path (_supports_sdpa, _supports_flex_attn; test_architecture.py holds both to the classes)
+NO_SDPA = {"gemma2"}
+NO_FLEX = {"gpt2"}
 
 
 @dataclass(frozen=True)
@@ -90,11 +100,22 @@ class Structure:
     # layers as a Structure of its own (`layers`: how many, `first`: the first one's index); empty: all alike
     blocks: tuple[Structure, ...] = ()
     first: int = 0
+    # sliding-window attention: each query attends to itself and the `window - 1` keys before it (0: to all before
+    # it); a model whose layers differ (Gemma 2's and 3's) holds each kind as a group of `blocks`
+    window: int = 0
+    # the attention kernels transformers' class for this model runs (flash-attn's is taken where it is installed)
+    sdpa: bool = True
+    flex: bool = True
 
     def groups(self) -> tuple[Structure, ...]:
         """The decoder layers in groups of identical ones; read each group's per-layer fields (linears, norms,
         experts, intermediate) and its `layers` count, never its top_params."""
         return self.blocks or (self,)
+
+    def masked_windows(self, seq: int) -> tuple[int, ...]:
+        """The sliding windows of the groups whose rows of `seq` tokens reach past them: under sdpa those layers
+        get a dense [S x S] mask (masking_utils._ignore_causal_mask_sdpa keeps it from kv_length >= window)."""
+        return tuple(sorted({g.window for g in self.groups() if 0 < g.window <= seq}))
 
     @property
     def lean_norms_apply(self) -> bool:
@@ -227,15 +248,44 @@ def structure(config: dict) -> Structure:
 def _structure(config: dict) -> Structure:
     config = config.get("text_config", config) if "text_config" in config and "vocab_size" not in config else config
     kind = config.get("model_type", "")
-    if kind in LLAMA_LIKE:
-        return _llama_like(config)
-    if kind == "phi3":
-        return _phi3(config)
-    if kind == "gpt2":
-        return _gpt2(config)
-    if kind == "gpt_neox":
-        return _gpt_neox(config)
-    return _from_meta_device(config)
+    readers = {"phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox} | dict.fromkeys(LLAMA_LIKE, _llama_like)
+    if kind not in readers:
+        return _from_meta_device(config)
+    s = replace(readers[kind](config), sdpa=kind not in NO_SDPA, flex=kind not in NO_FLEX)
+    return windowed(s, layer_windows(config))
+
+
+def layer_windows(c: dict) -> tuple[int, ...]:
+    """Each decoder layer's sliding window (Structure.window; 0: full attention), as transformers' config classes
+    resolve a config.json: its layer_types where it gives them, else the family's pattern (Gemma 2: every other
+    layer from the first; Gemma 3: five of every sliding_window_pattern, 6; the Qwens: from max_window_layers on;
+    SmolLM3: the layers without rotary positions), and every layer of the families that take one window for all
+    (Mistral, Phi-3, and any family read off the meta device without layer_types: Mixtral, Starcoder2).
+    tests/unit/planning/test_architecture.py holds each to the masks transformers' own layers get."""
+    kind, n = c.get("model_type", ""), c.get("num_hidden_layers") or len(c.get("layer_types") or ())
+    window = c.get("sliding_window", SLIDING_WINDOW.get(kind))
+    if not window or (kind in FLAGGED_WINDOW and not c.get("use_sliding_window", False)):
+        return (0,) * n
+    types = c.get("layer_types")
+    if types is None:
+        sliding = {"gemma2": lambda i: (i + 1) % 2 != 0,
+                   "gemma3_text": lambda i: (i + 1) % c.get("sliding_window_pattern", 6) != 0,
+                   "qwen2": lambda i: i >= c.get("max_window_layers", 28),
+                   "qwen3": lambda i: i >= c.get("max_window_layers", 28),
+                   "smollm3": lambda i: not (c.get("no_rope_layers") or [
+                       int((j + 1) % c.get("no_rope_layer_interval", 4) != 0) for j in range(n)])[i]}.get(kind)
+        types = ["sliding_attention" if sliding is None or sliding(i) else "full_attention" for i in range(n)]
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+
+
+def windowed(s: Structure, windows: tuple[int, ...]) -> Structure:
+    """`s` (its layers alike) with each layer's sliding window: one window for all, or a group of `blocks` for
+    each (their first layer's index in `first`)."""
+    if len(set(windows)) == 1:
+        return replace(s, window=windows[0])
+    groups = {w: windows.index(w) for w in windows}
+    return replace(s, blocks=tuple(replace(s, layers=windows.count(w), window=w, first=first)
+                                   for w, first in groups.items()))
 
 
 def _llama_like(c: dict) -> Structure:

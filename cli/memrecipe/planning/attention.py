@@ -12,7 +12,13 @@ transformers 5.23 and torch 2.13:
 - sdpa: a dense [B, 1, S, S] mask (masking_utils.sdpa_mask: packed rows turn off the is_causal shortcut). With a
   mask, sdpa_attention_forward copies K/V to every query head (use_gqa_in_sdpa: CUDA needs no mask for GQA), and
   torch converts the boolean mask to an additive one in the compute dtype, both saved for backward in every layer;
-  every S x S block is computed, across documents and above the diagonal.
+  every S x S block is computed, across documents and above the diagonal. So too in a sliding-window layer
+  (Mistral's, Gemma 2's and 3's every other or five of six, Phi-3's) once a row reaches its window: transformers
+  gives sdpa the is_causal shortcut only below it (masking_utils._ignore_causal_mask_sdpa: a mask from
+  kv_length >= window), and on CUDA the mask keeps the row from flash's kernel, which takes none: the kernel that
+  takes it (memory-efficient attention) adds it to every block of the square. flash_attention_2 passes the window
+  to flash-attn's kernel (window_size), flex_attention folds it into its BlockMask: neither builds a mask, and both
+  skip the blocks outside the window.
 """
 
 from __future__ import annotations
@@ -49,11 +55,13 @@ def query_chunk_tokens(query_chunks: bool | int) -> int:
     return QUERY_CHUNK if query_chunks is True else query_chunks
 
 
-def chunked(query_chunks: bool | int, name: str, packing: bool, micro_batch: int, seq: int) -> int:
+def chunked(query_chunks: bool | int, name: str, packing: bool, micro_batch: int, seq: int, window: int = 0) -> int:
     """The queries one call of the kernel holds in a plan under query_chunks, where a row of `seq` runs in chunks
-    (sdpa without a mask, longer than one chunk); 0 where it runs whole."""
+    (sdpa without a mask, longer than one chunk; `window`: the layer's sliding window, past which it has a mask);
+    0 where it runs whole."""
     chunk = query_chunk_tokens(query_chunks)
-    return chunk if chunk and name == "sdpa" and not dense_mask(name, packing, micro_batch) and seq > chunk else 0
+    masked = dense_mask(name, packing, micro_batch, seq, window)
+    return chunk if chunk and name == "sdpa" and not masked and seq > chunk else 0
 
 
 def offsets_note(name: str, tokens: int, heads: int, head_dim: int) -> str | None:
@@ -70,11 +78,13 @@ def offsets_note(name: str, tokens: int, heads: int, head_dim: int) -> str | Non
 
 def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, flash: bool, flex: bool,
                    flash_error: str | None = None, sequence_parallel: bool = False, ring: bool = False,
-                   past_offsets: bool = False) -> Attention:
+                   past_offsets: bool = False, windowed: bool = False, sdpa: bool = True) -> Attention:
     """`auto`: flash-attn's varlen kernel where it can run (CUDA, 16-bit compute, installed and importing), else
-    flex_attention's block-sparse mask for packed rows on CUDA, else sdpa; flex_attention past the 32-bit offsets
-    of flash's and sdpa's backward (`past_offsets`: offset_limit). Any other choice is taken as asked.
-    `flash_error`: why an installed flash-attn does not import. Under sequence parallelism `auto` is sdpa: the launch
+    flex_attention's block-sparse mask for packed rows on CUDA, or rows reaching a sliding window (`windowed`:
+    Structure.masked_windows), where sdpa would take a dense mask, else sdpa; flex_attention past the 32-bit offsets
+    of flash's and sdpa's backward (`past_offsets`: offset_limit); flex_attention on CUDA, else eager, for a model
+    whose transformers class has no sdpa path (`sdpa`: Gemma 2). Any other choice is taken as asked (unsupported_note
+    refuses one the model has no path for). `flash_error`: why an installed flash-attn does not import. Under sequence parallelism `auto` is sdpa: the launch
     config names the kernel Ulysses wraps (configs.sp_attention) before any machine is seen; under ring attention
     too: torch's context_parallel replaces SDPA's kernels only."""
     if requested != "auto":
@@ -94,40 +104,64 @@ def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, fla
     if cuda and packing and flex:
         return Attention("flex_attention", f"auto: {why}; flex_attention skips the blocks across packed documents "
                                            "and above the diagonal (compiled on first use)")
+    if cuda and windowed and flex:
+        return Attention("flex_attention", f"auto: {why}; the rows reach the model's sliding window, where sdpa "
+                                           "takes a dense mask and flex_attention skips the blocks outside the window "
+                                           "(compiled on first use)")
+    if not sdpa:
+        return Attention("flex_attention" if cuda and flex else "eager",
+                         f"auto: {why}; this model's transformers class has no sdpa path")
     if not cuda:
         return Attention("sdpa", "auto: on CPU, where flex_attention has no backward and flash-attn does not run")
     return Attention("sdpa", f"auto: {why}" + ("" if packing else "; rows are not packed"))
 
 
-def dense_mask(name: str, packing: bool, micro_batch: int) -> bool:
-    """Whether sdpa gets a dense mask: packed rows, or padded rows (more than one per micro batch, padded to the
-    longest). Without one it runs causal with K/V heads grouped."""
-    return name == "sdpa" and (packing or micro_batch > 1)
+def unsupported_note(name: str, sdpa: bool, flex: bool, model_type: str) -> str | None:
+    """One line when the kernel a run takes is one this model's transformers class has no path for (its
+    _supports_sdpa, _supports_flex_attn: Gemma 2 has no sdpa path, GPT-2 no flex one), naming those it has."""
+    if not (name == "sdpa" and not sdpa or name == "flex_attention" and not flex):
+        return None
+    kernels = ", ".join(k for k, ok in (("flash_attention_2", True), ("flex_attention", flex), ("sdpa", sdpa),
+                                        ("eager", True)) if ok)
+    return (f"attention: transformers has no {name} path for {model_type} (its class refuses it at load): use "
+            f"attn_implementation={kernels.replace(', ', ' or ')}")
+
+
+def dense_mask(name: str, packing: bool, micro_batch: int, seq: int = 0, window: int = 0) -> bool:
+    """Whether sdpa gets a dense mask: packed rows, padded rows (more than one per micro batch, padded to the
+    longest), or rows of `seq` tokens reaching a layer's sliding `window`. Without one it runs causal with K/V heads
+    grouped."""
+    return name == "sdpa" and (packing or micro_batch > 1 or 0 < window <= seq)
 
 
 SQUARE_LIMIT = 2**30  # bytes of [S x S] tensors per layer past which a plan names the kernels that keep none
 
 
-def square_bytes(name: str, packing: bool, micro_batch: int, seq: int, heads: int, fp32: bool) -> int:
+def square_bytes(name: str, packing: bool, micro_batch: int, seq: int, heads: int, fp32: bool, window: int = 0) -> int:
     """What one layer keeps in [S x S] tensors for backward: eager's scores (the fp32 softmax and, in 16-bit compute,
     its 16-bit copy, per head), or sdpa's dense mask made additive in the compute dtype (measured on CPU:
-    tests/unit/planning/test_activations.py). flash_attention_2 and flex_attention keep none."""
+    tests/unit/planning/test_activations.py). flash_attention_2 and flex_attention keep none. `window`: the
+    layer's sliding window (0: none)."""
     if name == "eager":
         return micro_batch * heads * seq * seq * (4 if fp32 else 6)
-    if dense_mask(name, packing, micro_batch):
+    if dense_mask(name, packing, micro_batch, seq, window):
         return micro_batch * seq * seq * (4 if fp32 else 2)
     return 0
 
 
-def kept_mask_bytes(name: str, packing: bool, micro_batch: int, seq: int, checkpoints: bool) -> int:
-    """sdpa's boolean mask ([b, 1, S, S], 1 byte an element: transformers' masking_utils.sdpa_mask, once a forward,
-    for rows of several documents or padded ones), held to the end of backward under checkpointing: each layer's
-    checkpoint keeps its arguments, the mask among them, for its recompute (without checkpointing it is gone by the
-    loss). Each layer's sdpa call makes its own additive copy (square_bytes). Measured on CPU: 1.0 and 4.0 MiB of a
-    packed row's step peak at 1,024 and 2,048 tokens (tests/unit/planning/test_activations.py). A packed row of one
-    document builds none (transformers reads one document from the positions and runs causal), nor the additive
-    copy, which the plan still counts there: `packing=false` plans such rows."""
-    return micro_batch * seq * seq if checkpoints and dense_mask(name, packing, micro_batch) else 0
+def kept_mask_bytes(name: str, packing: bool, micro_batch: int, seq: int, checkpoints: bool,
+                    windows: tuple[int, ...] = (0,)) -> int:
+    """sdpa's boolean masks ([b, 1, S, S], 1 byte an element: transformers' masking_utils.sdpa_mask, once a forward
+    for each kind of layer, `windows` (0: full attention), that needs one: rows of several documents or padded ones,
+    or a sliding window the rows reach), held to the end of backward under checkpointing: each layer's checkpoint
+    keeps its arguments, the mask among them, for its recompute (without checkpointing it is gone by the loss). Each
+    layer's sdpa call makes its own additive copy (square_bytes). Measured on CPU: 1.0 and 4.0 MiB of a packed row's
+    step peak at 1,024 and 2,048 tokens (tests/unit/planning/test_activations.py). A packed row of one document
+    builds none (transformers reads one document from the positions and runs causal), nor the additive copy, which
+    the plan still counts there: `packing=false` plans such rows."""
+    if not checkpoints:
+        return 0
+    return micro_batch * seq * seq * sum(dense_mask(name, packing, micro_batch, seq, w) for w in set(windows))
 
 
 def block_mask_bytes(name: str, micro_batch: int, seq: int, block: int = 128) -> int:
@@ -146,7 +180,7 @@ def square_note(name: str, square: int, seq: int) -> str | None:
     """One line when a layer's [S x S] tensors pass SQUARE_LIMIT: which kernels this length needs."""
     if square <= SQUARE_LIMIT:
         return None
-    what = "scores" if name == "eager" else "dense mask (packed or padded rows)"
+    what = "scores" if name == "eager" else "dense mask (packed or padded rows, or past a sliding window)"
     return (f"attention: {name} keeps {square / 2**30:.1f} GiB per layer in its [{seq} x {seq}] {what}: at this "
             "length use attn_implementation=flash_attention_2 (CUDA, flash-attn installed) or flex_attention (CUDA), "
             "which keep none (auto picks one on a GPU)")

@@ -192,20 +192,37 @@ def cpu_flash_work(seq: int, causal: bool = True) -> tuple[float, int]:
     return scores / seq**2, pairs
 
 
+def window_share(seq: int, window: int) -> float:
+    """Of a row's [seq x seq] scores, the share a causal sliding window holds (each query its `window` keys at most):
+    what flash-attn's and flex_attention's kernels compute of a sliding-window layer (the blocks outside the window
+    skipped); 0.5, causal, where the row does not reach the window."""
+    if not window or window >= seq:
+        return 0.5
+    return window / seq * (1 - window / (2 * seq))
+
+
 def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, attention: str, rates: Rates) -> float:
-    """Seconds the attention of `rows` rows of `seq` tokens takes on one process, in bf16. Under a mask (a packed
-    row's documents, under sdpa) no kernel skips a block: every score is computed. Eager multiplies the [S x S]
-    scores as plain batched matmuls. On a CPU, sdpa is torch's flash kernel: its blocks (cpu_flash_work), and its
-    seconds beside the FLOPs a score and a block, for the passes attention_passes counts."""
-    masked = recipe.packing and attention == "sdpa"
-    if attention not in rates.attention:  # (eager)
-        return attention_flops(recipe, s, seq, 1.0) * rows * seq / rates.matmul
-    if not rates.cpu_attention:
-        return attention_flops(recipe, s, seq, 1.0 if masked else 0.5) * rows * seq / rates.attention[attention]
-    share, pairs = cpu_flash_work(seq, causal=not masked)
-    beside = s.layers * s.heads * rows * attention_passes(recipe) / 3.5 * (
-        share * seq**2 * rates.attention_score + pairs * rates.attention_block)
-    return attention_flops(recipe, s, seq, share) * rows * seq / rates.attention[attention] + beside
+    """Seconds the attention of `rows` rows of `seq` tokens takes on one process, in bf16, each group of layers
+    (Structure.groups: sliding-window layers apart) at what its kernel computes. Under a mask (a packed row's
+    documents, or a sliding window the row reaches, under sdpa: attention.dense_mask) no kernel skips a block: every
+    score is computed; flash-attn and flex_attention compute a sliding window's band alone (window_share). Eager
+    multiplies the [S x S] scores as plain batched matmuls. On a CPU, sdpa is torch's flash kernel: its blocks
+    (cpu_flash_work), and its seconds beside the FLOPs a score and a block, for the passes attention_passes
+    counts."""
+    total = 0.0
+    for g in s.groups():
+        masked = attention == "sdpa" and (recipe.packing or 0 < g.window <= seq)
+        if attention not in rates.attention:  # (eager)
+            total += attention_flops(recipe, g, seq, 1.0) * rows * seq / rates.matmul
+        elif not rates.cpu_attention:
+            share = 1.0 if masked else 0.5 if attention == "sdpa" else window_share(seq, g.window)
+            total += attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention]
+        else:
+            share, pairs = cpu_flash_work(seq, causal=not masked)
+            beside = g.layers * g.heads * rows * attention_passes(recipe) / 3.5 * (
+                share * seq**2 * rates.attention_score + pairs * rates.attention_block)
+            total += attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention] + beside
+    return total
 
 
 def dropout_draws(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = None) -> float:

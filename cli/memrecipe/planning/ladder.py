@@ -63,16 +63,18 @@ def climbs(recipe: Recipe, topo: Topology | None = None):
 
 def climb(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory) -> tuple[Recipe, Rung, bool]:
     """(the recipe at the cheapest rung that fits at its own length, that rung, True); when none does, the rung that
-    comes closest (the most spare memory, or the least missing), and False: a refusal quotes what the ladder can
-    reach, not the recipe as written."""
+    comes closest (the most spare memory, or the least missing; of rungs that run, where some do: the first where
+    none does, a kernel refused whatever the memory), and False: a refusal quotes what the ladder can reach, not the
+    recipe as written."""
     closest = None
     for rung, climbed in climbs(recipe, topo):
         _, verdict = decide_dropout(climbed, s, topo, gpu_memory, host_memory)  # (`auto` left for its row to decide)
         if verdict.fits:
             return climbed, rung, True
+        runs = verdict.estimate.refused is None
         spare = verdict.headroom if verdict.headroom is not None else -verdict.estimate.total
-        if closest is None or spare > closest[0]:
-            closest = (spare, climbed, rung)
+        if closest is None or (runs, spare if runs else 0) > closest[0]:
+            closest = ((runs, spare if runs else 0), climbed, rung)
     if closest is None:
         return recipe, Rung(rung_of(recipe, topo.num_processes), ()), False
     return closest[1], closest[2], False

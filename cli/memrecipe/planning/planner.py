@@ -140,7 +140,8 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     stream = residual_bytes(mode)
     attention, act, wraps = plan_attention(recipe, s, mode, compute_bytes == 2, batch, seq, sp, topo.cpu, attention,
                                            notes)
-    square = square_note(attention, square_bytes(attention, recipe.packing, batch, seq, s.heads, compute_bytes == 4), seq)
+    square = square_note(attention, max(square_bytes(attention, recipe.packing, batch, seq, s.heads, compute_bytes == 4,
+                                                      g.window) for g in s.groups()), seq)
     if square:  # long context on a kernel that keeps [S x S] tensors: say which kernels keep none
         notes.append(square)
     # the step's temporaries: after backward (the activations gone), or inside it, beside the checkpointed inputs
@@ -288,6 +289,9 @@ def recommend(verdicts: list[Verdict]) -> tuple[Verdict | None, str]:
                       f"{e.total / GiB:.1f} GiB {where}{spare}{host}")
     if not verdicts:
         return None, "no recipe runs on this topology"
+    if all(v.estimate.refused for v in verdicts):  # whatever the memory: say why, not what is short
+        return None, f"nothing can run: {verdicts[0].estimate.recipe}: {verdicts[0].estimate.refused}"
+    verdicts = [v for v in verdicts if not v.estimate.refused]
     on_device = [v for v in verdicts if v.device_fits]
     if on_device:  # the GPUs would hold these: the host RAM is what binds
         least = min(on_device, key=lambda v: v.estimate.host_total())

@@ -103,7 +103,8 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import is_flash_attn_2_available
 
-    from ..planning.attention import chunked, offset_limit, offsets_note, pick_attention
+    from ..planning.architecture import layer_windows
+    from ..planning.attention import chunked, offset_limit, offsets_note, pick_attention, unsupported_note
 
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=recipe.trust_remote_code)
     try:
@@ -113,19 +114,24 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
     cuda = device is not None and device.type == "cuda"
     error = flash_import_error() if is_flash_attn_2_available() else None
     flash = is_flash_attn_2_available() and not error and getattr(model_class, "_supports_flash_attn", True)
-    flex = (cuda and importlib.util.find_spec("triton") is not None and getattr(model_class, "_supports_flex_attn", True)
+    has = {"sdpa": getattr(model_class, "_supports_sdpa", True), "flex": getattr(model_class, "_supports_flex_attn", True)}
+    flex = (cuda and importlib.util.find_spec("triton") is not None and has["flex"]
             and not getattr(config, "attention_dropout", 0))
     text = config.get_text_config()
     # Ulysses: each process attends to 1/sp of the heads (sp null: every process of the launch)
     heads = max(1, text.num_attention_heads // recipe.sequence_group(int(os.environ.get("WORLD_SIZE", "1"))))
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     tokens = recipe.per_device_train_batch_size * recipe.max_seq_length // recipe.context_parallel
+    windows = set(layer_windows(text.to_dict())) or {0}  # (sliding windows; 0: full attention)
     picked = pick_attention(recipe.attn_implementation, cuda=cuda, half=precision in ("bf16", "fp16"),
                             packing=recipe.packing, flash=flash, flex=flex, flash_error=error,
                             sequence_parallel=recipe.sequence_parallel != 1, ring=recipe.context_parallel > 1,
-                            past_offsets=tokens > offset_limit(heads, head_dim))
-    calls = chunked(recipe.query_chunks, picked.name, recipe.packing, recipe.per_device_train_batch_size,
-                    recipe.max_seq_length) or tokens  # (query chunks: a call's queries)
+                            past_offsets=tokens > offset_limit(heads, head_dim),
+                            windowed=any(0 < w <= recipe.max_seq_length for w in windows), sdpa=has["sdpa"])
+    if unsupported := unsupported_note(picked.name, has["sdpa"], has["flex"], text.model_type):
+        raise RecipeError(unsupported)
+    calls = max(chunked(recipe.query_chunks, picked.name, recipe.packing, recipe.per_device_train_batch_size,
+                        recipe.max_seq_length, w) or tokens for w in windows)  # (query chunks: a call's queries)
     wraps = offsets_note(picked.name, calls, heads, head_dim) if cuda else None
     if wraps:  # (a plain accelerate launch meets it here; memrecipe run refused it before launching)
         raise RecipeError(wraps)

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import RecipeError
-from ..planning.architecture import Linear, Structure, Tensor
+from ..planning.architecture import Linear, Structure, Tensor, layer_windows
 from .adapters import lora_config
 
 
@@ -42,13 +42,15 @@ def structure_from_meta(c: dict) -> Structure:
     kv = getattr(config, "num_key_value_heads", heads) or heads
     d = getattr(config, "head_dim", None) or (h or 0) // heads
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    # every block, in groups of identical ones (a mixture of experts may start with dense layers): one block of
-    # each group is read, so a 61-layer config costs two reads
+    # every block, in groups of identical ones (a mixture of experts may start with dense layers; sliding-window
+    # layers beside full ones): one block of each group is read, so a 61-layer config costs two reads
+    windows = layer_windows(config.to_dict())
     kinds: dict[tuple, list[int]] = {}
     for index, block in enumerate(blocks):
-        kinds.setdefault(tuple((n, tuple(p.shape)) for n, p in block.named_parameters()), []).append(index)
+        shapes = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+        kinds.setdefault((shapes, windows[index] if index < len(windows) else 0), []).append(index)
     groups = []
-    for indices in kinds.values():
+    for (_, window), indices in kinds.items():
         layer = blocks[indices[0]]
         linears = tuple(Linear(name.rsplit(".", 1)[-1], m.in_features, m.out_features, m.bias is not None)
                         for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear))
@@ -63,7 +65,8 @@ def structure_from_meta(c: dict) -> Structure:
         groups.append(Structure(config.model_type, config.vocab_size, h or linears[0].in_features, len(indices),
                                 heads, kv, d, i, gated, linears, other, (),
                                 bool(getattr(config, "tie_word_embeddings", False)), llama_like=False, experts=experts,
-                                top_k=top_k, expert_params=sum(p.numel() for p in fused), config=c, first=indices[0]))
+                                top_k=top_k, expert_params=sum(p.numel() for p in fused), config=c, first=indices[0],
+                                window=window))
     # the model's own per-layer fields: its routed layers' (its biggest group's if none routes)
     main = max(groups, key=lambda g: (g.experts > 0, g.layers))
     notes = ["structure read from the meta device"]
@@ -71,6 +74,9 @@ def structure_from_meta(c: dict) -> Structure:
         dense = sum(g.layers for g in groups if not g.experts)
         notes.append(f"mixture of experts: {main.experts} experts per layer in fused tensors, {main.top_k} per token"
                      + (f"; {dense} of its {len(blocks)} layers are dense" if dense else ""))
+    kernels = {"sdpa": getattr(model, "_supports_sdpa", True), "flex": getattr(model, "_supports_flex_attn", True)}
+    groups = [replace(g, **kernels) for g in groups]
+    main = replace(main, **kernels)
     return replace(main, layers=len(blocks), top_params=top, notes=tuple(notes), largest=largest,
                    blocks=tuple(groups) if len(groups) > 1 else (), first=0)
 

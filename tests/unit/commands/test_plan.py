@@ -302,3 +302,23 @@ def test_plan_says_where_auto_dropout_takes_the_redraw(cli, tmp_path):
         text = cli(*words).stdout
         assert ("lora.redraw_dropout: auto redraws the adapters' dropout in backward for single-gpu-lora+MLP: with "
                 "peft's" in text) is redraw, text
+
+
+def test_a_kernel_the_model_has_no_path_for_is_refused_with_why_not_what_is_short(cli, tmp_path):
+    """Gemma 2 under attn_implementation=sdpa, which its transformers class refuses at load (a traceback in the
+    run's process before): plan marks the row refused, not short of memory on any rung, and says why in one line;
+    run refuses it before anything is written. auto plans a kernel it has."""
+    from unit.planning.test_attention import windowed_model
+
+    folder = windowed_model(tmp_path, "gemma2", head_dim=32, sliding_window=256)
+    named = cli("plan", "--model", folder, "--gpu", "H100", "--recipe", "single-gpu-lora", "attn_implementation=sdpa")
+    row = next(line for line in named.stdout.splitlines() if line.startswith("single-gpu-lora"))
+    assert row.split()[0] == "single-gpu-lora" and " refused " in row  # the recipe as written: no rung helps
+    why = "transformers has no sdpa path for gemma2 (its class refuses it at load): use attn_implementation="
+    assert named.returncode == 2 and f"nothing can run: single-gpu-lora: attention: {why}" in named.stderr
+    run = cli("run", "sft", "--recipe", "single-gpu-lora", "--model", folder, "--output-dir", str(tmp_path / "r"),
+              "attn_implementation=sdpa")
+    assert run.returncode == 2 and why in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "r").exists()
+    auto = cli("plan", "--model", folder, "--gpu", "H100", "--recipe", "single-gpu-lora")
+    assert auto.returncode == 0 and "attention: flex_attention" in auto.stdout, auto.stdout[-800:]

@@ -92,7 +92,7 @@ def test_a_long_run_on_a_kernel_that_keeps_s_by_s_tensors_is_refused_naming_the_
     gpu = Machine(gpus=1, gpu_memory=80 * 10**9, bf16=True, cores=16, host_memory=512 * 2**30)
     words = ["per_device_train_batch_size=1", "max_seq_length=262144", "attn_implementation=sdpa"]
     note = (r"attention: sdpa keeps 128\.0 GiB per layer in its \[262144 x 262144\] dense mask \(packed or padded "
-            r"rows\): at this length use attn_implementation=flash_attention_2 .* or flex_attention")
+            r"rows, or past a sliding window\): at this length use attn_implementation=flash_attention_2 .* or flex_attention")
     assert any(re.match(note, n) for n in estimate(load_recipe("single-gpu-lora", words), structure(LLAMA_8B),
                                                    Topology(1)).notes)
     with pytest.raises(RecipeError, match=r"with query chunks it would .* add .*packing=false query_chunks=true"):

@@ -122,3 +122,69 @@ def test_a_hub_models_config_downloaded_before_is_read_without_the_network(tmp_p
     with pytest.raises(RecipeError, match="cannot read config.json of org/other: not a local folder"):
         read_config("org/other")
     assert asked == ["org/other"]
+
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "num_hidden_layers": 6, "vocab_size": 64, "max_position_embeddings": 64, "pad_token_id": 0}
+WINDOWED = [  # config.json as a user's may hold it: no layer_types, each family's pattern from its config class
+    {"model_type": "mistral", "sliding_window": 8}, {"model_type": "mistral", "sliding_window": None},
+    {"model_type": "gemma2", "sliding_window": 8, "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    {"model_type": "gemma3_text", "sliding_window": 8, "sliding_window_pattern": 3},
+    {"model_type": "gemma3_text", "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"] * 3},
+    {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+    {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 8, "max_window_layers": 2},
+    {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 4},
+    {"model_type": "smollm3", "use_sliding_window": True, "sliding_window": 8, "no_rope_layer_interval": 2},
+    {"model_type": "phi3", "sliding_window": 8}, {"model_type": "llama"},
+    {"model_type": "mixtral", "sliding_window": 8, "num_local_experts": 2, "num_experts_per_tok": 1}]  # (meta device)
+
+
+@pytest.mark.parametrize("config", WINDOWED, ids=lambda c: f"{c['model_type']}-{c.get('sliding_window')}")
+def test_each_layers_sliding_window_is_the_mask_transformers_gives_it(config):
+    """Sliding-window attention (Mistral, Gemma 2 and 3, the Qwens and SmolLM3 under use_sliding_window, Phi-3,
+    Mixtral): the planner reads which layers attend through a window, and how wide, from config.json without
+    transformers (architecture.layer_windows; the meta device for Mixtral). Held to the masks transformers' own
+    layers get in a row of 16 tokens past an 8-token window, under sdpa (None, its causal shortcut, where the plan
+    says full attention) or eager where the model has no sdpa path (Gemma 2): causal, or each query's own key and
+    the 7 before it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memrecipe.planning.architecture import layer_windows
+
+    raw = TINY | config
+    torch.manual_seed(0)
+    built = AutoConfig.for_model(**raw)
+    kernel = "sdpa" if AutoModelForCausalLM._model_mapping[type(built)]._supports_sdpa else "eager"
+    model = AutoModelForCausalLM.from_config(built, attn_implementation=kernel).eval()
+    masks = {}
+    for index, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda _, args, kwargs, i=index: masks.__setitem__(i, kwargs["attention_mask"]),
+                                        with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=torch.arange(1, 17)[None])
+    rows, keys = torch.arange(16)[:, None], torch.arange(16)[None]
+    seen = []
+    for index in range(raw["num_hidden_layers"]):
+        mask = masks[index]
+        visible = keys <= rows if mask is None else mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+        window = int(visible[-1].sum())  # the last query's keys
+        assert torch.equal(visible, (keys <= rows) & (keys > rows - window)), index
+        seen.append(0 if window == 16 else window)
+    assert layer_windows(raw) == tuple(seen)
+    s = structure(raw)
+    assert sorted((g.window, g.layers) for g in s.groups()) == sorted((w, seen.count(w)) for w in set(seen))
+    assert s.params == structure(raw | {"sliding_window": None, "use_sliding_window": False}).params
+
+
+@pytest.mark.parametrize("kind", sorted(__import__("memrecipe.planning.architecture", fromlist=["LLAMA_LIKE"]).LLAMA_LIKE
+                                        | {"phi3", "gpt2", "gpt_neox"}))
+def test_the_kernels_a_family_read_by_hand_has_are_its_classes(kind):
+    """architecture.NO_SDPA and NO_FLEX (no torch in `plan`) against transformers' classes: the kernels auto may take
+    and a named one is refused without (attention.unsupported_note)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(kind))]
+    s = structure(AutoConfig.for_model(kind, **SMALL).to_dict() if kind not in ("gpt2",) else
+                  {"model_type": "gpt2", "n_embd": 64, "n_head": 2, "n_layer": 2, "vocab_size": 100, "n_positions": 64})
+    assert (s.sdpa, s.flex) == (model_class._supports_sdpa, model_class._supports_flex_attn)

@@ -3,6 +3,7 @@ mask, or sdpa), the run says which, and the planner plans what it picks."""
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,12 @@ from unit.training.test_packing import documents, packed_batch, segments
     (dict(cuda=True, half=True, packing=False, flash=False, flex=True), "sdpa"),  # causal sdpa, or a padding mask
     (dict(cuda=True, half=True, packing=True, flash=False, flex=False), "sdpa"),  # no Triton, or attention dropout
     (dict(cuda=False, half=True, packing=True, flash=True, flex=True), "sdpa"),  # CPU: no flex backward
+    (dict(cuda=True, half=True, packing=False, flash=False, flex=True, windowed=True), "flex_attention"),  # no mask
+    (dict(cuda=True, half=True, packing=False, flash=True, flex=True, windowed=True), "flash_attention_2"),
+    (dict(cuda=True, half=True, packing=False, flash=False, flex=False, windowed=True), "sdpa"),
+    (dict(cuda=True, half=True, packing=False, flash=False, flex=True, sdpa=False), "flex_attention"),  # Gemma 2
+    (dict(cuda=True, half=True, packing=False, flash=False, flex=False, sdpa=False), "eager"),
+    (dict(cuda=False, half=True, packing=False, flash=False, flex=False, sdpa=False), "eager"),
 ])
 def test_auto_picks_the_fastest_kernel_that_can_run(facts, picked):
     assert pick_attention("auto", **facts).name == picked
@@ -271,3 +278,63 @@ def test_the_loop_refuses_a_kernel_past_its_offsets_and_auto_takes_flex(monkeypa
     assert attention(chunked, embedded_model(), "bf16", torch.device("cuda")).name == "sdpa"
     assert attention(load_recipe("single-gpu-lora", words[:1]), embedded_model(), "bf16", torch.device("cuda")).name == \
         "flash_attention_2"
+
+
+def windowed_model(tmp_path, kind: str = "mistral", **config) -> str:
+    """The embedded Llama as another family (Mistral's sliding window of 256 keys, or Gemma 2), its tokenizer
+    beside it: a model folder the loop and the planner read."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    embedded = Path(embedded_model())
+    base = json.loads((embedded / "config.json").read_text())
+    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    folder = tmp_path / kind
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{k: base[k] for k in keep if k in base}, **config)
+                                     ).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(embedded / name, folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("flash, triton, length, picked", [
+    (False, True, 512, "flex_attention"), (False, True, 128, "sdpa"), (True, True, 512, "flash_attention_2"),
+    (False, False, 512, "sdpa")])
+def test_past_a_sliding_window_auto_takes_a_kernel_without_a_dense_mask(monkeypatch, tmp_path, flash, triton, length,
+                                                                         picked):
+    """A Mistral with a 256-key window: past it transformers gives sdpa a dense [S x S] mask in every layer
+    (planning.attention.dense_mask), so on a GPU auto takes flex_attention (the window folded into its BlockMask)
+    where flash-attn is not installed; below the window sdpa runs causal, as for any model. The planner, planning
+    the worst of a GPU box with flash-attn installed or not, plans no dense mask past the window either."""
+    folder = windowed_model(tmp_path, sliding_window=256)
+    cuda_facts(monkeypatch, flash, triton)
+    recipe = load_recipe("single-gpu-lora", [f"max_seq_length={length}", "packing=false", "per_device_train_batch_size=1"])
+    assert attention(recipe, folder, "bf16", torch.device("cuda")).name == picked
+    if length > 256:
+        assert estimate(recipe, structure(read_config(folder)), Topology(1)).attention in ("flex_attention",
+                                                                                            "flash_attention_2")
+
+
+def test_a_kernel_the_models_class_has_no_path_for_is_refused_in_one_line_and_auto_avoids_it(monkeypatch, tmp_path):
+    """Gemma 2's transformers class has no sdpa path (it soft-caps its scores): auto takes eager on CPU and
+    flex_attention on a GPU without flash-attn, in the loop and the plan alike, and a recipe naming sdpa is refused
+    at plan and at load in one line naming the kernels it has (it was transformers' ValueError, a traceback, at
+    load). GPT-2's class has no flex_attention path."""
+    folder = windowed_model(tmp_path, "gemma2", head_dim=32, sliding_window=256)
+    s = structure(read_config(folder))
+    auto = load_recipe("single-gpu-lora", ["max_seq_length=512", "per_device_train_batch_size=1"])
+    assert attention(auto, folder, "bf16", torch.device("cpu")).name == "eager"
+    assert estimate(auto, s, Topology(1, cpu=True)).attention == "eager"
+    named = load_recipe("single-gpu-lora", ["attn_implementation=sdpa"])
+    with pytest.raises(RecipeError, match="transformers has no sdpa path for gemma2.*attn_implementation="
+                                          "flash_attention_2 or flex_attention or eager"):
+        attention(named, folder, "bf16", torch.device("cpu"))
+    assert "no sdpa path for gemma2" in estimate(named, s, Topology(1)).refused
+    cuda_facts(monkeypatch, False, True)
+    assert attention(auto, folder, "bf16", torch.device("cuda")).name == "flex_attention"
+    assert estimate(auto, s, Topology(1)).attention == "flex_attention"
+    gpt2 = structure({"model_type": "gpt2", "n_embd": 64, "n_head": 2, "n_layer": 2, "vocab_size": 100, "n_positions": 64})
+    flex = load_recipe("single-gpu-lora", ["attn_implementation=flex_attention", "lora.target_modules=[c_attn]"])
+    assert "no flex_attention path for gpt2" in estimate(flex, gpt2, Topology(1)).refused

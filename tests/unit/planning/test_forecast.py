@@ -95,6 +95,30 @@ def test_cpu_attention_is_its_kernels_blocks_and_a_packed_rows_mask_computes_eve
     assert expected > 2 * fc.attention_flops(whole, s, 256) * 256 / cpu.attention["sdpa"]  # more than half's FLOPs
 
 
+def test_a_sliding_window_computes_its_band_or_under_sdpas_mask_the_whole_square():
+    """A sliding-window layer (Mistral's, Gemma's) past its window: flash-attn and flex_attention compute the band
+    (window_share, each query its window of keys: the count of visible scores), sdpa under the dense mask every
+    score; a layer below its window, or without one, causal. Each group of layers at its own."""
+    assert fc.window_share(2048, 0) == fc.window_share(2048, 4096) == 0.5
+    for seq, window in ((8192, 4096), (32768, 4096), (4096, 1024)):
+        visible = sum(min(i + 1, window) for i in range(seq))
+        assert fc.window_share(seq, window) == pytest.approx(visible / seq**2, rel=1e-3)
+    whole = load_recipe("single-gpu-lora", ["attn_implementation=sdpa", "packing=false"])
+    gpu, llama = fc.REFERENCE, structure(LLAMA_8B)
+    mistral = structure(LLAMA_8B | {"model_type": "mistral", "sliding_window": 4096})
+    gemma = structure(LLAMA_8B | {"model_type": "gemma3_text", "sliding_window": 4096, "head_dim": 128})
+    assert [(g.layers, g.window) for g in gemma.groups()] == [(27, 4096), (5, 0)]
+    causal = {k: fc.attention_seconds(whole, llama, 32768, 1, k, gpu) for k in ("sdpa", "flex_attention")}
+    assert fc.attention_seconds(whole, mistral, 32768, 1, "sdpa", gpu) == pytest.approx(2 * causal["sdpa"])
+    assert fc.attention_seconds(whole, mistral, 2048, 1, "sdpa", gpu) == pytest.approx(
+        fc.attention_seconds(whole, llama, 2048, 1, "sdpa", gpu))  # (below the window: causal)
+    band = fc.window_share(32768, 4096) / 0.5
+    assert fc.attention_seconds(whole, mistral, 32768, 1, "flex_attention", gpu) == pytest.approx(
+        band * causal["flex_attention"])
+    assert fc.attention_seconds(whole, gemma, 32768, 1, "flex_attention", gpu) == pytest.approx(
+        (27 * band + 5) / 32 * causal["flex_attention"])
+
+
 def test_a_cpu_pays_each_checkpointed_layers_recompute_beyond_its_pass():
     """torch.utils.checkpoint's own work (its hooks, autocast's casts of the weights again) in the recompute costs a
     CPU more than a pass of the layer's ops: measured apart (benchmarks/forecast.py --cpu), counted a layer."""
