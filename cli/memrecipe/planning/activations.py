@@ -515,9 +515,11 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     rope = T * 2 * d * (4 if mode in ("fp32", "mixed", "qlora") else 2)
     norm = final_norm_bytes(recipe, mode, T, h)
     head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
-    # input ids, rotary cos/sin, flex's BlockMask, sdpa's boolean mask (kept by the checkpoints)
-    small = T * 8 + rope + block_mask_bytes(attention, b, seq) + kept_mask_bytes(
-        attention, recipe.packing, b, seq, recipe.checkpoints, tuple(g.window for g in s.groups()))
+    # input ids, rotary cos/sin, flex's BlockMask and sdpa's boolean mask (kept by the checkpoints): one a kind of
+    # layer (full attention, a sliding window), as transformers builds them (each model's causal_mask_mapping)
+    kinds = tuple(g.window for g in s.groups())
+    small = T * 8 + rope + block_mask_bytes(attention, b, seq) * len(set(kinds)) + kept_mask_bytes(
+        attention, recipe.packing, b, seq, recipe.checkpoints, kinds)
     saved_logits, logits, head_copy = loss_bytes(recipe, s, mode, b, T, head_copy)
     waiting, embedding_end = embedding_gradient_bytes(recipe, s, mode)
     final_norm = norm_backward_bytes(recipe, s, residual, T)

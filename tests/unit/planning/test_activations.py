@@ -585,18 +585,29 @@ def test_the_fused_dropout_stand_in_allocates_what_cudas_kernel_does():
 
 def test_flex_attentions_block_mask_is_what_torch_builds():
     """The BlockMask every layer's flex_attention reads to the end of backward: torch's create_block_mask's
-    tensors (CPU builds the same), against the plan's count, at lengths on and off its 128-token blocks."""
+    tensors (CPU builds the same), against the plan's count, at lengths on and off its 128-token blocks, causal or
+    through a sliding window (its tensors as large). A model with both kinds of layer (Gemma 3) holds one of each:
+    the plan counts two."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    from memrecipe.planning.activations import activation_bytes, activation_mode
     from memrecipe.planning.attention import block_mask_bytes
 
     for length in (8192, 8000):
-        mask = create_block_mask(lambda b, h, q, k: q >= k, 1, None, length, length, device="cpu", _compile=False)
-        held = sum(getattr(mask, name).nbytes for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
-                                                            "full_kv_indices", "q_num_blocks", "q_indices",
-                                                            "full_q_num_blocks", "full_q_indices"))
-        assert block_mask_bytes("flex_attention", 1, length) == held
+        for visible in (lambda b, h, q, k: q >= k, lambda b, h, q, k: (q >= k) & (q - k < 1024)):
+            mask = create_block_mask(visible, 1, None, length, length, device="cpu", _compile=False)
+            held = sum(getattr(mask, name).nbytes for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                                                                "full_kv_indices", "q_num_blocks", "q_indices",
+                                                                "full_q_num_blocks", "full_q_indices"))
+            assert block_mask_bytes("flex_attention", 1, length) == held
     assert block_mask_bytes("sdpa", 1, 8192) == 0
+    r = load_recipe("single-gpu-lora", ["attn_implementation=flex_attention", "max_seq_length=8192"])
+    gemma = {"model_type": "gemma3_text", "head_dim": 128}
+    full, both = (structure(LLAMA_8B | gemma | windows) for windows in ({"sliding_window": None}, {}))
+    assert [g.window for g in full.groups()] == [0] and [g.window for g in both.groups()] == [4096, 0]
+    full, both = (activation_bytes(r, s, activation_mode(r, 2), 1, 8192, "flex_attention", cuda=True)["forward_saved"]
+                  for s in (full, both))
+    assert both - full == block_mask_bytes("flex_attention", 1, 8192)
 
 
 @pytest.fixture(scope="module")
