@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .architecture import NORM_AFTER_MLP, SANDWICH_NORMED, Structure, lora_tensors_on_meta
 from .attention import (block_mask_bytes, chunked, kept_mask_bytes, offset_limit, offsets_note, pick_attention,
-                        square_bytes, unsupported_note)
+                        dropped_window_note, square_bytes, unsupported_note)
 from .hardware import usable_cores
 from .recipe import Recipe
 
@@ -606,8 +606,9 @@ def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: i
         act = activation_bytes(recipe, s, mode, batch, seq, attention, cuda=not cpu, sp=sp)
     calls = max(chunked(recipe.query_chunks, attention, recipe.packing, batch, seq, g.window) or tokens
                 for g in s.groups())  # (a call's queries)
-    wraps = unsupported_note(attention, s.sdpa, s.flex, s.model_type) or (
-        None if cpu else offsets_note(attention, calls, heads, s.head_dim))
+    wraps = (unsupported_note(attention, s.sdpa, s.flex, s.model_type)
+             or dropped_window_note(attention, sp, s.masked_windows(seq), s.model_type)
+             or (None if cpu else offsets_note(attention, calls, heads, s.head_dim)))
     if wraps:  # refused: not a matter of bytes
         notes.append(wraps)
     return attention, act, wraps

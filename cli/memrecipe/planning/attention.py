@@ -127,6 +127,18 @@ def unsupported_note(name: str, sdpa: bool, flex: bool, model_type: str) -> str 
             f"attn_implementation={kernels.replace(', ', ' or ')}")
 
 
+def dropped_window_note(name: str, sp: int, windows: tuple[int, ...], model_type: str) -> str | None:
+    """One line when Ulysses would run a sliding-window layer as full causal attention (`windows`: those the rows
+    reach, Structure.masked_windows): DeepSpeed's UlyssesSPAttentionHF drops every tensor mask (uattn_wrapper), and
+    transformers' sdpa_attention_forward reads the window only from the mask, while flash-attn's takes it from the
+    layer (its sliding_window argument, which the wrapper passes on). A wrong result, not an error: refused."""
+    if sp == 1 or name != "sdpa" or not windows:
+        return None
+    return (f"attention: Ulysses drops the attention mask, and under sdpa {model_type}'s sliding-window layers would "
+            f"attend to every key before them, not the last {min(windows):,}: use attn_implementation="
+            f"flash_attention_2 (CUDA: it takes the window from the layer), or max_seq_length below {min(windows):,}")
+
+
 def dense_mask(name: str, packing: bool, micro_batch: int, seq: int = 0, window: int = 0) -> bool:
     """Whether sdpa gets a dense mask: packed rows, padded rows (more than one per micro batch, padded to the
     longest), or rows of `seq` tokens reaching a layer's sliding `window`. Without one it runs causal with K/V heads

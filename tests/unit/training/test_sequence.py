@@ -155,3 +155,38 @@ def test_the_generated_config_reaches_accelerates_parallelism_config(tmp_path):
 
     (json_name,) = [name for name in files if name.endswith(".json")]
     assert DeepSpeedConfig(str(tmp_path / json_name)).zero_optimization_stage == 3
+
+
+def test_ulysses_under_sdpa_is_refused_where_it_would_drop_a_sliding_window():
+    """DeepSpeed's Ulysses wrapper drops the attention mask, and transformers' sdpa reads a sliding window only from
+    it: past its window a Mistral's layers would attend to every key before them, silently another model. The loop
+    refuses that in one line (a copied script; the plan refuses it before launch), not below the window, nor under
+    flash-attn, which takes the window from the layer."""
+    from transformers import MistralConfig
+
+    from memrecipe.planning.architecture import structure
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.planning.topology import Topology
+    from memrecipe.training.sequence import check_sequence_parallel
+    from model_configs import LLAMA_8B
+
+    group = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=2, sp_backend="deepspeed"), num_processes=2,
+                            distributed_type=SimpleNamespace(value="DEEPSPEED"))
+    config = MistralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           num_hidden_layers=2, vocab_size=100, sliding_window=128)
+    config._attn_implementation = "sdpa"
+    long, short = (load_recipe("zero3-ulysses", [f"max_seq_length={n}"]) for n in (2048, 64))
+    with pytest.raises(RecipeError, match=r"Ulysses drops the attention mask, and under sdpa mistral's sliding-window "
+                                          r"layers would attend to every key before them, not the last 128: use "
+                                          r"attn_implementation=flash_attention_2"):
+        check_sequence_parallel(group, long, config)
+    assert check_sequence_parallel(group, short, config) == 2
+    config._attn_implementation = "flash_attention_2"
+    assert check_sequence_parallel(group, long, config) == 2
+    mistral = structure(LLAMA_8B | {"model_type": "mistral", "sliding_window": 4096})
+    words = ["model_name_or_path=org/model", "per_device_train_batch_size=1"]
+    for kernel, seq, refused in (("sdpa", 32768, True), ("sdpa", 2048, False), ("flash_attention_2", 32768, False)):
+        e = estimate(load_recipe("zero3-ulysses", [*words, f"attn_implementation={kernel}"]), mistral, Topology(8),
+                     seq_length=seq)
+        assert bool(e.refused and "not the last 4,096" in e.refused) == refused, (kernel, seq, e.refused)
