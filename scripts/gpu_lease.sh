@@ -7,6 +7,8 @@
 #     ROWS=long-8b LONG8B_STEPS=1 bash scripts/gpu_lease.sh   # one step a long-8b row (a row at ~770K takes minutes)
 #     ROWS="single-gpu-lora,adamw-8bit,long" ARGS="--exact --no-resume --long-tokens 16384,65536" bash scripts/gpu_lease.sh
 #                                                  # speed rows: each plain row with its peers and profile, no resume
+#     MASKROWS=32768,73728 ROWS=... bash scripts/gpu_lease.sh   # first, sdpa under a mask at these lengths
+#                                                  # (benchmarks/mask_rows.py: seconds; mask_rows.txt in $OUT)
 #
 # Installs the wheels into /tmp/site (memrecipe itself from this working tree, over its wheel's: a lease never runs
 # an older build), runs benchmarks/gpu_acceptance.py on ROWS (its --recipes) until BUDGET seconds
@@ -26,6 +28,9 @@ export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 { echo "install: $(( $(date +%s) - START )) s"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nproc; python -c "import torch, transformers, accelerate, peft, datasets; print(torch.__version__, torch.version.cuda,
 transformers.__version__, accelerate.__version__, peft.__version__, datasets.__version__)"; } > "$OUT/env.txt" 2>&1
+if [ -n "${MASKROWS:-}" ]; then  # does masked sdpa read the mask's right rows past 2^32 / S (seconds)
+  timeout 120 python benchmarks/mask_rows.py --tokens "$MASKROWS" --out "$OUT/mask_rows.json" > "$OUT/mask_rows.txt" 2>&1
+fi
 
 python benchmarks/gpu_acceptance.py --steps 6 --out "$RUNS" --recipes "$ROWS" ${LONG8B:+--long-8b-tokens "$LONG8B"} ${LONG8B_STEPS:+--long-8b-steps "$LONG8B_STEPS"} ${ARGS:-} \
   > "$OUT/acceptance.log" 2>&1 &
