@@ -331,7 +331,9 @@ def echo_table(rows, gpu, host, topo, global_batch, shapes, gpu_name=None):
                    + ", ".join(f"{name} {b / GiB:.1f}" for name, b in nccl.items()))
     click.echo("GiB per process (HOST: per machine); TOTAL counts ACTIV and LOGITS at their joint peak (with "
                "checkpointing the loss and a layer's recompute come one after the other); FITS: spare GiB on the "
-               "tightest of GPU and host; BATCH: micro batch x tokens per sequence, per process")
+               "tightest of GPU and host" + ("; refused: it cannot run whatever the memory (the attention: line "
+                                              "says why)" if any(v.estimate.refused for _, v, _ in rows) else "")
+               + "; BATCH: micro batch x tokens per sequence, per process")
     on = rows[0][1].estimate.forecast_on if rows else ""
     click.echo(f"S/STEP, TOK/S: the step time forecast on {on}" + (" (--gpu NAME forecasts on yours)" if
                on == REFERENCE.name and gpu_name is None else "") + ", all processes' tokens a second "
