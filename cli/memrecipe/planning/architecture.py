@@ -275,7 +275,7 @@ def layer_windows(c: dict) -> tuple[int, ...]:
                    "smollm3": lambda i: not (c.get("no_rope_layers") or [
                        int((j + 1) % c.get("no_rope_layer_interval", 4) != 0) for j in range(n)])[i]}.get(kind)
         types = ["sliding_attention" if sliding is None or sliding(i) else "full_attention" for i in range(n)]
-    return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    return tuple(window if layer == "sliding_attention" else 0 for layer in types)
 
 
 def windowed(s: Structure, windows: tuple[int, ...]) -> Structure:

@@ -84,9 +84,9 @@ def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, fla
     Structure.masked_windows), where sdpa would take a dense mask, else sdpa; flex_attention past the 32-bit offsets
     of flash's and sdpa's backward (`past_offsets`: offset_limit); flex_attention on CUDA, else eager, for a model
     whose transformers class has no sdpa path (`sdpa`: Gemma 2). Any other choice is taken as asked (unsupported_note
-    refuses one the model has no path for). `flash_error`: why an installed flash-attn does not import. Under sequence parallelism `auto` is sdpa: the launch
-    config names the kernel Ulysses wraps (configs.sp_attention) before any machine is seen; under ring attention
-    too: torch's context_parallel replaces SDPA's kernels only."""
+    refuses one the model has no path for). `flash_error`: why an installed flash-attn does not import. Under
+    sequence parallelism `auto` is sdpa: the launch config names the kernel Ulysses wraps (configs.sp_attention)
+    before any machine is seen; under ring attention too: torch's context_parallel replaces SDPA's kernels only."""
     if requested != "auto":
         return Attention(requested, "as the recipe asks")
     if ring:
@@ -119,7 +119,7 @@ def pick_attention(requested: str, *, cuda: bool, half: bool, packing: bool, fla
 def unsupported_note(name: str, sdpa: bool, flex: bool, model_type: str) -> str | None:
     """One line when the kernel a run takes is one this model's transformers class has no path for (its
     _supports_sdpa, _supports_flex_attn: Gemma 2 has no sdpa path, GPT-2 no flex one), naming those it has."""
-    if not (name == "sdpa" and not sdpa or name == "flex_attention" and not flex):
+    if name not in ("sdpa", "flex_attention") or {"sdpa": sdpa, "flex_attention": flex}[name]:
         return None
     kernels = ", ".join(k for k, ok in (("flash_attention_2", True), ("flex_attention", flex), ("sdpa", sdpa),
                                         ("eager", True)) if ok)
