@@ -590,7 +590,8 @@ def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: i
     if attention is None:
         picks = {picked.name: picked for picked in (
             pick_attention(recipe.attn_implementation, cuda=not cpu, half=half, packing=recipe.packing,
-                           flash=flash, flex=s.flex, sequence_parallel=sp > 1, ring=recipe.context_parallel > 1,
+                           flash=flash, flex=s.flex and not s.attention_dropout, sequence_parallel=sp > 1,
+                           ring=recipe.context_parallel > 1,
                            past_offsets=tokens > offset_limit(heads, s.head_dim), windowed=bool(s.masked_windows(seq)),
                            sdpa=s.sdpa)
             for flash in (True, False))}  # (a GPU box with flash-attn installed, and one without)
@@ -604,10 +605,12 @@ def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: i
         act = kernels[attention]
     else:
         act = activation_bytes(recipe, s, mode, batch, seq, attention, cuda=not cpu, sp=sp)
-    calls = max(chunked(recipe.query_chunks, attention, recipe.packing, batch, seq, g.window) or tokens
-                for g in s.groups())  # (a call's queries)
+    chunks = [chunked(recipe.query_chunks, attention, recipe.packing, batch, seq, g.window) for g in s.groups()]
+    calls = max(chunk or tokens for chunk in chunks)  # (a call's queries)
     wraps = (unsupported_note(attention, s.sdpa, s.flex, s.model_type)
              or dropped_window_note(attention, sp, s.masked_windows(seq), s.model_type)
+             or (f"query_chunks runs attention without dropout; this model's attention_dropout is "
+                 f"{s.attention_dropout}: set query_chunks=false" if any(chunks) and s.attention_dropout else None)
              or (None if cpu else offsets_note(attention, calls, heads, s.head_dim)))
     if wraps:  # refused: not a matter of bytes
         notes.append(wraps)

@@ -106,6 +106,7 @@ class Structure:
     # the attention kernels transformers' class for this model runs (flash-attn's is taken where it is installed)
     sdpa: bool = True
     flex: bool = True
+    attention_dropout: float = 0.0  # (transformers' flex path and the query chunks refuse it)
 
     def groups(self) -> tuple[Structure, ...]:
         """The decoder layers in groups of identical ones; read each group's per-layer fields (linears, norms,
@@ -251,7 +252,8 @@ def _structure(config: dict) -> Structure:
     readers = {"phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox} | dict.fromkeys(LLAMA_LIKE, _llama_like)
     if kind not in readers:
         return _from_meta_device(config)
-    s = replace(readers[kind](config), sdpa=kind not in NO_SDPA, flex=kind not in NO_FLEX)
+    s = replace(readers[kind](config), sdpa=kind not in NO_SDPA, flex=kind not in NO_FLEX,
+                attention_dropout=float(config.get("attention_dropout") or 0))
     return windowed(s, layer_windows(config))
 
 

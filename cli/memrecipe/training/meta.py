@@ -74,7 +74,8 @@ def structure_from_meta(c: dict) -> Structure:
         dense = sum(g.layers for g in groups if not g.experts)
         notes.append(f"mixture of experts: {main.experts} experts per layer in fused tensors, {main.top_k} per token"
                      + (f"; {dense} of its {len(blocks)} layers are dense" if dense else ""))
-    kernels = {"sdpa": getattr(model, "_supports_sdpa", True), "flex": getattr(model, "_supports_flex_attn", True)}
+    kernels = {"sdpa": getattr(model, "_supports_sdpa", True), "flex": getattr(model, "_supports_flex_attn", True),
+               "attention_dropout": float(getattr(config, "attention_dropout", 0) or 0)}
     groups = [replace(g, **kernels) for g in groups]
     main = replace(main, **kernels)
     return replace(main, layers=len(blocks), top_params=top, notes=tuple(notes), largest=largest,

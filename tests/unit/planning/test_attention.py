@@ -338,3 +338,22 @@ def test_a_kernel_the_models_class_has_no_path_for_is_refused_in_one_line_and_au
     gpt2 = structure({"model_type": "gpt2", "n_embd": 64, "n_head": 2, "n_layer": 2, "vocab_size": 100, "n_positions": 64})
     flex = load_recipe("single-gpu-lora", ["attn_implementation=flex_attention", "lora.target_modules=[c_attn]"])
     assert "no flex_attention path for gpt2" in estimate(flex, gpt2, Topology(1)).refused
+
+
+def test_a_model_with_attention_dropout_is_planned_without_flex_and_refused_query_chunks():
+    """transformers' flex path and the query chunks run no attention dropout: the loop's auto does not take flex for
+    such a model (training.loading.attention), so the plan does not either (packed rows on a GPU without flash-attn:
+    sdpa under the mask), and the query chunks rung is refused before launch as at load."""
+    from model_configs import LLAMA_8B
+
+    dropped = structure(LLAMA_8B | {"attention_dropout": 0.1})
+    assert dropped.attention_dropout == 0.1 and structure(LLAMA_8B).attention_dropout == 0
+    packed = load_recipe("single-gpu-lora", ["packing=true", "max_seq_length=8192"])
+    assert estimate(packed, structure(LLAMA_8B), Topology(1)).attention in ("flex_attention", "flash_attention_2")
+    e = estimate(packed, dropped, Topology(1))
+    assert e.attention == "sdpa" and "flex_attention" not in " ".join(e.notes)
+    chunks = load_recipe("single-gpu-lora", ["attn_implementation=sdpa", "packing=false", "query_chunks=4096",
+                                             "max_seq_length=32768", "per_device_train_batch_size=1"])
+    assert "query_chunks runs attention without dropout; this model's attention_dropout is 0.1" in \
+        estimate(chunks, dropped, Topology(1)).refused
+    assert estimate(chunks, structure(LLAMA_8B), Topology(1)).refused is None
