@@ -317,8 +317,10 @@ class Recipe:
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = spec(
         "auto", shown='`auto`',
         help=("`auto` (flash-attn's varlen kernel where installed on CUDA with 16-bit compute; else `flex_attention` "
-              'for packed rows on CUDA; else `sdpa`: see docs/loop.md), `sdpa`, `eager`, `flash_attention_2`, '
-              '`flex_attention` (CUDA only: no backward on CPU)'))
+              "on CUDA for packed rows and rows that reach a sliding window; else `sdpa`; `eager` on CPU for a model "
+              "with no sdpa path, Gemma 2: see docs/memory.md), `sdpa`, `eager`, `flash_attention_2`, "
+              "`flex_attention` (CUDA only: no backward on CPU); a kernel the model's transformers class has no path "
+              "for is refused"))
     # data
     dataset: str | tuple[DataSource, ...] | None = spec(None, shown='null',
         help=('a hub id, a `.jsonl`/`.json`/`.parquet`/`.csv` file or a folder (null: the embedded chat data); or a '
