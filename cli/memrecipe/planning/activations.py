@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .architecture import NORM_AFTER_MLP, SANDWICH_NORMED, Structure, lora_tensors_on_meta
 from .attention import (block_mask_bytes, chunked, kept_mask_bytes, offset_limit, offsets_note, pick_attention,
-                        dropped_window_note, square_bytes, unsupported_note)
+                        chunks_dropout_note, dropped_window_note, square_bytes, unsupported_note)
 from .hardware import usable_cores
 from .recipe import Recipe
 
@@ -609,8 +609,7 @@ def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: i
     calls = max(chunk or tokens for chunk in chunks)  # (a call's queries)
     wraps = (unsupported_note(attention, s.sdpa, s.flex, s.model_type)
              or dropped_window_note(attention, sp, s.masked_windows(seq), s.model_type)
-             or (f"query_chunks runs attention without dropout; this model's attention_dropout is "
-                 f"{s.attention_dropout}: set query_chunks=false" if any(chunks) and s.attention_dropout else None)
+             or (chunks_dropout_note(s.attention_dropout) if any(chunks) and s.attention_dropout else None)
              or (None if cpu else offsets_note(attention, calls, heads, s.head_dim)))
     if wraps:  # refused: not a matter of bytes
         notes.append(wraps)

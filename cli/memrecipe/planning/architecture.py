@@ -114,9 +114,8 @@ class Structure:
         return self.blocks or (self,)
 
     def masked_windows(self, seq: int) -> tuple[int, ...]:
-        """The sliding windows of the groups whose rows of `seq` tokens reach past them: under sdpa those layers
-        get a dense [S x S] mask (masking_utils._ignore_causal_mask_sdpa keeps it from kv_length >= window)."""
-        return tuple(sorted({g.window for g in self.groups() if 0 < g.window <= seq}))
+        """The sliding windows of the groups whose rows of `seq` tokens reach past them (reached_windows)."""
+        return reached_windows((g.window for g in self.groups()), seq)
 
     @property
     def lean_norms_apply(self) -> bool:
@@ -278,6 +277,12 @@ def layer_windows(c: dict) -> tuple[int, ...]:
                        int((j + 1) % c.get("no_rope_layer_interval", 4) != 0) for j in range(n)])[i]}.get(kind)
         types = ["sliding_attention" if sliding is None or sliding(i) else "full_attention" for i in range(n)]
     return tuple(window if layer == "sliding_attention" else 0 for layer in types)
+
+
+def reached_windows(windows, seq: int) -> tuple[int, ...]:
+    """Of these sliding windows (0: full attention), those rows of `seq` tokens reach: under sdpa their layers get a
+    dense [S x S] mask (masking_utils._ignore_causal_mask_sdpa keeps it from kv_length >= window)."""
+    return tuple(sorted({w for w in windows if 0 < w <= seq}))
 
 
 def windowed(s: Structure, windows: tuple[int, ...]) -> Structure:

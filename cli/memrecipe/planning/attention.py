@@ -127,6 +127,12 @@ def unsupported_note(name: str, sdpa: bool, flex: bool, model_type: str) -> str 
             f"attn_implementation={kernels.replace(', ', ' or ')}")
 
 
+def chunks_dropout_note(dropout: float) -> str:
+    """The line refusing query_chunks for a model with attention dropout (the chunks run flash's kernel without it)."""
+    return (f"query_chunks runs attention without dropout; this model's attention_dropout is {dropout}: "
+            "set query_chunks=false")
+
+
 def dropped_window_note(name: str, sp: int, windows: tuple[int, ...], model_type: str) -> str | None:
     """One line when Ulysses would run a sliding-window layer as full causal attention (`windows`: those the rows
     reach, Structure.masked_windows): DeepSpeed's UlyssesSPAttentionHF drops every tensor mask (uattn_wrapper), and

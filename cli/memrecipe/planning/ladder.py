@@ -73,8 +73,9 @@ def climb(recipe: Recipe, s: Structure, topo: Topology, gpu_memory, host_memory)
             return climbed, rung, True
         runs = verdict.estimate.refused is None
         spare = verdict.headroom if verdict.headroom is not None else -verdict.estimate.total
-        if closest is None or (runs, spare if runs else 0) > closest[0]:
-            closest = ((runs, spare if runs else 0), climbed, rung)
+        key = (runs, spare if runs else 0)
+        if closest is None or key > closest[0]:
+            closest = (key, climbed, rung)
     if closest is None:
         return recipe, Rung(rung_of(recipe, topo.num_processes), ()), False
     return closest[1], closest[2], False

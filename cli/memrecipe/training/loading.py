@@ -103,7 +103,7 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import is_flash_attn_2_available
 
-    from ..planning.architecture import layer_windows
+    from ..planning.architecture import layer_windows, reached_windows
     from ..planning.attention import chunked, offset_limit, offsets_note, pick_attention, unsupported_note
 
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=recipe.trust_remote_code)
@@ -127,7 +127,7 @@ def attention(recipe, name_or_path: str, precision: str, device=None):
                             packing=recipe.packing, flash=flash, flex=flex, flash_error=error,
                             sequence_parallel=recipe.sequence_parallel != 1, ring=recipe.context_parallel > 1,
                             past_offsets=tokens > offset_limit(heads, head_dim),
-                            windowed=any(0 < w <= recipe.max_seq_length for w in windows), sdpa=has["sdpa"])
+                            windowed=bool(reached_windows(windows, recipe.max_seq_length)), sdpa=has["sdpa"])
     if unsupported := unsupported_note(picked.name, has["sdpa"], has["flex"], text.model_type):
         raise RecipeError(unsupported)
     calls = max(chunked(recipe.query_chunks, picked.name, recipe.packing, recipe.per_device_train_batch_size,

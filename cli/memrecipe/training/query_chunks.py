@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import RecipeError
-from ..planning.attention import query_chunk_tokens
+from ..planning.attention import chunks_dropout_note, query_chunk_tokens
 
 NAME = "sdpa_query_chunks"  # the model's attn_implementation once applied (no "flash" in it: loss.varlen)
 
@@ -146,8 +146,7 @@ def chunked_attention(module, query, key, value, attention_mask, dropout: float 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if dropout:
-        raise RecipeError(f"query_chunks runs attention without dropout; this model's attention_dropout is {dropout}: "
-                          "set query_chunks=false")
+        raise RecipeError(chunks_dropout_note(dropout))
     if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
         raise RecipeError(f"query_chunks runs torch's flash kernel, in 16 bits on a GPU; this run's attention computes "
                           f"in {str(query.dtype).removeprefix('torch.')}: set mixed_precision=bf16")
@@ -163,8 +162,7 @@ def apply(model, recipe, accelerator) -> int:
 
     config = model.config
     if getattr(config, "attention_dropout", 0.0):
-        raise RecipeError(f"query_chunks runs attention without dropout; this model's attention_dropout is "
-                          f"{config.attention_dropout}: set query_chunks=false")
+        raise RecipeError(chunks_dropout_note(config.attention_dropout))
     device = getattr(accelerator, "device", None)
     if device is not None and device.type == "cuda":  # (flash_api.cpp's checks, said before the first step)
         capability = torch.cuda.get_device_capability(device)

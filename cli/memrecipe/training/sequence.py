@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import RecipeError
-from ..planning.architecture import layer_windows
+from ..planning.architecture import layer_windows, reached_windows
 from ..planning.attention import dropped_window_note
 from ..planning.topology import check_heads
 from .data import IGNORE
@@ -41,7 +41,7 @@ def check_sequence_parallel(accelerator, recipe, config) -> int:
     if sp > 1:
         text = config.get_text_config()
         check_heads(sp, text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-        reached = tuple(w for w in set(layer_windows(text.to_dict())) if 0 < w <= recipe.max_seq_length)
+        reached = reached_windows(layer_windows(text.to_dict()), recipe.max_seq_length)
         if dropped := dropped_window_note(config._attn_implementation, sp, reached, text.model_type):
             raise RecipeError(dropped)
     return sp
