@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from .architecture import NORM_AFTER_MLP, SANDWICH_NORMED, Structure, lora_tensors_on_meta
 from .attention import (block_mask_bytes, chunked, kept_mask_bytes, offset_limit, offsets_note, pick_attention,
-                        chunks_dropout_note, dropped_window_note, square_bytes, unsupported_note)
+                        chunks_dropout_note, dropped_window_note, ring_window_note, square_bytes,
+                        unsupported_note)
 from .hardware import usable_cores
 from .recipe import Recipe
 
@@ -607,7 +608,8 @@ def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: i
         act = activation_bytes(recipe, s, mode, batch, seq, attention, cuda=not cpu, sp=sp)
     chunks = [chunked(recipe.query_chunks, attention, recipe.packing, batch, seq, g.window) for g in s.groups()]
     calls = max(chunk or tokens for chunk in chunks)  # (a call's queries)
-    wraps = (unsupported_note(attention, s.sdpa, s.flex, s.model_type)
+    wraps = (ring_window_note(recipe.context_parallel, tuple(g.window for g in s.groups()), s.model_type)
+             or unsupported_note(attention, s.sdpa, s.flex, s.model_type)
              or dropped_window_note(attention, sp, s.masked_windows(seq), s.model_type)
              or (chunks_dropout_note(s.attention_dropout) if any(chunks) and s.attention_dropout else None)
              or (None if cpu else offsets_note(attention, calls, heads, s.head_dim)))

@@ -145,6 +145,17 @@ def dropped_window_note(name: str, sp: int, windows: tuple[int, ...], model_type
             f"flash_attention_2 (CUDA: it takes the window from the layer), or max_seq_length below {min(windows):,}")
 
 
+def ring_window_note(cp: int, windows: tuple[int, ...], model_type: str) -> str | None:
+    """One line when ring attention meets a model with sliding-window layers (`windows`: every layer's, 0: full):
+    accelerate's context-parallel hooks drop each attention's mask and run it causal, so they refuse such a model at
+    prepare (big_modeling._attach_context_parallel_hooks), whatever the rows' length; refused before launch too."""
+    if cp == 1 or not any(windows):
+        return None
+    return (f"attention: ring attention (parallelism.cp_size) runs every layer full causal, and {model_type} has "
+            f"sliding-window layers (window {min(w for w in windows if w):,}; accelerate refuses them at prepare): use "
+            "zero3-ulysses with attn_implementation=flash_attention_2, or parallelism.cp_size=1")
+
+
 def dense_mask(name: str, packing: bool, micro_batch: int, seq: int = 0, window: int = 0) -> bool:
     """Whether sdpa gets a dense mask: packed rows, padded rows (more than one per micro batch, padded to the
     longest), or rows of `seq` tokens reaching a layer's sliding `window`. Without one it runs causal with K/V heads

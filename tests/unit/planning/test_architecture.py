@@ -177,6 +177,36 @@ def test_each_layers_sliding_window_is_the_mask_transformers_gives_it(config):
     assert s.params == structure(raw | {"sliding_window": None, "use_sliding_window": False}).params
 
 
+@pytest.mark.parametrize("config", WINDOWED, ids=lambda c: f"{c['model_type']}-{c.get('sliding_window')}")
+def test_ring_attention_is_refused_before_launch_for_the_models_accelerate_refuses_at_prepare(config):
+    """accelerate's ring attention (parallelism.cp_size) drops each layer's mask and runs it causal, so it refuses a
+    model with sliding-window layers at prepare, a traceback on the GPU box after the launch
+    (big_modeling._attach_context_parallel_hooks, held here to the models it refuses); the plan refuses the same
+    models in one line before launch (attention.ring_window_note), and no others."""
+    from accelerate import init_empty_weights
+    from accelerate.big_modeling import _attach_context_parallel_hooks
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memrecipe.planning.planner import estimate
+    from memrecipe.planning.registry import load_recipe
+    from memrecipe.planning.topology import Topology
+
+    raw = TINY | config
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))
+    try:
+        _attach_context_parallel_hooks(model)
+        accelerate_refuses = False
+    except ValueError as e:
+        accelerate_refuses = "does not support attention layers" in str(e)
+    words = ["packing=false", "per_device_train_batch_size=1", "max_seq_length=64", "lora.dropout=0"]  # (Mixtral's)
+    ring = load_recipe("fsdp-lora", [*words, "parallelism.cp_size=8"])
+    refused = estimate(ring, structure(raw), Topology(8)).refused or ""
+    assert ("ring attention (parallelism.cp_size) runs every layer full causal" in refused) == accelerate_refuses
+    assert "ring attention" not in (estimate(load_recipe("fsdp-lora", words), structure(raw), Topology(8)).refused
+                                    or "")
+
+
 @pytest.mark.parametrize("kind", sorted(__import__("memrecipe.planning.architecture", fromlist=["LLAMA_LIKE"]).LLAMA_LIKE
                                         | {"phi3", "gpt2", "gpt_neox"}))
 def test_the_kernels_a_family_read_by_hand_has_are_its_classes(kind):
