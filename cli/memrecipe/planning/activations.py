@@ -46,6 +46,7 @@ def compute_bytes(mode: str) -> int:
 
 
 SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # linears that read one tensor
+ATTENTION_INPUT = SIBLINGS[0] | {"qkv_proj", "c_attn", "query_key_value"}  # those reading the first norm's output
 KEEPS_ITS_OUTPUT = ("sdpa", "flash_attention_2", "flex_attention")  # kernels whose saved output o_proj reads
 
 
@@ -68,14 +69,15 @@ def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str
     tests/unit/planning/test_activations.py."""
     kept_dropout = recipe.keeps_dropout
     mask = dropout_bytes(cuda, 2 if half_adapters(recipe, mode) else 4) if kept_dropout else 0
-    shared = mode == "lora" and not kept_dropout
+    element = 4 if mode == "fp32" else 2  # (in fp32 no cast: without dropout the adapters read the input itself)
+    shared = not kept_dropout and mode in ("lora", "fp32")
     kept, read = 0, set[str | frozenset[str]]({"o_proj"} if attention in KEEPS_ITS_OUTPUT else ())
     for lin in linears:
         tensor = next((frozenset(group) for group in SIBLINGS if lin.name in group), lin.name)
         if not (shared and tensor in read):
-            kept += (2 + mask) * lin.in_features
+            kept += (element + mask) * lin.in_features
         read.add(tensor)
-    return kept + 2 * recipe.lora.r * len(linears)
+    return kept + element * recipe.lora.r * len(linears)
 
 
 def tile_count(tiles: bool | int, tokens: int, hidden: int) -> int:
@@ -102,6 +104,8 @@ def mlp_bytes(recipe: Recipe, s: Structure, mode: str, cuda: bool) -> int:
     if s.experts:
         return 0
     intermediates = (4 if s.gated_mlp else 2) * s.intermediate  # gate, activation, up, product (plain: 2)
+    if mode == "fp32" and recipe.lora is not None:
+        return 4 * intermediates - frozen_fp32_bytes(recipe, s, cuda, mlp_only=True)
     if mode in ("fp32", "mixed"):
         return 4 * intermediates
     if mode == "half":
@@ -136,6 +140,8 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
     up_reads = 2 if gated and any(lin.name == "up_proj" for lin in s.linears) else 1
     if mode == "fp32":
         per_token = 4 * (8 * h + 2 * kv + mlp)
+        if recipe.lora is not None:
+            per_token -= frozen_fp32_bytes(recipe, s, cuda)
     elif mode == "mixed":  # fp32 residual and norms; each linear saves its own bf16 cast of its input
         per_token = 4 * h * 4 + 2 * h * (q_reads + up_reads) + 2 * (2 * h + 2 * kv) + 2 * mlp
     else:  # half weights: norms upcast to fp32 (saved), the rest in 16-bit
@@ -157,7 +163,7 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         per_token += s.top_k * (eb * (4 * i + 2 * h) + 32) + 4 * s.experts + 8 * s.top_k
     total = T * per_token
     if recipe.lean_norms:  # each of the two norms keeps its input, not an fp32 copy and (trained) its output
-        total -= T * 2 * lean_norm_saving(mode, h)
+        total -= T * 2 * lean_norm_saving(mode, h, frozen=recipe.lora is not None)
         if recipe.checkpoints:  # the first norm's input is the layer's, which the checkpoint keeps already
             total -= T * residual_bytes(mode) * h
     if recipe.tiled_mlp is not False and not moe:  # the MLP's tensors exist for one tile, in its backward
@@ -182,6 +188,37 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
     return total
 
 
+def frozen_fp32_bytes(recipe: Recipe, s: Structure, cuda: bool, mlp_only: bool = False) -> int:
+    """Per token, what a layer under LoRA in fp32 (`mixed_precision: no`: no autocast, peft's forward as it is) keeps
+    less than the same layer fully fine-tuned, net of its adapters: its two norms keep no normalised input for a
+    frozen weight, nor a frozen linear its input (where no adapter reads that tensor undropped: the attention output
+    o_proj reads is kept by the kernel anyway, the MLP's input by the tiled MLP); each adapter keeps its rank-r
+    output and, with dropout, its dropped copy of its input and dropout's mask or noise (peft's dropout is kept in
+    fp32: Recipe.keeps_dropout). `mlp_only`: the MLP's share (mlp_bytes), its input left out. Measured on CPU
+    (tests/unit/planning/test_activations.py): without it the plan was 0.72x a step's peak with the recipes'
+    dropout and 1.17x without."""
+    lora, h = recipe.lora, s.hidden
+    assert lora is not None
+    linears = [lin for lin in s.linears if not mlp_only or s.intermediate in (lin.in_features, lin.out_features)]
+    targets = [lin for lin in s.lora_linears(lora.target_modules) if lin in linears]
+    adapted = {lin.name for lin in targets}
+    dropped = bool(lora.dropout)
+    saved = 4 * lora.r * len(targets)
+    if dropped:
+        saved += sum(lin.in_features for lin in targets) * (4 + dropout_bytes(cuda, 4))
+    kept = {"o_proj"} | ({"gate_proj", "up_proj"} if mlp_only or recipe.tiled_mlp is not False else set())
+    freed, seen = 0 if mlp_only else 8 * h, set()
+    for lin in linears:
+        tensor = next((frozenset(group) for group in SIBLINGS if lin.name in group), lin.name)
+        if tensor in seen or lin.name in kept:
+            continue
+        seen.add(tensor)
+        readers = tensor if isinstance(tensor, frozenset) else {tensor}
+        if dropped or not (readers & adapted):
+            freed += 4 * lin.in_features
+    return freed - saved
+
+
 def more_norms_bytes(s: Structure) -> int:
     """Per token, what a layer's norms beyond Llama's two keep, each an fp32 copy of its input and an rsqrt a row:
     Qwen3's, Gemma 3's and OLMo 2's of the query and the key (of the projections' outputs, which Llama's layers keep
@@ -191,11 +228,12 @@ def more_norms_bytes(s: Structure) -> int:
     return 4 * qk + 4 * rows + (2 * (4 * s.hidden + 4) if s.model_type in SANDWICH_NORMED else 0)
 
 
-def lean_norm_saving(mode: str, h: int) -> int:
+def lean_norm_saving(mode: str, h: int, frozen: bool = False) -> int:
     """Per token, what one lean norm (training.norms) keeps less than transformers' RMSNorm: that one keeps its input
     in fp32 (a copy where the residual stream is 16-bit) and, when its weight trains, its output; the lean one keeps
-    its input as it comes (measured on CPU: tests/unit/planning/test_activations.py)."""
-    trains = mode in ("fp32", "mixed", "half")
+    its input as it comes (measured on CPU: tests/unit/planning/test_activations.py). `frozen`: under LoRA (in fp32
+    the input needs no copy, and the output is not kept)."""
+    trains = mode in ("fp32", "mixed", "half") and not frozen
     return 4 * h if trains else (4 - residual_bytes(mode)) * h
 
 
@@ -368,7 +406,7 @@ def mlp_places(recipe: Recipe, s: Structure, mode: str, tokens: int, mlp_tokens:
     cb, i, lora = compute_bytes(mode), s.intermediate, recipe.lora
     down = [lin for lin in s.lora_linears(lora.target_modules) if lin.name == "down_proj"] if lora else []
     if down:  # what the down projection keeps of its input, freed once its backward ran
-        kept = adapter_bytes(down, recipe, mode, cuda) - 2 * lora.r
+        kept = adapter_bytes(down, recipe, mode, cuda) - (4 if mode == "fp32" else 2) * lora.r
     else:  # a trained linear keeps its input in the compute dtype, a frozen one nothing
         kept = 0 if lora else cb * i
     # under tiled_mlp, the MLP input's gradient is whole from its first tile, and a tile's own sum of it beside it,
@@ -539,7 +577,7 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
                       inputs + small + norm + final_norm,  # the final norm's backward (under selective, beside
                       inputs + small + in_backward + waiting)  # every layer's outputs), or a layer's backward
     else:
-        acts = every_layer - first_norm_bytes(recipe, mode, T, h) // tp + small + norm + head_copy
+        acts = every_layer - first_norm_bytes(recipe, s, mode, T, cuda) // tp + small + norm + head_copy
         forward_saved = saved_peak = acts + saved_logits
         # every layer's activations are held at the loss, and at the final norm's backward
         working = acts + max(logits, final_norm, in_backward - layer + waiting)
@@ -553,8 +591,10 @@ def final_norm_bytes(recipe: Recipe, mode: str, T: int, h: int) -> int:
     norm = T * ({"fp32": 12, "mixed": 10, "half": 8, "lora": 4, "qlora": 10}[mode] * h + 4)
     if recipe.fused_loss:  # the head's matmul no longer keeps its input
         norm -= T * h * {"fp32": 4, "mixed": 2, "half": 2, "lora": 0, "qlora": 2}[mode]
+    if mode == "fp32" and recipe.lora is not None:  # LoRA in fp32: the frozen weight needs no normalised input
+        norm -= T * 4 * h
     if recipe.lean_norms:  # the final norm is lean too
-        norm -= T * lean_norm_saving(mode, h)
+        norm -= T * lean_norm_saving(mode, h, frozen=recipe.lora is not None)
     return norm
 
 
@@ -571,12 +611,18 @@ def layer_backward_bytes(recipe: Recipe, g: Structure, mode: str, T: int, one: i
     return (backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention, chunk) - kept) // tp
 
 
-def first_norm_bytes(recipe: Recipe, mode: str, T: int, h: int) -> int:
+def first_norm_bytes(recipe: Recipe, s: Structure, mode: str, T: int, cuda: bool) -> int:
     """What the first layer's input norm keeps, planned as every layer's, that it does not under LoRA and QLoRA: the
     frozen embedding's output requires no grad (training.adapters.drop_input_grads, not where the layers compile),
-    nor does the norm's weight, so it keeps nothing."""
-    if mode not in ("lora", "qlora") or recipe.torch_compile:
+    nor does the norm's weight, so it keeps nothing. In fp32 (its rsqrt kept; measured) neither does the dropout of
+    the adapters reading the norm's output, a tensor without grad."""
+    h = s.hidden
+    if recipe.lora is None or recipe.torch_compile or mode not in ("lora", "qlora", "fp32"):
         return 0
+    if mode == "fp32":
+        reading = [lin for lin in s.lora_linears(recipe.lora.target_modules) if lin.name in ATTENTION_INPUT]
+        noise = sum(lin.in_features for lin in reading) * dropout_bytes(cuda, 4) if recipe.lora.dropout else 0
+        return T * (4 * h + noise)
     return T * ((residual_bytes(mode) if recipe.lean_norms else 4) * h + 4)
 
 
