@@ -50,6 +50,11 @@ ATTENTION_INPUT = SIBLINGS[0] | {"qkv_proj", "c_attn", "query_key_value"}  # tho
 KEEPS_ITS_OUTPUT = ("sdpa", "flash_attention_2", "flex_attention")  # kernels whose saved output o_proj reads
 
 
+def input_of(name: str) -> frozenset[str]:
+    """The linears that read the tensor linear `name` reads (its SIBLINGS group, or itself alone)."""
+    return next((frozenset(group) for group in SIBLINGS if name in group), frozenset({name}))
+
+
 def half_adapters(recipe: Recipe, mode: str) -> bool:
     """LoRA's adapters in the 16 bits the layers compute in (DeepSpeed's engine: training.adapters.add_lora), where
     everywhere else they are fp32 and peft casts each input to fp32 before their dropout and A."""
@@ -69,11 +74,11 @@ def adapter_bytes(linears, recipe: Recipe, mode: str, cuda: bool, attention: str
     tests/unit/planning/test_activations.py."""
     kept_dropout = recipe.keeps_dropout
     mask = dropout_bytes(cuda, 2 if half_adapters(recipe, mode) else 4) if kept_dropout else 0
-    element = 4 if mode == "fp32" else 2  # (in fp32 no cast: without dropout the adapters read the input itself)
+    element = compute_bytes(mode)  # (in fp32 no cast: without dropout the adapters read the input itself)
     shared = not kept_dropout and mode in ("lora", "fp32")
-    kept, read = 0, set[str | frozenset[str]]({"o_proj"} if attention in KEEPS_ITS_OUTPUT else ())
+    kept, read = 0, {input_of("o_proj")} if attention in KEEPS_ITS_OUTPUT else set()
     for lin in linears:
-        tensor = next((frozenset(group) for group in SIBLINGS if lin.name in group), lin.name)
+        tensor = input_of(lin.name)
         if not (shared and tensor in read):
             kept += (element + mask) * lin.in_features
         read.add(tensor)
@@ -209,12 +214,11 @@ def frozen_fp32_bytes(recipe: Recipe, s: Structure, cuda: bool, mlp_only: bool =
     kept = {"o_proj"} | ({"gate_proj", "up_proj"} if mlp_only or recipe.tiled_mlp is not False else set())
     freed, seen = 0 if mlp_only else 8 * h, set()
     for lin in linears:
-        tensor = next((frozenset(group) for group in SIBLINGS if lin.name in group), lin.name)
+        tensor = input_of(lin.name)
         if tensor in seen or lin.name in kept:
             continue
         seen.add(tensor)
-        readers = tensor if isinstance(tensor, frozenset) else {tensor}
-        if dropped or not (readers & adapted):
+        if dropped or not (tensor & adapted):
             freed += 4 * lin.in_features
     return freed - saved
 
@@ -406,7 +410,7 @@ def mlp_places(recipe: Recipe, s: Structure, mode: str, tokens: int, mlp_tokens:
     cb, i, lora = compute_bytes(mode), s.intermediate, recipe.lora
     down = [lin for lin in s.lora_linears(lora.target_modules) if lin.name == "down_proj"] if lora else []
     if down:  # what the down projection keeps of its input, freed once its backward ran
-        kept = adapter_bytes(down, recipe, mode, cuda) - (4 if mode == "fp32" else 2) * lora.r
+        kept = adapter_bytes(down, recipe, mode, cuda) - cb * lora.r
     else:  # a trained linear keeps its input in the compute dtype, a frozen one nothing
         kept = 0 if lora else cb * i
     # under tiled_mlp, the MLP input's gradient is whole from its first tile, and a tile's own sum of it beside it,
