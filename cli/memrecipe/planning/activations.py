@@ -116,8 +116,7 @@ def mlp_bytes(recipe: Recipe, s: Structure, mode: str, cuda: bool) -> int:
     if mode == "half":
         return 2 * intermediates
     lora = recipe.lora  # lora, qlora: gate's output, the activation and up's output in 16 bits; the adapters'
-    on_mlp = [lin for lin in s.lora_linears(lora.target_modules) if s.intermediate in (lin.in_features,
-                                                                                          lin.out_features)]
+    on_mlp = [lin for lin in s.lora_linears(lora.target_modules) if s.in_mlp(lin)]
     return 2 * intermediates - (2 * s.intermediate if s.gated_mlp else 0) + adapter_bytes(on_mlp, recipe, mode, cuda)
 
 
@@ -204,7 +203,7 @@ def frozen_fp32_bytes(recipe: Recipe, s: Structure, cuda: bool, mlp_only: bool =
     dropout and 1.17x without."""
     lora, h = recipe.lora, s.hidden
     assert lora is not None
-    linears = [lin for lin in s.linears if not mlp_only or s.intermediate in (lin.in_features, lin.out_features)]
+    linears = [lin for lin in s.linears if not mlp_only or s.in_mlp(lin)]
     targets = [lin for lin in s.lora_linears(lora.target_modules) if lin in linears]
     adapted = {lin.name for lin in targets}
     dropped = bool(lora.dropout)
@@ -425,7 +424,7 @@ def mlp_places(recipe: Recipe, s: Structure, mode: str, tokens: int, mlp_tokens:
     elif down and lora.dropout:
         if redraw:  # 16-bit adapters (DeepSpeed's engine) redraw the mask and the dropped product beside its gradient
             places.append(saved + mlp_tokens * (redraw + cb) * i + input_gradient)
-        if recipe.recomputes:
+        if recipe.checkpoints:  # (selective checkpointing replays the layer too, its matmuls from the cache)
             # adapters in the compute dtype (16 bits under DeepSpeed's engine; fp32 runs too, which no autocast casts
             # for): at the down projection's A in the layer's recompute (a redraw's recompute stops at the A's own
             # checkpoint, before its dropout: torch's early stop), its input (the MLP's product, which nothing keeps)
@@ -468,12 +467,33 @@ def outside_redraw_bytes(recipe: Recipe, s: Structure, tokens: int, cb: int, red
 def selective_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int) -> int:
     """What one layer keeps under selective checkpointing beside its input (training.layers.selective_policy):
     every matmul's output (the linears', and LoRA's A and B) in the compute dtype, attention's output and its
-    fp32 log-sum-exp per head. Measured on CPU: tests/unit/planning/test_activations.py."""
+    fp32 log-sum-exp per head; none of a tiled MLP's (training.layers.selective_policy). Measured on CPU:
+    tests/unit/planning/test_activations.py."""
     cb = compute_bytes(mode)
-    outputs = sum(lin.out_features for lin in s.linears) + s.heads * s.head_dim
+    linears = [lin for lin in s.linears if recipe.tiled_mlp is False or not s.in_mlp(lin)]
+    outputs = sum(lin.out_features for lin in linears) + s.heads * s.head_dim
     if recipe.lora is not None:
-        outputs += sum(recipe.lora.r + lin.out_features for lin in s.lora_linears(recipe.lora.target_modules))
+        outputs += sum(recipe.lora.r + lin.out_features for lin in s.lora_linears(recipe.lora.target_modules)
+                       if lin in linears)
     return tokens * (cb * outputs + 4 * s.heads)
+
+
+def selective_forward_bytes(recipe: Recipe, s: Structure, mode: str, tokens: int) -> int:
+    """What the last layer's forward holds beside its selective cache, all layers' caches made (the matmuls' outputs,
+    selective_bytes): the layer's residual and the MLP's input, held by the layer's and the MLP's frames, and the
+    largest of two moments in the MLP: at the up projection's adapter, the activation's output beside peft's scaled
+    adapter output and its sum with the cached frozen one (`result + lora_B(...) * scaling`, neither cached), the down
+    projection's outputs not cached yet; at the down projection's adapter, its input (the product) beside the same
+    two. Found as the step's peak for fp32 LoRA on every linear on CPU (the plan 0.95x without it)."""
+    cb, h, i = compute_bytes(mode), s.hidden, s.intermediate
+    adapted = {lin.name for lin in s.lora_linears(recipe.lora.target_modules)} if recipe.lora else set()
+    held = (residual_bytes(mode) + (2 if mode in ("lora", "half") else 4)) * h * tokens
+    down = cb * (h + (recipe.lora.r + h if "down_proj" in adapted else 0))  # (recipe.lora is set where adapted)
+    if recipe.tiled_mlp is not False:  # the MLP runs a tile at a time, none of it cached
+        tokens, down = tile_tokens(recipe.tiled_mlp, tokens, h), 0
+    at_up = cb * i * (1 + (2 if "up_proj" in adapted else 0)) - down
+    at_down = cb * (i + (2 * h if "down_proj" in adapted else 0))
+    return held + tokens * max(at_up, at_down) if s.gated_mlp and not s.experts else held
 
 
 def loss_bytes(recipe: Recipe, s: Structure, mode: str, b: int, T: int, head_copy: int) -> tuple[int, int, int]:
@@ -580,6 +600,8 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
         working = max(inputs + small + norm + head_copy + logits,  # the loss,
                       inputs + small + norm + final_norm,  # the final norm's backward (under selective, beside
                       inputs + small + in_backward + waiting)  # every layer's outputs), or a layer's backward
+        if recipe.gradient_checkpointing == "selective":  # ... or the last layer's forward, every cache made
+            working = max(working, inputs + small + selective_forward_bytes(recipe, s, mode, T) // tp)
     else:
         acts = every_layer - first_norm_bytes(recipe, s, mode, T, cuda) // tp + small + norm + head_copy
         forward_saved = saved_peak = acts + saved_logits
@@ -608,10 +630,12 @@ def layer_backward_bytes(recipe: Recipe, g: Structure, mode: str, T: int, one: i
     outputs are counted with the checkpoints, but for its last matmul's, which the recompute never replays:
     non-reentrant checkpointing stops at the layer's last saved tensor, an input of its last matmul (the down
     projection's, or its adapter's B), packed before that matmul runs, so the output it cached in forward stays in
-    the selective cache until the layer's backward ends."""
+    the selective cache until the layer's backward ends. A tiled MLP's matmuls are not cached, and the recompute
+    replays every cached one."""
     kept = 0
     if recipe.gradient_checkpointing == "selective":
-        kept = selective_bytes(recipe, g, mode, T) - T * compute_bytes(mode) * g.hidden
+        last = T * compute_bytes(mode) * g.hidden if recipe.tiled_mlp is False else 0
+        kept = selective_bytes(recipe, g, mode, T) - last
     return (backward_peak(recipe, g, mode, T, one * tp, cuda, sp, attention, chunk) - kept) // tp
 
 

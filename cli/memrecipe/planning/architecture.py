@@ -181,6 +181,10 @@ class Structure:
         """What stays in FSDP's root unit when each decoder layer is its own unit."""
         return sum(self.top_params)
 
+    def in_mlp(self, lin: Linear) -> bool:
+        """Whether a decoder-layer linear is its MLP's (reads or writes the intermediate width)."""
+        return self.intermediate in (lin.in_features, lin.out_features)
+
     def lora_linears(self, targets) -> list[Linear]:
         """The decoder-layer linears a LoRA `target_modules` picks (peft's all-linear: all but lm_head)."""
         if targets == "all-linear":

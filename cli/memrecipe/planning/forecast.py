@@ -122,13 +122,9 @@ class Forecast:
     device: str  # what the rates are of
 
 
-def _mlp(lin, g: Structure) -> bool:
-    return g.intermediate in (lin.in_features, lin.out_features)
-
-
 def _linear_params(s: Structure, mlp_only: bool = False) -> int:
     """The decoder layers' matmul parameters a token multiplies by (routed experts at top_k), or their MLPs' alone."""
-    return sum(g.layers * (sum(lin.params for lin in g.linears if not mlp_only or _mlp(lin, g))
+    return sum(g.layers * (sum(lin.params for lin in g.linears if not mlp_only or g.in_mlp(lin))
                            + g.expert_params * g.top_k // max(g.experts, 1)) for g in s.groups())
 
 
@@ -237,7 +233,7 @@ def dropout_draws(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = 
     total = 0.0
     for g in s.groups():
         for lin in g.lora_linears(recipe.lora.target_modules):
-            draws = 1 + (1 if recipe.checkpoints else 0) + (1 if again and _mlp(lin, g) else 0) + (1 if redraw else 0)
+            draws = 1 + (1 if recipe.checkpoints else 0) + (1 if again and g.in_mlp(lin) else 0) + (1 if redraw else 0)
             total += g.layers * lin.in_features * draws
     return total
 
@@ -253,7 +249,7 @@ def adapter_bytes(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = 
     for g in s.groups():
         for lin in g.lora_linears(recipe.lora.target_modules):
             forward = 2 * lin.in_features * (1 + (2.5 if dropout else 0)) + 2 * 6 * lin.out_features
-            passes = 3 + (1 if recipe.checkpoints else 0) + (1 if again and _mlp(lin, g) else 0)
+            passes = 3 + (1 if recipe.checkpoints else 0) + (1 if again and g.in_mlp(lin) else 0)
             total += g.layers * forward * passes
     return total
 
@@ -318,7 +314,7 @@ def rung_seconds(recipe: Recipe, s: Structure, tokens: float, rates: Rates) -> f
     seconds = sum(cost for rung, cost in rates.rung_dispatch.items() if getattr(recipe, rung))
     tiles = tile_count(recipe.tiled_mlp, int(tokens), s.hidden) if recipe.tiled_mlp is not False else 1
     if tiles > 1:
-        adapters = sum(1 for lin in s.lora_linears(recipe.lora.target_modules) if _mlp(lin, s)) if recipe.lora else 0
+        adapters = sum(1 for lin in s.lora_linears(recipe.lora.target_modules) if s.in_mlp(lin)) if recipe.lora else 0
         seconds += tiles * (rates.tile_dispatch + adapters * rates.tile_adapter_dispatch)
     return seconds
 

@@ -12,6 +12,8 @@ from ..errors import RecipeError
 
 # True while torch's checkpoint runs a layer again in backward to rebuild what it saved (marked, below)
 RECOMPUTING = contextvars.ContextVar("recomputing", default=False)
+# True while a tiled MLP runs its tiles (training.tiling): selective checkpointing caches none of their matmuls
+TILING = contextvars.ContextVar("tiling", default=False)
 
 
 class CopyStreams:
@@ -168,10 +170,13 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
 def selective_policy(ctx, op, *args, **kwargs):
     """Selective activation checkpointing's choice per op (TorchTitan's op-level policy): keep what is costly to
     compute again, the matmuls' and attention's outputs, and recompute the cheap elementwise ops (norms, rotary,
-    activations, casts) in backward."""
+    activations, casts) in backward. A tiled MLP's matmuls are not kept (TILING): its backward recomputes them tile
+    by tile anyway, and kept they were its [tokens x intermediate] tensors over the whole sequence, which the tiles
+    exist to avoid."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in SAVED_OPS and not TILING.get()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,

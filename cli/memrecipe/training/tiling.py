@@ -19,7 +19,7 @@ import torch
 from ..errors import RecipeError
 from ..planning.activations import tile_count
 from .adapters import dropped, dropped_forward
-from .layers import RECOMPUTING
+from .layers import RECOMPUTING, TILING
 
 
 class TiledMLP(torch.autograd.Function):
@@ -96,7 +96,11 @@ def tiled_forward(forward, tiles, x, params=(), mark=False, agree=False, idle_in
         agreed = torch.tensor(n, device=x.device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
         n = int(agreed)
-    return forward(x) if n == 1 else tiled(forward, x, n, params, mark, idle_in_recompute)
+    token = TILING.set(True)  # (selective checkpointing keeps none of the MLP's matmuls: layers.selective_policy)
+    try:
+        return forward(x) if n == 1 else tiled(forward, x, n, params, mark, idle_in_recompute)
+    finally:
+        TILING.reset(token)
 
 
 def tiled(forward, x, tiles, params, mark, idle_in_recompute=False):

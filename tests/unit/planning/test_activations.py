@@ -97,6 +97,7 @@ def test_a_redrawn_dropout_is_not_kept_on_either_device(recipe):
 
 @pytest.mark.parametrize("recipe, overrides, precision", [
     ("single-gpu-lora", [], "bf16"),  # LoRA on a bf16 base, dropout 0.05: its A and B matmuls kept too
+    ("single-gpu-lora", ["tiled_mlp=2"], "bf16"),  # none of a tiled MLP's (its backward recomputes them anyway)
     ("adamw-8bit", ["gradient_checkpointing=true"], "bf16"),  # autocast over fp32 weights
     ("adamw-8bit", ["gradient_checkpointing=true", "mixed_precision=no"], "no"),  # fp32
 ])
@@ -328,15 +329,18 @@ def test_lora_under_deepspeeds_bf16_engine_keeps_what_the_plan_says(wide, rung):
         assert plan == pytest.approx(peak, rel=0.05), (dropout, plan, peak)
 
 
-@pytest.mark.parametrize("rung", ["none", "full", "lean"])
+@pytest.mark.parametrize("rung, rel", [("none", 0.07), ("full", 0.07), ("lean", 0.07), ("selective", 0.03)])
 @pytest.mark.parametrize("dropout", [0.05, 0])
-def test_lora_in_fp32_is_planned_as_frozen_layers_with_peft_dropout(wide, rung, dropout):
+def test_lora_in_fp32_is_planned_as_frozen_layers_with_peft_dropout(wide, rung, rel, dropout):
     """LoRA with `mixed_precision: no` (no autocast: peft's forward as it is) was planned as a full fine-tune in
     fp32: 0.72x a step's peak with the recipes' dropout of 0.05 (each adapter's fp32 dropped copy of its input and the
     CPU's dropout noise beside it), 1.17x without (frozen norms and linears keep less). Planned now as frozen layers
     with their adapters (activations.frozen_fp32_bytes): the plan is the step's peak within 7% (0.97-1.06x, all
     linears adapted or q and v only), without and with full checkpointing and with the tiled MLP and lean norms.
-    Selective checkpointing reads 0.95-1.02x and the tiled MLP alone 1.05-1.10x: not held here."""
+    Under selective checkpointing within 3% (1.00-1.03x): it read 0.95x with every linear adapted, the last layer's
+    forward binding (peft's scaled adapter output and its sum beside the activation, every cache made:
+    activations.selective_forward_bytes), and 0.97x with dropout, the down projection's adapter in the recompute
+    (mlp_places: selective checkpointing replays the layer too). The tiled MLP alone reads 1.03-1.10x: not held."""
     from helpers import loop_model
     from measuring import step_peak
     from memrecipe.planning.activations import activation_bytes
@@ -354,7 +358,7 @@ def test_lora_in_fp32_is_planned_as_frozen_layers_with_peft_dropout(wide, rung, 
         b = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids),
              "position_ids": torch.arange(length)[None]}
         plan = activation_bytes(r, s, "fp32", 1, length)["working"]
-        assert plan == pytest.approx(step_peak(model, b, autocast=False), rel=0.07), targets
+        assert plan == pytest.approx(step_peak(model, b, autocast=False), rel=rel), targets
 
 
 @pytest.fixture(scope="module")
