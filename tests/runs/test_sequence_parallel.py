@@ -69,6 +69,26 @@ def measure(folder, processes, lengths, words=()):
     return {int(k): v for k, v in json.loads((folder / "out.json").read_text()).items()}
 
 
+def chunked_kernel(folder, words):
+    """tests/workers/ulysses_chunks.py on 2 gloo processes, one sequence of 256 tokens: rank 0's loss, the chunked
+    kernel's calls and the gradients."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, child_env
+    from memrecipe.training.loading import embedded_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{words[0]}.pt"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(REPO / "tests" / "workers" / "ulysses_chunks.py"), str(out),
+                           embedded_model(), "256", "mixed_precision=no", "attn_implementation=sdpa",
+                           "gradient_checkpointing=true", *words],
+                          capture_output=True, text=True, env=child_env(OMP_NUM_THREADS="1"), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
 def wide_model(base):
     """The embedded Llama widened (tests/unit/planning/test_activations.py's WIDE): per-token bytes dominate."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -86,6 +106,7 @@ def wide_model(base):
     return str(folder)
 
 
+CHUNKS = ["attn_implementation=sdpa", "query_chunks=32"]  # 3 chunks of a 96-token row
 # LoRA at long context, as the 8B plans; checkpointed inputs kept on the device (on CPU the host is the device)
 DROPPED = {1: [], 2: ["lora.dropout=0.1", "lora.redraw_dropout=true", "deepspeed.stage3_param_persistence_threshold=0"]}
 MEASURED = ["lora.r=16", "lora.dropout=0", "lora.target_modules=all-linear", "activation_offload=false"]
@@ -103,6 +124,10 @@ def runs(tmp_path_factory):
 
     jobs = SideBySide({
         "one": lambda core: report(run(base / "one", 1, "max_steps=7", "gradient_accumulation_steps=1", core=core)),
+        "sp2-chunks": lambda core: report(run(base / "sp2-chunks", 2, "max_steps=3", "gradient_accumulation_steps=1",
+                                              *CHUNKS)),
+        **{f"kernel-{name}": (lambda core, words=words: chunked_kernel(base / "kernel", words))
+           for name, words in (("chunks", ["query_chunks=64"]), ("whole", ["query_chunks=false"]))},
         "sp2": split_then_resumed,
         "one-lora": lambda core: report(run(base / "one-lora", 1, "max_steps=3", "gradient_accumulation_steps=4",
                                             *LORA, core=core)),
@@ -166,6 +191,25 @@ def test_sp2_by_dp2_on_four_processes_trains_lora_like_one_process(runs):
     assert split["setup"]["trainable_names_all_lora"]
     assert_same_steps(one, split, range(1, 4))
     assert_same_weights(one, split, "adapter_model.safetensors")
+
+
+def test_attention_in_query_chunks_runs_inside_ulysses_attention_and_trains_like_one_process(runs):
+    """query_chunks under Ulysses (a 4,096K-token cap on 8 GPUs without it: the kernel's 32-bit offsets at 4 of the
+    8B's 32 heads a process): DeepSpeed's wrapper calls the chunks where it called sdpa, each call a whole sequence
+    of 256 tokens for the process's 2 of 4 heads, 64 queries at a time (the embedded Llama's 4 layers, each again in
+    its recompute), and rank 0's slice's loss and every gradient are those of one call a row, to rounding (fp32: each
+    gradient within 1e-5 of its largest element; 1.5e-6 measured).
+    Through `memrecipe run`, sp 2 on 2 processes in chunks of 32 queries trains as one process holding the whole
+    sequence, every step's loss and gradient norm within 1e-5."""
+    chunks, whole = runs("kernel-chunks"), runs("kernel-whole")
+    assert chunks["calls"] == [[1, 2, 256, 32]] * 8 and whole["calls"] == []
+    assert chunks["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+    assert chunks["grads"].keys() == whole["grads"].keys() and len(whole["grads"]) == 39
+    for name, grad in whole["grads"].items():
+        torch.testing.assert_close(chunks["grads"][name], grad, rtol=0, atol=1e-5 * float(grad.abs().max()), msg=name)
+    split = runs("sp2-chunks")
+    assert (split["setup"]["sequence_parallel"], split["setup"]["query_chunk"]) == (2, 32)
+    assert_same_steps(runs("one"), split, range(1, 4))
 
 
 def test_a_process_of_the_group_holds_a_slices_bytes_as_planned(runs):

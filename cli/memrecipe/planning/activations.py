@@ -241,7 +241,7 @@ def lean_norm_saving(mode: str, h: int, frozen: bool = False) -> int:
 
 
 def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool, attention: str = "sdpa",
-                             chunk: int = 0) -> int:
+                             chunk: int = 0, sp: int = 1) -> int:
     """What the attention kernel's backward allocates beside the layer's saved tensors (the MLP's freed by then): the
     gradients of q, k and v, the gradient of the attention's output (`dout`, o_proj's input gradient: an argument of
     the kernel's backward, alive throughout it), and the kernel's working buffers:
@@ -261,20 +261,22 @@ def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool, a
       sequence (written a query chunk at a time) and the fp32 sums of dK and dV (rounded to 16 bits a key chunk at a
       time, then joined: as much again at the end), beside one call's buffers, mha_bwd's as above over a chunk of
       queries and one of keys, and the query chunk's fp32 dq sum; on CPU, torch's CPU kernel for that block (its
-      buffers measured: tests/unit/training/test_query_chunks.py)."""
+      buffers measured: tests/unit/training/test_query_chunks.py). Under Ulysses (`sp`; `tokens` a slice's) a chunk
+      of the whole sequence's queries at 1/sp of the heads: as many bytes as chunk / sp queries at all of them."""
     cb = compute_bytes(mode)
     per_head = s.heads * s.head_dim
     dout = tokens * cb * per_head
     if chunk:
+        share = -(-chunk // sp)  # (the chunk's queries at all heads that hold as much)
         whole = tokens * (cb * per_head + max(8, 4 * cb) * s.kv_dim)  # dq; dK's and dV's fp32 sums, or their join
-        call = chunk * (cb * per_head + 4 * per_head + 2 * cb * s.kv_dim)  # dq, its fp32 sum, dk and dv
+        call = share * (cb * per_head + 4 * per_head + 2 * cb * s.kv_dim)  # dq, its fp32 sum, dk and dv
         if cuda:  # mha_bwd's dk and dv at every query head (GQA), dq_accum and softmax_d
             expanded = 2 * cb * per_head if s.kv_heads != s.heads else 0
-            return dout + whole + call + chunk * (expanded + 4 * (per_head + s.heads))
+            return dout + whole + call + share * (expanded + 4 * (per_head + s.heads))
         # torch's CPU kernel: a second copy of the block's gradients, and the blocks of every thread but the first
         # (measured: tests/unit/training/test_query_chunks.py; the first's is not live at the peak)
         block = (256 if chunk >= 768 else 64 if chunk >= 192 else 32) * min(512, chunk)
-        return dout + whole + call + chunk * cb * (per_head + 2 * s.kv_dim) \
+        return dout + whole + call + share * cb * (per_head + 2 * s.kv_dim) \
             + (usable_cores() - 1) * block * (8 + (4 if cb == 2 else 0))
     if cuda and attention == "flex_attention":
         return dout + tokens * (cb * (per_head + 2 * s.kv_dim) + 4 * s.heads)  # dq, dk and dv, delta
@@ -359,9 +361,7 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     attention (parallelism.cp_size), the ring's buffers beside the kernel's backward (ring_bytes)."""
     cb = compute_bytes(mode)
     residual = residual_bytes(mode)
-    mlp_tokens = tokens
-    if recipe.tiled_mlp is not False:
-        mlp_tokens = tile_tokens(recipe.tiled_mlp, tokens, s.hidden)
+    mlp_tokens = tokens if recipe.tiled_mlp is False else tile_tokens(recipe.tiled_mlp, tokens, s.hidden)
     lora = recipe.lora
     norm = norm_backward_bytes(recipe, s, residual, tokens)
     shared = shared_mlp_input_bytes(recipe, s, mode)
@@ -374,7 +374,8 @@ def backward_peak(recipe: Recipe, s: Structure, mode: str, tokens: int, saved: i
     o_rank = 2 * lora.r * tokens if lora and any(lin.name == "o_proj" for lin in s.lora_linears(
         lora.target_modules)) else 0
     places = [mlp_freed + norm,
-              mlp_freed - after_attention - o_rank + attention_backward_bytes(s, mode, tokens, cuda, attention, chunk)]
+              mlp_freed - after_attention - o_rank + attention_backward_bytes(s, mode, tokens, cuda, attention, chunk,
+                                                                              sp)]
     if s.model_type in NORM_AFTER_MLP:  # the norm after the MLP: its backward first, the MLP's tensors still held
         # (under tiled_mlp none of a tile's yet: TiledMLP's backward makes them after it)
         places.append(saved + norm - (mlp_tokens * mlp_bytes(recipe, s, mode, cuda) if mlp_tokens < tokens else 0))
@@ -558,8 +559,8 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     the heads, are as large as the slice's for all of them, but for replicated K/V heads and the exchanges' buffers
     (exchange_bytes, replicated_kv_bytes). Ring attention (parallelism.cp_size) splits every tensor cp ways, the
     attention's too, and passes keys and values around (ring_bytes)."""
-    seq = -(-seq // (sp * recipe.context_parallel))
-    h, V, T, d = s.hidden, s.vocab, b * seq, s.head_dim
+    row, seq = seq, -(-seq // (sp * recipe.context_parallel))
+    h, V, T = s.hidden, s.vocab, b * seq
     if attention is None:  # the kernel on CPU (what the tests measure)
         attention = pick_attention(recipe.attn_implementation, cuda=False, half=mode != "fp32", packing=recipe.packing,
                                    flash=False, flex=False, sdpa=s.sdpa).name
@@ -568,21 +569,16 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     tp = recipe.tensor_parallel
     layers = [(g.layers, slice_layer_bytes(recipe, g, mode, b, seq, attention, cuda, sp), g) for g in s.groups()]
     layer = max(one for _, one, _ in layers)  # the largest layer's (one is recomputed at a time)
-    # (query_chunks: queries a call, in each group's layers; 0: the row whole)
+    # (query_chunks: queries a call of the whole row, under Ulysses too, in each group's layers; 0: the row whole)
     in_backward = max(layer_backward_bytes(recipe, g, mode, T, one, tp, cuda, sp, attention,
-                                           chunked(recipe.query_chunks, attention, recipe.packing, b, seq, g.window))
+                                           chunked(recipe.query_chunks, attention, recipe.packing, b, row, g.window))
                       for _, one, g in layers)
     every_layer = sum(n * one for n, one, _ in layers)
     host = 0
     residual = residual_bytes(mode)
-    rope = T * 2 * d * (4 if mode in ("fp32", "mixed", "qlora") else 2)
     norm = final_norm_bytes(recipe, mode, T, h)
     head_copy = 2 * V * h if mode in ("mixed", "qlora") else 0  # lm_head's bf16 weight copy (autocast)
-    # input ids, rotary cos/sin, flex's BlockMask and sdpa's boolean mask (kept by the checkpoints): one a kind of
-    # layer (full attention, a sliding window), as transformers builds them (each model's causal_mask_mapping)
-    kinds = tuple(g.window for g in s.groups())
-    small = T * 8 + rope + block_mask_bytes(attention, b, seq) * len(set(kinds)) + kept_mask_bytes(
-        attention, recipe.packing, b, seq, recipe.checkpoints, kinds)
+    small = small_bytes(recipe, s, mode, attention, b, seq)
     saved_logits, logits, head_copy = loss_bytes(recipe, s, mode, b, T, head_copy)
     waiting, embedding_end = embedding_gradient_bytes(recipe, s, mode)
     final_norm = norm_backward_bytes(recipe, s, residual, T)
@@ -610,6 +606,16 @@ def activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq: int, 
     working = max(working, small + embedding_end)
     return {"activations": acts, "logits": logits, "saved_peak": saved_peak, "forward_saved": forward_saved,
             "layer": layer, "host": host, "working": working}
+
+
+def small_bytes(recipe: Recipe, s: Structure, mode: str, attention: str, b: int, seq: int) -> int:
+    """What every layer reads and the checkpoints keep beside their inputs: the input ids, rotary cos/sin, flex's
+    BlockMask and sdpa's boolean mask, one a kind of layer (full attention, a sliding window), as transformers builds
+    them (each model's causal_mask_mapping)."""
+    T, kinds = b * seq, tuple(g.window for g in s.groups())
+    rope = T * 2 * s.head_dim * (4 if mode in ("fp32", "mixed", "qlora") else 2)
+    return T * 8 + rope + block_mask_bytes(attention, b, seq) * len(set(kinds)) + kept_mask_bytes(
+        attention, recipe.packing, b, seq, recipe.checkpoints, kinds)
 
 
 def final_norm_bytes(recipe: Recipe, mode: str, T: int, h: int) -> int:

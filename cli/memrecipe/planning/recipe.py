@@ -422,7 +422,7 @@ class Recipe:
               'the gradients summed in fp32 (`training/query_chunks.py`). Exact; the backward\'s buffers over a chunk '
               "of queries and one of keys, not the sequence, and past 524,288 tokens within the 32-bit offsets of "
               "torch's flash kernel (CUDA); a kernel call per block. `attn_implementation: sdpa`, rows unpacked, no "
-              'Ulysses or ring attention'))
+              'ring attention (under Ulysses the chunks run inside its attention)'))
     fused_loss: bool = spec(True, shown='true',
         help=('the LM head and the cross-entropy run chunk by chunk over the target positions, recomputed in backward: '
               'the [tokens x vocab] logits are never held'))

@@ -76,9 +76,9 @@ def _check_query_chunks(r) -> None:
     if r.packing:
         raise RecipeError("query_chunks runs rows without a mask, and a packed row carries one under sdpa: "
                           "set packing=false")
-    if r.sequence_parallel != 1 or r.context_parallel > 1:
-        raise RecipeError("query_chunks runs one process's whole sequence; Ulysses and ring attention wrap sdpa's "
-                          "kernel themselves: set query_chunks=false")
+    if r.context_parallel > 1:
+        raise RecipeError("query_chunks runs whole sequences (one process's, or under Ulysses each process's share of "
+                          "the heads); ring attention passes each process a slice of the keys: set query_chunks=false")
     if r.torch_compile or r.tensor_parallel > 1:
         raise RecipeError("query_chunks calls the kernel once a chunk, and torch_compile traces a layer whole (under "
                           "tensor parallelism it is not checked yet): set query_chunks=false or "
@@ -87,7 +87,8 @@ def _check_query_chunks(r) -> None:
 
 def _chunk_words(r, topo, below) -> tuple[str, ...]:
     sdpa = ("attn_implementation=sdpa",) if r.attn_implementation == "auto" else ()
-    return (*below, *sdpa, *(("packing=false",) if r.packing else ()), "query_chunks=true")
+    unpacked = ("packing=false",) if r.packing and "packing=false" not in below else ()  # (sequence parallelism's)
+    return (*below, *sdpa, *unpacked, "query_chunks=true")
 
 
 def _full_phrase(facts, r) -> str | None:

@@ -107,7 +107,7 @@ def describe_setup(accelerator, model, optimizer) -> SetupFacts:
 
     attention = getattr(getattr(unwrapped, "config", None), "_attn_implementation", None)
     chunk = max((getattr(m, "query_chunk", 0) for m in unwrapped.modules()), default=0) \
-        if attention == query_chunks.NAME else 0
+        if attention in (query_chunks.NAME, "sdpa") else 0  # (under Ulysses the chunks stand in for sdpa)
     attention = "sdpa" if chunk else attention  # (sdpa's kernel, a chunk of queries a call)
     facts = SetupFacts(
         distributed_type=accelerator.distributed_type.value,

@@ -174,8 +174,13 @@ def apply(model, recipe, accelerator) -> int:
     chunk = query_chunk_tokens(recipe.query_chunks)
     AttentionInterface.register(NAME, chunked_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # (the masks sdpa gets: none for a row of one document)
+    ulysses = getattr(recipe, "sequence_parallel", 1) != 1
+    if ulysses:  # DeepSpeed's Ulysses wraps the kernel the config names (sdpa) at prepare, reading it from
+        # transformers' registry (ulysses_sp.py, register_with_transformers): the chunks stand in for sdpa there, each
+        # call a whole sequence for the process's share of the heads (the model keeps the name the wrapper checks)
+        AttentionInterface.register("sdpa", chunked_attention)
     for module in model.modules():
-        if getattr(getattr(module, "config", None), "_attn_implementation", None) == "sdpa":
+        if getattr(getattr(module, "config", None), "_attn_implementation", None) == "sdpa" and not ulysses:
             module.config._attn_implementation = NAME
         if hasattr(module, "is_causal") and hasattr(module, "head_dim"):  # an attention module
             module.query_chunk = chunk

@@ -236,12 +236,12 @@ def test_nothing_fits_quotes_the_closest_rung_at_micro_batch_1_and_only_advice_t
 def test_longest_says_what_no_dropout_reaches_only_where_it_reaches_further_and_splits_only_over_processes(cli, tmp_path,
                                                                                                           monkeypatch):
     """The footer named lora.dropout=0 under every table, also where the lengths were equal; zero3-ulysses on one GPU
-    stood on 'sequence parallelism' with nothing split."""
+    stood on 'sequence parallelism' with nothing split (it climbs from the tiled MLP to query chunks there)."""
     model = eight_b(tmp_path)
     done = cli("plan", "--model", model, "--gpu-memory", "80GB", "--longest")
     assert "single-gpu-lora: lora.dropout=0 reaches" in done.stdout  # o_proj's redrawn dropout binds at 80 GB
     row = next(line.split() for line in done.stdout.splitlines() if line.startswith("zero3-ulysses"))
-    assert "sequence" not in row and row[4:6] == ["tiled", "MLP"]
+    assert "sequence" not in row and row[4:6] == ["query", "chunks"]
     from click.testing import CliRunner
 
     from memrecipe.commands import plan

@@ -20,8 +20,9 @@ def test_each_rung_is_words_the_recipes_rules_accept_and_climbing_keeps_fewer_ac
     for name in recipe_names():
         recipe = load_recipe(name, ["max_seq_length=32768", "per_device_train_batch_size=1"])
         ladder = rungs(recipe)
-        if recipe.sequence_parallel != 1:  # zero3-ulysses: at the top already
-            assert [(rung.name, rung.words) for rung in ladder] == [("sequence parallelism", ())], name
+        if recipe.sequence_parallel != 1:  # zero3-ulysses: split already; its sdpa in chunks above
+            assert [(rung.name, rung.words) for rung in ladder] == [("sequence parallelism", ()), (
+                "query chunks", ("query_chunks=true",))], name
             continue
         names = [rung.name for rung in ladder]
         assert ladder[0].words == () and names[-1] in ("activation offload", "lean norms", "tiled MLP", "query chunks"), name
@@ -91,18 +92,23 @@ def test_a_recipe_without_checkpointing_climbs_through_selective_then_full_check
 
 def test_on_several_gpus_the_ladder_climbs_on_to_sequence_parallelism():
     """After the tiled MLP, a ZeRO-3 recipe on N GPUs splits each sequence over them (one example per row, as Ulysses
-    needs under sdpa): the 8B's longest LoRA sequence on 8 x 80 GB grows past ALST's 3.7M tokens to where sdpa's
-    backward stops (its 32-bit offsets: 2^31 / (4 heads a GPU x 128)), short of the 8 x one GPU's length the memory
-    would hold, with its dropout redrawn (NCCL's buffers beside it: planning.nccl); peft's dropout kept stops it
-    short of that; a recipe on one GPU, or off ZeRO-3, has no such rung."""
+    needs under sdpa), then runs that sdpa in query chunks inside Ulysses' attention: the 8B's longest LoRA sequence
+    on 8 x 80 GB grows past ALST's 3.7M tokens and past where sdpa's backward stops unchunked (its 32-bit offsets:
+    2^31 / (4 heads a GPU x 128), where the split alone stopped), short of the 8 x one GPU's length the memory would
+    hold, with its dropout redrawn (NCCL's buffers beside it: planning.nccl); peft's dropout kept stops it short of
+    that; a recipe on one GPU, or off ZeRO-3, has no split."""
     s = structure(LLAMA_8B)
     lora = ["lora.r=16", "lora.target_modules=all-linear"]
     eight = longest_per_recipe(load_recipe("zero3-offload", lora), s, Topology(8), GPU80, 2 * 10**12)
-    assert eight.rung.name == "sequence parallelism" and eight.seq_length == offset_limit(4, 128)
-    assert eight.rung.words[-2:] == ("packing=false", "parallelism.sp_size=8")
+    assert eight.rung.name == "query chunks" and eight.seq_length > offset_limit(4, 128)
+    assert eight.rung.words[-4:] == ("packing=false", "parallelism.sp_size=8", "attn_implementation=sdpa",
+                                     "query_chunks=true")
+    one = with_words(load_recipe("zero3-offload", lora), ["per_device_train_batch_size=1"])
+    split = dict((rung.name, climbed) for rung, climbed in climbs(one, Topology(8)))["sequence parallelism"]
+    assert longest(split, s, Topology(8), GPU80, 2 * 10**12)[0] == offset_limit(4, 128)
     kept = longest_per_recipe(load_recipe("zero3-offload", [*lora, "lora.redraw_dropout=false"]), s, Topology(8),
                               GPU80, 2 * 10**12)
-    assert 3.7e6 < kept.seq_length < offset_limit(4, 128)
+    assert 3.7e6 < kept.seq_length < eight.seq_length
     unsplit = longest_per_recipe(load_recipe("zero3-offload", [*lora, "parallelism.sp_size=1"]), s, Topology(1), GPU80,
                                  2 * 10**12)
     assert unsplit.rung.name == "query chunks" and 8 * unsplit.seq_length > eight.seq_length

@@ -97,7 +97,10 @@ def test_each_rungs_rules_are_the_recipes():
                            (["query_chunks=true", "attn_implementation=sdpa"], "carries one under sdpa: set packing=false"),
                            (["query_chunks=true", "attn_implementation=sdpa", "packing=false", "torch_compile=true"],
                             "query_chunks calls the kernel once a chunk"),
-                           (["query_chunks=true", "attn_implementation=sdpa", "packing=false", "parallelism.sp_size=2"],
-                            "Ulysses and ring attention wrap sdpa's kernel themselves: set query_chunks=false")):
+                           (["query_chunks=true", "attn_implementation=sdpa", "packing=false", "parallelism.cp_size=2"],
+                            "ring attention passes each process a slice of the keys: set query_chunks=false")):
         with pytest.raises(RecipeError, match=message):
-            load_recipe("single-gpu-lora" if "parallelism.sp_size=2" not in words else "zero3-ulysses", words)
+            load_recipe("single-gpu-lora" if "parallelism.cp_size=2" not in words else "fsdp-lora", words)
+    # under Ulysses the chunks run inside its attention (tests/runs/test_sequence_parallel.py)
+    assert load_recipe("zero3-ulysses", ["query_chunks=true", "attn_implementation=sdpa", "parallelism.sp_size=2"]
+                       ).query_chunks is True

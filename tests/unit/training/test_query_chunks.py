@@ -97,13 +97,15 @@ def test_a_model_with_attention_dropout_is_refused(llama):
 
 
 @pytest.mark.parametrize("kernel", ["cpu", "cuda"])
-@pytest.mark.parametrize("length, chunk", [(2048, 256), (4096, 256), (4096, 512)])
-def test_the_chunks_backward_holds_what_the_plan_says(monkeypatch, kernel, length, chunk):
+@pytest.mark.parametrize("length, chunk, sp", [(2048, 256, 1), (4096, 256, 1), (4096, 512, 1), (4096, 256, 2)])
+def test_the_chunks_backward_holds_what_the_plan_says(monkeypatch, kernel, length, chunk, sp):
     """One attention's backward, 8 query heads over 2 K/V heads of 64 (GQA) in bf16, beside what the forward kept:
     torch's CPU kernel, and the CUDA kernel's allocations stood in for (standins.TorchFlash, from mha_bwd's source):
     the allocation peak is planning.activations.attention_backward_bytes(chunk=...) within 3% (the CPU's 5%, never
     under), dout (the gradient handed in) aside. Without the fp32 sums of dK and dV, or with the kernel's buffers over the whole sequence (the
-    plan of sdpa unchunked), the plan is off by more than 10%."""
+    plan of sdpa unchunked), the plan is off by more than 10%. `sp`: the call of one process of a Ulysses group of 2
+    (a whole sequence for its 8 of the model's 16 heads), planned for that model at the process's slice (chunk / sp
+    queries at every head; with the chunk's whole queries at every head, over by more than 10%)."""
     import standins
     from measuring import allocation_peak_of
     from memrecipe.planning.activations import attention_backward_bytes
@@ -124,16 +126,18 @@ def test_the_chunks_backward_holds_what_the_plan_says(monkeypatch, kernel, lengt
         peak = allocation_peak_of(lambda: out.backward(grad))
     finally:
         torch.set_num_threads(threads)
-    s = Structure("llama", vocab=128, hidden=heads * dim, layers=1, heads=heads, kv_heads=kv, head_dim=dim,
-                  intermediate=4 * heads * dim, gated_mlp=True, linears=(), layer_norm_params=(), top_params=(),
-                  tied_embeddings=False)
-    dout = length * 2 * heads * dim
-    plan = attention_backward_bytes(s, "lora", length, kernel == "cuda", "sdpa", chunk) - dout
+    s = Structure("llama", vocab=128, hidden=sp * heads * dim, layers=1, heads=sp * heads, kv_heads=sp * kv,
+                  head_dim=dim, intermediate=4 * heads * dim, gated_mlp=True, linears=(), layer_norm_params=(),
+                  top_params=(), tied_embeddings=False)
+    dout, cuda, part = length * 2 * heads * dim, kernel == "cuda", length // sp  # (a slice's tokens at every head)
+    plan = attention_backward_bytes(s, "lora", part, cuda, "sdpa", chunk, sp) - dout
     assert plan == pytest.approx(peak, rel=within) and plan >= peak * 0.999, (plan, peak)
-    whole = attention_backward_bytes(s, "lora", length, kernel == "cuda", "sdpa") - dout
+    whole = attention_backward_bytes(s, "lora", part, cuda, "sdpa", sp=sp) - dout
     assert not whole == pytest.approx(peak, rel=0.1)
     unsummed = plan - length * 8 * kv * dim
     assert not unsummed == pytest.approx(peak, rel=0.1)
+    if sp > 1:
+        assert not attention_backward_bytes(s, "lora", part, cuda, "sdpa", chunk) - dout == pytest.approx(peak, rel=0.1)
 
 
 def test_the_loop_builds_the_model_with_its_attention_in_chunks():
