@@ -52,40 +52,36 @@ def plain_launch(folder, *words):
     return folder / "run"
 
 
-def measure(folder, processes, lengths, words=()):
-    """tests/workers/ulysses_bytes.py on `processes` gloo processes: rank 0's bytes at each full length."""
+def worker(name, processes, *args):
+    """tests/workers/NAME.py on `processes` gloo processes (torchrun), one thread each."""
     import subprocess
     import sys
 
     from helpers import REPO, child_env
 
-    folder.mkdir(parents=True, exist_ok=True)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                           "--master_port", str(free_port()), str(REPO / "tests" / "workers" / "ulysses_bytes.py"),
-                           str(folder / "out.json"), wide_model(folder.parent), ",".join(map(str, lengths)), *MEASURED,
-                           *words],
+                           "--master_port", str(free_port()), str(REPO / "tests" / "workers" / f"{name}.py"), *args],
                           capture_output=True, text=True, env=child_env(OMP_NUM_THREADS="1"), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def measure(folder, processes, lengths, words=()):
+    """tests/workers/ulysses_bytes.py on `processes` gloo processes: rank 0's bytes at each full length."""
+    folder.mkdir(parents=True, exist_ok=True)
+    worker("ulysses_bytes", processes, str(folder / "out.json"), wide_model(folder.parent),
+           ",".join(map(str, lengths)), *MEASURED, *words)
     return {int(k): v for k, v in json.loads((folder / "out.json").read_text()).items()}
 
 
 def chunked_kernel(folder, words):
     """tests/workers/ulysses_chunks.py on 2 gloo processes, one sequence of 256 tokens: rank 0's loss, the chunked
     kernel's calls and the gradients."""
-    import subprocess
-    import sys
-
-    from helpers import REPO, child_env
     from memrecipe.training.loading import embedded_model
 
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"{words[0]}.pt"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(REPO / "tests" / "workers" / "ulysses_chunks.py"), str(out),
-                           embedded_model(), "256", "mixed_precision=no", "attn_implementation=sdpa",
-                           "gradient_checkpointing=true", *words],
-                          capture_output=True, text=True, env=child_env(OMP_NUM_THREADS="1"), timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    worker("ulysses_chunks", 2, str(out), embedded_model(), "256", "mixed_precision=no", "attn_implementation=sdpa",
+           "gradient_checkpointing=true", *words)
     return torch.load(out)
 
 
