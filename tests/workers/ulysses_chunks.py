@@ -1,7 +1,8 @@
 """sdpa's attention in query chunks inside DeepSpeed's Ulysses attention, launched on 2 gloo processes (torchrun): the
 model as the loop builds it (tests/helpers.loop_model: query_chunks registers its chunks as sdpa, the kernel the
 wrapper reads) with the Ulysses attention registered as accelerate's prepare registers it, one sequence cut into the
-group's slices as DeepSpeed's adapter cuts it. Rank 0 writes its slice's loss, the chunked kernel's calls and every
+group's slices as DeepSpeed's adapter cuts it, in fp32 or in bf16 (`mixed_precision=bf16`: the model cast, as
+DeepSpeed's engine casts it). Rank 0 writes its slice's loss, the chunked kernel's calls and every
 parameter's gradient (torch.save), to compare with the same run in one call a row.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/workers/ulysses_chunks.py OUT.pt MODEL LENGTH [key=value ...]
@@ -34,6 +35,8 @@ query_chunks.QueryChunkedAttention.forward = staticmethod(counted)
 recipe = load_recipe("zero3-ulysses", words)
 torch.manual_seed(0)
 model, _ = loop_model(recipe, model_path, "no", engine="DEEPSPEED")
+if recipe.mixed_precision == "bf16":  # DeepSpeed's bf16: the engine casts the model, no autocast
+    model.to(torch.bfloat16)
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: E402
 
 UlyssesSPAttentionHF.register_with_transformers(model, core_attn_implementation="sdpa", sequence_parallel_size=sp,
@@ -47,6 +50,6 @@ logits = model(input_ids=ids[:, part], attention_mask=torch.ones_like(ids[:, par
 loss = F.cross_entropy(logits.flatten(0, 1).float(), shifted[:, part].flatten(), ignore_index=-100, reduction="sum")
 loss.backward()
 if rank == 0:
-    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
     torch.save({"loss": loss.item(), "calls": [list(shape) for shape in calls], "grads": grads}, out)
 torch.distributed.barrier()
