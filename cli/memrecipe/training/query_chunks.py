@@ -16,7 +16,13 @@ call that kernel's backward.
 
 On CPU the same chunks run torch's CPU flash kernel (no 32-bit limit there: the rung runs so that the suite and the
 smoke tests train through it), a chunk's forward in two calls merged by log-sum-exp (CpuFlash: CPU's is_causal reads
-from the top left). Rows with a mask (packed or padded) go to transformers' sdpa as they are."""
+from the top left). Rows with a mask (packed or padded) go to transformers' sdpa as they are.
+
+A sliding-window layer (Mistral's, the Qwens', Gemma 3's: each query its `window` last keys, transformers'
+sliding_window_overlay) gets no mask in a row without padding (windowless_mask): each chunk runs against the keys its
+window reaches, one call forward and one backward (BandedAttention). On CUDA that is flash's local attention
+(_flash_attention_forward/_backward, window_size_left window - 1 under is_causal, read from the bottom right: mha_fwd),
+which skips the blocks outside the band; on CPU the kernel takes the band as a [chunk x keys] additive mask."""
 
 from __future__ import annotations
 
@@ -43,6 +49,22 @@ class CudaFlash:
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale)
 
+    @staticmethod
+    def banded(q, k, v, scale, window):
+        """A chunk of queries against the keys its window reaches ([b, h, c, d] views in, flash's [b, c, h, d] out)."""
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            *(x.transpose(1, 2) for x in (q, k, v)), None, None, q.shape[2], k.shape[2], 0.0, True, False,
+            scale=scale, window_size_left=window - 1, window_size_right=0)
+        return out.transpose(1, 2), [lse, rng, unused]
+
+    @staticmethod
+    def banded_backward(grad, q, k, v, out, kept, scale, window):
+        lse, rng, unused = kept
+        grads = torch.ops.aten._flash_attention_backward(
+            *(x.transpose(1, 2) for x in (grad, q, k, v, out)), lse, None, None, q.shape[2], k.shape[2], 0.0, True,
+            rng, unused, scale=scale, window_size_left=window - 1, window_size_right=0)
+        return tuple(x.transpose(1, 2) for x in grads)
+
 
 class CpuFlash:
     """torch's CPU flash kernel, whose is_causal reads from the top left: a chunk's forward as two calls, its own keys
@@ -65,6 +87,29 @@ class CpuFlash:
     def backward(grad, q, k, v, out, kept, scale, causal):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, kept[0], 0.0, causal, scale=scale)
+
+    @staticmethod
+    def banded(q, k, v, scale, window):
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = op(q, k, v, 0.0, False, attn_mask=band(q.shape[2], k.shape[2], window, q.dtype), scale=scale)
+        return out, [lse]
+
+    @staticmethod
+    def banded_backward(grad, q, k, v, out, kept, scale, window):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, kept[0], 0.0, False, attn_mask=band(q.shape[2], k.shape[2], window, q.dtype),
+            scale=scale)
+
+
+def band(queries: int, keys: int, window: int, dtype=torch.bool, device=None) -> torch.Tensor:
+    """The mask of `queries` against `keys` read from the bottom right (the last query's key is the last): each query
+    sees itself and the `window - 1` keys before it (transformers' sliding_window_overlay, flash's local attention).
+    Boolean (True: seen), or additive in `dtype`."""
+    row = torch.arange(queries, device=device).unsqueeze(1) + (keys - queries)
+    col = torch.arange(keys, device=device)
+    seen = (col <= row) & (col > row - window)
+    return seen if dtype == torch.bool else torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
+        ~seen, float("-inf"))
 
 
 def kernel_for(device: torch.device):
@@ -134,15 +179,77 @@ class QueryChunkedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+class BandedAttention(torch.autograd.Function):
+    """Causal sliding-window attention over q [b, h, L, d] and k, v [b, kv, L, d], `chunk` queries a call, each query
+    its `window` last keys (itself among them).
+
+    Forward: each chunk of queries against the keys its window reaches (from window - 1 before its first query to its
+    end), one call; the outputs written into one [b, L, h, d] tensor, kept with each chunk's logsumexp. Backward: the
+    same block, one call of the kernel's backward (the kernel remakes the probabilities from the block's logsumexp,
+    over every key the chunk sees, so the block's gradients are whole). The kernel's buffers over the keys hold
+    chunk + window - 1 of them. A key is read by the query chunks its window reaches: its chunk of keys sums their dK
+    and dV in fp32 until the last that reads it (its own: the query chunks are walked from the last), then rounds
+    once."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunk, scale, window):
+        kernel = kernel_for(q.device)
+        b, h, length, d = q.shape
+        out = q.new_empty(b, length, h, d).transpose(1, 2)
+        bounds, kept = [], []
+        for start in range(0, length, chunk):
+            end, first = min(start + chunk, length), max(0, start - window + 1)
+            part, rest = kernel.banded(q[:, :, start:end], k[:, :, first:end], v[:, :, first:end], scale, window)
+            out[:, :, start:end] = part
+            del part
+            bounds.append((first, start, end))
+            kept.append(rest)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.kernel, ctx.bounds, ctx.kept, ctx.scale, ctx.window, ctx.chunk = kernel, bounds, kept, scale, window, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out = ctx.saved_tensors
+        chunk, length = ctx.chunk, q.shape[2]
+        dq = torch.empty_like(out)
+        sums: dict[int, tuple] = {}  # each key chunk's fp32 dK and dV while query chunks read it
+        done: dict[int, tuple] = {}  # ... then in k's dtype
+        for i in reversed(range(len(ctx.bounds))):
+            first, start, end = ctx.bounds[i]
+            part_q, part_k, part_v = ctx.kernel.banded_backward(
+                grad[:, :, start:end], q[:, :, start:end], k[:, :, first:end], v[:, :, first:end],
+                out[:, :, start:end], ctx.kept[i], ctx.scale, ctx.window)
+            dq[:, :, start:end] = part_q
+            del part_q
+            for j in range(first // chunk, i + 1):  # the key chunks the band reaches
+                keys = range(j * chunk, min((j + 1) * chunk, length))
+                if j not in sums:
+                    sums[j] = tuple(torch.zeros(*k.shape[:2], len(keys), k.shape[3], device=k.device) for _ in "kv")
+                lo = max(keys.start, first)
+                for total, part in zip(sums[j], (part_k, part_v)):
+                    total[:, :, lo - keys.start:].add_(part[:, :, lo - first:keys.stop - first])
+            del part_k, part_v
+            done[i] = tuple(part.to(k.dtype) for part in sums.pop(i))  # (no query chunk before i reads key chunk i)
+        dk = torch.cat([done[i][0] for i in range(len(ctx.bounds))], dim=2)
+        dv = torch.cat([done[i][1] for i in range(len(ctx.bounds))], dim=2)
+        return dq, dk, dv, None, None, None
+
+
 def chunked_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention-function interface (its sdpa_attention_forward's arguments). A row without a mask
-    runs in chunks of the module's `query_chunk` queries (where it is longer than one); a row with one (packed or
-    padded) runs transformers' sdpa as it is, which the plan counts so."""
+    runs in chunks of the module's `query_chunk` queries (where it is longer than one, or where the layer's sliding
+    window cuts its keys: BandedAttention); a row with one (packed or padded) runs transformers' sdpa as it is, which
+    the plan counts so."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    chunk = getattr(module, "query_chunk", 0)
+    chunk, length = getattr(module, "query_chunk", 0), query.shape[2]
+    window = kwargs.get("sliding_window") or 0
+    banded = attention_mask is None and 0 < window < length  # (windowless_mask gave none: the window is the layer's)
     plain = kwargs.get("s_aux") is not None or kwargs.get("softcap")  # (sinks, a softcap: not what the chunks compute)
-    if attention_mask is not None or plain or not chunk or query.shape[2] <= chunk or query.shape[2] != key.shape[2]:
+    if banded and (plain or not chunk or length != key.shape[2]):  # sdpa then, with the window's mask
+        attention_mask, banded = band(length, key.shape[2], window, device=query.device)[None, None], False
+    if attention_mask is not None or plain or not chunk or length != key.shape[2] or (length <= chunk and not banded):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if dropout:
@@ -150,15 +257,32 @@ def chunked_attention(module, query, key, value, attention_mask, dropout: float 
     if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
         raise RecipeError(f"query_chunks runs torch's flash kernel, in 16 bits on a GPU; this run's attention computes "
                           f"in {str(query.dtype).removeprefix('torch.')}: set mixed_precision=bf16")
-    out = QueryChunkedAttention.apply(query, key, value, chunk, scaling)
+    if banded:
+        out = BandedAttention.apply(query, key, value, min(chunk, length), scaling, window)
+    else:
+        out = QueryChunkedAttention.apply(query, key, value, chunk, scaling)
     return out.transpose(1, 2), None  # [b, L, h, d], as sdpa_attention_forward returns it
+
+
+def windowless_mask(**kwargs):
+    """transformers' mask for sdpa (masking_utils.sdpa_mask, which the masking functions call by keyword), but none
+    for a sliding-window layer over rows without padding, as many queries as keys from the first (a training
+    forward): chunked_attention takes the window from the layer (its sliding_window argument), where sdpa_mask would
+    build the dense [S x S] band."""
+    from transformers.masking_utils import sdpa_mask
+
+    padding = kwargs.get("attention_mask")
+    if (kwargs.get("local_size") and kwargs.get("allow_is_causal_skip", True)
+            and kwargs["q_length"] == kwargs["kv_length"] and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
+            and (padding is None or bool(padding.all()))):
+        return None
+    return sdpa_mask(**kwargs)
 
 
 def apply(model, recipe, accelerator) -> int:
     """The rung (planning/rungs.py): every attention module's calls through chunked_attention, `query_chunk`
     queries each (planning.attention.query_chunk_tokens); returns that chunk."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
 
     config = model.config
     if getattr(config, "attention_dropout", 0.0):
@@ -173,12 +297,14 @@ def apply(model, recipe, accelerator) -> int:
                               f"{capability[1]}, head dim {head_dim}): set query_chunks=false")
     chunk = query_chunk_tokens(recipe.query_chunks)
     AttentionInterface.register(NAME, chunked_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)  # (the masks sdpa gets: none for a row of one document)
+    AttentionMaskInterface.register(NAME, windowless_mask)  # (sdpa's masks: none for a row of one document)
     ulysses = getattr(recipe, "sequence_parallel", 1) != 1
     if ulysses:  # DeepSpeed's Ulysses wraps the kernel the config names (sdpa) at prepare, reading it from
         # transformers' registry (ulysses_sp.py, register_with_transformers): the chunks stand in for sdpa there, each
-        # call a whole sequence for the process's share of the heads (the model keeps the name the wrapper checks)
+        # call a whole sequence for the process's share of the heads (the model keeps the name the wrapper checks);
+        # the wrapper drops every mask, and the chunks read a layer's window from its sliding_window argument
         AttentionInterface.register("sdpa", chunked_attention)
+        AttentionMaskInterface.register("sdpa", windowless_mask)
     for module in model.modules():
         if getattr(getattr(module, "config", None), "_attn_implementation", None) == "sdpa" and not ulysses:
             module.config._attn_implementation = NAME

@@ -6,17 +6,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memrecipe.training.query_chunks import QueryChunkedAttention
+from memrecipe.training.query_chunks import BandedAttention, QueryChunkedAttention, band
 
 
-def attention_and_gradients(dtype, chunk, length=100, heads=4, kv_heads=2, dim=16):
+def attention_and_gradients(dtype, chunk, length=100, heads=4, kv_heads=2, dim=16, window=0):
     """(out, dq, dk, dv) in float64 from one causal attention over fixed inputs in `dtype`: chunked, or sdpa's own
-    (chunk 0); q, k and v in the layout transformers hands over ([b, h, L, d] views of [b, L, h, d])."""
+    (chunk 0; `window`: each query its last `window` keys, under sdpa the dense mask transformers would give it);
+    q, k and v in the layout transformers hands over ([b, h, L, d] views of [b, L, h, d])."""
     torch.manual_seed(0)
     inputs = [torch.randn(1, length, n, dim, dtype=torch.float64) for n in (heads, kv_heads, kv_heads)]
     q, k, v = [x.to(dtype).transpose(1, 2).requires_grad_() for x in inputs]
-    if chunk:
+    if chunk and window:
+        out = BandedAttention.apply(q, k, v, chunk, None, window)
+    elif chunk:
         out = QueryChunkedAttention.apply(q, k, v, chunk, None)
+    elif window:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=band(length, length, window), enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     out.backward(torch.linspace(-1, 1, length, dtype=dtype).view(1, 1, length, 1).expand_as(out))
@@ -39,6 +44,95 @@ def test_in_bf16_the_chunks_gradients_are_as_close_to_exact_as_sdpas():
     reference = attention_and_gradients(torch.float64, 0)
     sdpa = attention_and_gradients(torch.bfloat16, 0)
     chunked = attention_and_gradients(torch.bfloat16, 7)
+    for name, ours, theirs, want in zip("out dq dk dv".split(), chunked, sdpa, reference):
+        assert (ours - want).abs().max() <= 1.5 * (theirs - want).abs().max(), name
+
+
+WINDOWS = [(7, 20), (32, 10), (32, 33), (50, 64), (100, 30), (7, 1)]  # (chunk, window): shorter, longer, one chunk
+
+
+def test_the_window_mask_is_transformers_sliding_window():
+    """band() is the mask transformers gives sdpa for a sliding window (masking_utils: sliding_window_overlay over
+    the causal mask, through sdpa_mask), which the chunks compute without it."""
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    want = sdpa_mask(batch_size=1, q_length=40, kv_length=40, mask_function=sliding_window_causal_mask_function(9),
+                     allow_is_causal_skip=False)
+    assert torch.equal(band(40, 40, 9)[None, None], want)
+
+
+@pytest.mark.parametrize("chunk, window", WINDOWS)
+def test_a_sliding_window_in_chunks_is_sdpa_under_its_mask_to_fp32_rounding(chunk, window):
+    """Each chunk against the keys its window reaches, one call forward and one backward with the band's mask
+    (torch's CPU kernel): the output and dq, dk, dv equal sdpa's under transformers' dense sliding-window mask. A band
+    one key short (each chunk from `window - 2` before it) fails this."""
+    reference = attention_and_gradients(torch.float64, 0, window=window)
+    for got, want in zip(attention_and_gradients(torch.float32, chunk, window=window), reference):
+        assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
+
+
+def flash_rule(sq: int, sk: int, is_causal: bool, left, right) -> torch.Tensor:
+    """Which keys flash-attn 2's kernel lets each query see, from the arguments torch's _flash_attention_forward and
+    _backward hand to mha_fwd/mha_bwd (flash_api.cpp: a window past the keys is none, is_causal sets the right one to
+    0, one side given makes the other the keys; then query i sees keys i + sk - sq - left .. i + sk - sq + right)."""
+    left = -1 if left is None or left >= sk else left
+    right = -1 if right is None or right >= sk else right
+    right = 0 if is_causal else right
+    if left < 0 and right < 0:
+        return torch.ones(sq, sk, dtype=torch.bool)
+    left, right = (sk if left < 0 else left), (sk if right < 0 else right)
+    row, col = torch.arange(sq).unsqueeze(1) + sk - sq, torch.arange(sk)
+    return (col >= row - left) & (col <= row + right)
+
+
+def flash_values(q, k, v, seen, scale):
+    """Attention in float64 over flash's layout (q [b, sq, h, d], k and v [b, sk, kv, d]): out and the logsumexp."""
+    q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    scores = (q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)).masked_fill(~seen, float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ v, lse
+
+
+def fake_flash_forward(q, k, v, cum_q, cum_k, max_q, max_k, dropout, is_causal, debug, scale=None,
+                       window_size_left=None, window_size_right=None):
+    out, lse = flash_values(q, k, v, flash_rule(q.shape[1], k.shape[1], is_causal, window_size_left,
+                                                window_size_right), scale)
+    return out.transpose(1, 2).to(q.dtype), lse.float(), torch.empty(2), torch.empty(0), torch.empty(0)
+
+
+def fake_flash_backward(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout, is_causal, rng, unused,
+                        scale=None, window_size_left=None, window_size_right=None):
+    inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    seen = flash_rule(q.shape[1], k.shape[1], is_causal, window_size_left, window_size_right)
+    with torch.enable_grad():  # (a Function's backward runs without)
+        again, _ = flash_values(*inputs, seen, scale)
+        again.transpose(1, 2).backward(grad.double())
+    return tuple(x.grad.to(q.dtype) for x in inputs)
+
+
+@pytest.mark.parametrize("chunk, window", WINDOWS)
+def test_on_cuda_the_window_reaches_flash_as_its_local_attention(monkeypatch, chunk, window):
+    """The CUDA path (CudaFlash.banded: torch's _flash_attention_forward and _backward, each chunk's keys from
+    window - 1 before it, window_size_left window - 1 under is_causal) through a kernel that follows flash-attn's own
+    rule for those arguments (flash_rule, from flash_api.cpp): sdpa's results under the dense window mask. Off by one
+    in window_size_left, or the band's first key one off, fails this."""
+    from memrecipe.training import query_chunks
+
+    monkeypatch.setattr(query_chunks, "kernel_for", lambda device: query_chunks.CudaFlash)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake_flash_forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", fake_flash_backward)
+    reference = attention_and_gradients(torch.float64, 0, window=window)
+    for got, want in zip(attention_and_gradients(torch.float32, chunk, window=window), reference):
+        assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
+
+
+def test_in_bf16_a_windows_chunks_are_as_close_to_exact_as_sdpa_under_its_mask():
+    """In bf16 the band's gradients are rounded once a call and each key chunk's dK and dV summed in fp32: the
+    chunks' largest error against float64 is within 1.5x of sdpa's own under the window's mask, 15 chunks of 7."""
+    reference = attention_and_gradients(torch.float64, 0, window=20)
+    sdpa = attention_and_gradients(torch.bfloat16, 0, window=20)
+    chunked = attention_and_gradients(torch.bfloat16, 7, window=20)
     for name, ours, theirs, want in zip("out dq dk dv".split(), chunked, sdpa, reference):
         assert (ours - want).abs().max() <= 1.5 * (theirs - want).abs().max(), name
 
@@ -81,6 +175,51 @@ def test_a_model_trains_through_the_chunks_as_through_sdpa(llama, monkeypatch):
     padded[:, -20:] = 0  # a padded row: sdpa's mask
     chunked(input_ids=ids, attention_mask=padded, labels=ids)
     assert not calls
+
+
+@pytest.mark.parametrize("kind, extra", [("mistral", {}), ("qwen2", {"use_sliding_window": True,
+                                                                  "max_window_layers": 1})])
+def test_a_sliding_window_model_trains_through_the_chunks_without_a_dense_mask(monkeypatch, kind, extra):
+    """A bf16 Mistral (every layer a window of 48 keys) and a Qwen2 (its second layer alone) over 300 tokens in
+    chunks of 64: each windowed layer runs the band in 5 calls, with no [S x S] mask made (windowless_mask), a full
+    one runs the causal chunks; the loss is transformers' sdpa under its dense window mask, and the weight gradients
+    within bf16 rounding. With the mask function left as sdpa's, no band runs."""
+    import copy
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memrecipe.training import query_chunks
+
+    config = AutoConfig.for_model(kind, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, sliding_window=48,
+                                  attn_implementation="sdpa", **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    plain = copy.deepcopy(model)
+    loss = plain(input_ids=ids, labels=ids).loss
+    loss.backward()
+    chunked = copy.deepcopy(model)
+    query_chunks.apply(chunked, SimpleNamespace(query_chunks=64), None)
+    calls = []
+    for name in ("banded", "forward"):
+        f = getattr(query_chunks.CpuFlash, name)
+        monkeypatch.setattr(query_chunks.CpuFlash, name, staticmethod(lambda *a, f=f, n=name: (calls.append(n), f(*a))[1]))
+    ours = chunked(input_ids=ids, labels=ids).loss
+    ours.backward()
+    windowed = 2 if kind == "mistral" else 1
+    assert calls.count("banded") == windowed * 5 and calls.count("forward") == (2 - windowed) * 5
+    assert ours.item() == pytest.approx(loss.item(), abs=1e-3)
+    for (name, a), b in zip(plain.named_parameters(), chunked.parameters()):
+        assert torch.allclose(a.grad.float(), b.grad.float(), rtol=0.05, atol=0.02 * a.grad.abs().max().item()), name
+    from transformers import AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, query_chunks.NAME, sdpa_mask)
+    calls.clear()
+    assert chunked(input_ids=ids, labels=ids).loss.item() == pytest.approx(loss.item(), abs=1e-3)
+    assert "banded" not in calls
 
 
 def test_a_model_with_attention_dropout_is_refused(llama):
@@ -158,8 +297,9 @@ def test_the_loop_builds_the_model_with_its_attention_in_chunks():
 
 
 def test_the_cuda_kernels_calls_take_the_arguments_torch_gives_on_meta_tensors(monkeypatch):
-    """The CUDA path (query_chunks.CudaFlash: aten's _scaled_dot_product_flash_attention and its backward, as the
-    chunks call them) run through torch's meta kernels, which check the shapes and the arguments as the CUDA ones
+    """The CUDA path (query_chunks.CudaFlash: aten's _scaled_dot_product_flash_attention and its backward as the
+    chunks call them, and _flash_attention_forward and _backward for a sliding window) run through torch's meta
+    kernels, which check the shapes and the arguments as the CUDA ones
     take them (the dense forward's undefined cum_seq tensors passed back as None, K/V at their own heads): forward and
     backward of 3 chunks of 32 over 4 query and 2 K/V heads give the shapes sdpa's do."""
     from memrecipe.training import query_chunks
@@ -168,9 +308,12 @@ def test_the_cuda_kernels_calls_take_the_arguments_torch_gives_on_meta_tensors(m
     q = torch.empty(1, 96, 4, 16, device="meta", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     k, v = [torch.empty(1, 96, 2, 16, device="meta", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
             for _ in "kv"]
-    out = QueryChunkedAttention.apply(q, k, v, 32, None)
-    out.backward(torch.empty_like(out))
-    assert out.shape == q.shape and (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+    for attention in (lambda: QueryChunkedAttention.apply(q, k, v, 32, None),
+                      lambda: BandedAttention.apply(q, k, v, 32, None, 40)):  # (and a sliding window: flash's local)
+        q.grad = k.grad = v.grad = None
+        out = attention()
+        out.backward(torch.empty_like(out))
+        assert out.shape == q.shape and (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
 
 
 def test_a_gpu_the_flash_kernel_cannot_run_on_is_refused_in_one_line(llama, monkeypatch):
