@@ -130,7 +130,8 @@ def cuda_dropout(input, p=0.5, training=True, inplace=False):
 
 
 class TorchFlash:
-    """torch's flash kernel on CUDA as training.query_chunks.CudaFlash calls it, one block of queries and keys a call.
+    """torch's flash kernel on CUDA as training.query_chunks.CudaFlash calls it, one block of queries and keys a call
+    (a sliding window's band of keys, the same kernel's local attention).
     Forward (aten's _scaled_dot_product_flash_attention -> mha_fwd, flash_api.cpp): out = empty_like(q) [b, c, h, d]
     and softmax_lse fp32 [b, h, c]. Backward (_scaled_dot_product_flash_attention_backward -> _flash_attention_backward,
     attention_backward.cu: grad_out and out made contiguous, no copy for one row -> mha_bwd): dq [b, c, h, d], dk and dv
@@ -147,6 +148,16 @@ class TorchFlash:
     def backward(grad, q, k, v, out, kept, scale, causal):
         grad, out = grad.transpose(1, 2).contiguous(), out.transpose(1, 2).contiguous()
         return mha_bwd(q, k)
+
+    @staticmethod
+    def banded(q, k, v, scale, window):
+        """A sliding window's chunk against its band of keys (_flash_attention_forward -> mha_fwd): as forward."""
+        return TorchFlash.forward(q, k, v, scale)
+
+    @staticmethod
+    def banded_backward(grad, q, k, v, out, kept, scale, window):
+        """_flash_attention_backward (attention_backward.cu) -> mha_bwd over the chunk's queries and its band's keys."""
+        return TorchFlash.backward(grad, q, k, v, out, kept, scale, True)
 
 
 def use_torch_flash(monkeypatch) -> None:

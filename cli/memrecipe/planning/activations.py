@@ -4,7 +4,7 @@ Llama-family layers, measured on CPU), at each checkpointing mode, and the loss'
 from __future__ import annotations
 
 from .architecture import NORM_AFTER_MLP, SANDWICH_NORMED, Structure, lora_tensors_on_meta
-from .attention import (block_mask_bytes, chunked, kept_mask_bytes, offset_limit, offsets_note, pick_attention,
+from .attention import (block_mask_bytes, chunked, kept_mask_bytes, mask_window, offset_limit, offsets_note, pick_attention,
                         chunks_dropout_note, dropped_window_note, ring_window_note, square_bytes,
                         unsupported_note)
 from .hardware import usable_cores
@@ -175,7 +175,8 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         total -= others * (mlp_bytes(recipe, s, mode, cuda) - shared_mlp_input_bytes(recipe, s, mode))
     cb = compute_bytes(mode)  # the attention's compute dtype
     repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
-    square = square_bytes(attention, recipe.packing, b, seq, a, fp32=mode == "fp32", window=s.window)
+    square = square_bytes(attention, recipe.packing, b, seq, a, fp32=mode == "fp32",
+                          window=mask_window(recipe.query_chunks, s.window))
     if attention == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated, no log-sum-exp
         total += square + repeated - T * 4 * a
     elif square:  # sdpa under a mask: K/V repeated, the mask made additive
@@ -261,23 +262,46 @@ def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool, a
       sequence (written a query chunk at a time) and the fp32 sums of dK and dV (rounded to 16 bits a key chunk at a
       time, then joined: as much again at the end), beside one call's buffers, mha_bwd's as above over a chunk of
       queries and one of keys, and the query chunk's fp32 dq sum; on CPU, torch's CPU kernel for that block (its
-      buffers measured: tests/unit/training/test_query_chunks.py). Under Ulysses (`sp`; `tokens` a slice's) a chunk
-      of the whole sequence's queries at 1/sp of the heads: as many bytes as chunk / sp queries at all of them."""
+      buffers measured: tests/unit/training/test_query_chunks.py). In a sliding-window layer whose row passes its
+      window (`s.window`: training.query_chunks.BandedAttention) a chunk of queries and the chunk + window - 1 keys
+      its window reaches, one call: no dq sum, the key side's buffers over the band (on CPU its additive mask too).
+      Under Ulysses (`sp`; `tokens` a slice's) a chunk of the whole sequence's queries at 1/sp of the heads: as
+      many bytes as chunk / sp queries at all of them."""
     cb = compute_bytes(mode)
     per_head = s.heads * s.head_dim
     dout = tokens * cb * per_head
     if chunk:
-        share = -(-chunk // sp)  # (the chunk's queries at all heads that hold as much)
-        whole = tokens * (cb * per_head + max(8, 4 * cb) * s.kv_dim)  # dq; dK's and dV's fp32 sums, or their join
-        call = share * (cb * per_head + 4 * per_head + 2 * cb * s.kv_dim)  # dq, its fp32 sum, dk and dv
-        if cuda:  # mha_bwd's dk and dv at every query head (GQA), dq_accum and softmax_d
-            expanded = 2 * cb * per_head if s.kv_heads != s.heads else 0
-            return dout + whole + call + share * (expanded + 4 * (per_head + s.heads))
-        # torch's CPU kernel: a second copy of the block's gradients, and the blocks of every thread but the first
-        # (measured: tests/unit/training/test_query_chunks.py; the first's is not live at the peak)
-        block = (256 if chunk >= 768 else 64 if chunk >= 192 else 32) * min(512, chunk)
-        return dout + whole + call + share * cb * (per_head + 2 * s.kv_dim) \
-            + (usable_cores() - 1) * block * (8 + (4 if cb == 2 else 0))
+        share, row = -(-chunk // sp), tokens * sp  # (the chunk's queries at all heads that hold as much)
+        banded = 0 < s.window < row  # (BandedAttention: one call a chunk over the keys its window reaches)
+
+        def call(band: int) -> int:  # one call's buffers, over `band` keys
+            keys = -(-band // sp)
+            grads = share * cb * per_head + keys * 2 * cb * s.kv_dim  # dq, dk and dv
+            dq_sum = 0 if banded else share * 4 * per_head  # the query chunk's fp32 dq sum over its key chunks
+            if cuda:  # mha_bwd's dk and dv at every query head (GQA), dq_accum and softmax_d
+                expanded = 2 * cb * per_head if s.kv_heads != s.heads else 0
+                return grads + dq_sum + keys * expanded + share * 4 * (per_head + s.heads)
+            block = (256 if chunk >= 768 else 64 if chunk >= 192 else 32) * min(512, band) * (8 + (4 if cb == 2 else 0))
+            if banded:  # torch's CPU kernel beside the band's additive mask (made for the call) and every
+                # thread's fp32 and 16-bit blocks of scores (FlashAttentionKernel.cpp, cpu_flash_attention_backward:
+                # buf, buf_reduced)
+                return grads + chunk * band * cb + usable_cores() * block
+            # torch's CPU kernel: a second copy of the block's gradients, and the blocks of every thread but the
+            # first (measured: tests/unit/training/test_query_chunks.py; the first's is not live at the peak)
+            return 2 * grads + dq_sum + (usable_cores() - 1) * block
+
+        if not banded:  # dq; dK's and dV's fp32 sums (or their join) over the sequence; a block's call
+            return dout + tokens * (cb * per_head + max(8, 4 * cb) * s.kv_dim) + call(chunk)
+        calls, live = -(-row // chunk), -(-(s.window - 1) // chunk)  # live: the key chunks a band reaches before its own
+
+        def during(i: int) -> int:  # the i-th query chunk's call (walked from the last): dq, the key chunks after
+            # it rounded, those the band before it reached still in fp32
+            end = min((i + 1) * chunk, row)
+            return (dout + tokens * cb * per_head + (row - end) // sp * 2 * cb * s.kv_dim
+                    + min(live, i + 1) * share * 8 * s.kv_dim + call(end - max(0, i * chunk - s.window + 1)))
+
+        join = dout + tokens * (cb * per_head + 4 * cb * s.kv_dim)  # dK's and dV's rounded chunks joined
+        return max(join, *(during(min(i, calls - 1)) for i in (0, live - 1, live)))
     if cuda and attention == "flex_attention":
         return dout + tokens * (cb * (per_head + 2 * s.kv_dim) + 4 * s.heads)  # dq, dk and dv, delta
     grads = tokens * 3 * cb * per_head
@@ -612,7 +636,7 @@ def small_bytes(recipe: Recipe, s: Structure, mode: str, attention: str, b: int,
     """What every layer reads and the checkpoints keep beside their inputs: the input ids, rotary cos/sin, flex's
     BlockMask and sdpa's boolean mask, one a kind of layer (full attention, a sliding window), as transformers builds
     them (each model's causal_mask_mapping)."""
-    T, kinds = b * seq, tuple(g.window for g in s.groups())
+    T, kinds = b * seq, tuple(mask_window(recipe.query_chunks, g.window) for g in s.groups())
     rope = T * 2 * s.head_dim * (4 if mode in ("fp32", "mixed", "qlora") else 2)
     return T * 8 + rope + block_mask_bytes(attention, b, seq) * len(set(kinds)) + kept_mask_bytes(
         attention, recipe.packing, b, seq, recipe.checkpoints, kinds)
@@ -690,7 +714,7 @@ def plan_attention(recipe: Recipe, s: Structure, mode: str, half: bool, batch: i
     calls = max(chunk or tokens for chunk in chunks)  # (a call's queries)
     wraps = (ring_window_note(recipe.context_parallel, tuple(g.window for g in s.groups()), s.model_type)
              or unsupported_note(attention, s.sdpa, s.flex, s.model_type)
-             or dropped_window_note(attention, sp, s.masked_windows(seq), s.model_type)
+             or dropped_window_note(attention, sp, s.masked_windows(seq), s.model_type, recipe.query_chunks)
              or (chunks_dropout_note(s.attention_dropout) if any(chunks) and s.attention_dropout else None)
              or (None if cpu else offsets_note(attention, calls, heads, s.head_dim)))
     if wraps:  # refused: not a matter of bytes

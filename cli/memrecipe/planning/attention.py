@@ -57,11 +57,19 @@ def query_chunk_tokens(query_chunks: bool | int) -> int:
 
 def chunked(query_chunks: bool | int, name: str, packing: bool, micro_batch: int, seq: int, window: int = 0) -> int:
     """The queries one call of the kernel holds in a plan under query_chunks, where a row of `seq` runs in chunks
-    (sdpa without a mask, longer than one chunk; `window`: the layer's sliding window, past which it has a mask);
-    0 where it runs whole."""
+    (sdpa without a mask, longer than one chunk, or in a layer whose sliding `window` the row passes: then at most
+    the row, one call, training.query_chunks.BandedAttention); 0 where it runs whole."""
     chunk = query_chunk_tokens(query_chunks)
-    masked = dense_mask(name, packing, micro_batch, seq, window)
-    return chunk if chunk and name == "sdpa" and not masked and seq > chunk else 0
+    if not chunk or name != "sdpa" or dense_mask(name, packing, micro_batch):
+        return 0
+    return chunk if seq > chunk else seq if 0 < window < seq else 0
+
+
+def mask_window(query_chunks: bool | int, window: int) -> int:
+    """The sliding window that gives sdpa a dense mask past it (dense_mask): none under query_chunks, whose mask
+    function gives a windowed layer's rows without padding none (training.query_chunks.windowless_mask), its
+    chunks taking the window from the layer."""
+    return 0 if query_chunks is not False else window
 
 
 def offsets_note(name: str, tokens: int, heads: int, head_dim: int) -> str | None:
@@ -133,16 +141,19 @@ def chunks_dropout_note(dropout: float) -> str:
             "set query_chunks=false")
 
 
-def dropped_window_note(name: str, sp: int, windows: tuple[int, ...], model_type: str) -> str | None:
+def dropped_window_note(name: str, sp: int, windows: tuple[int, ...], model_type: str,
+                        query_chunks: bool | int = False) -> str | None:
     """One line when Ulysses would run a sliding-window layer as full causal attention (`windows`: those the rows
     reach, Structure.masked_windows): DeepSpeed's UlyssesSPAttentionHF drops every tensor mask (uattn_wrapper), and
-    transformers' sdpa_attention_forward reads the window only from the mask, while flash-attn's takes it from the
-    layer (its sliding_window argument, which the wrapper passes on). A wrong result, not an error: refused."""
-    if sp == 1 or name != "sdpa" or not windows:
+    transformers' sdpa_attention_forward reads the window only from the mask, while flash-attn's and the query chunks
+    (`query_chunks`: none refused under them) take it from the layer (its sliding_window argument, which the wrapper
+    passes on). A wrong result, not an error: refused."""
+    if sp == 1 or name != "sdpa" or not any(mask_window(query_chunks, w) for w in windows):
         return None
     return (f"attention: Ulysses drops the attention mask, and under sdpa {model_type}'s sliding-window layers would "
-            f"attend to every key before them, not the last {min(windows):,}: use attn_implementation="
-            f"flash_attention_2 (CUDA: it takes the window from the layer), or max_seq_length below {min(windows):,}")
+            f"attend to every key before them, not the last {min(windows):,}: use query_chunks=true or (CUDA) "
+            f"attn_implementation=flash_attention_2, both taking the window from the layer, or max_seq_length below "
+            f"{min(windows):,}")
 
 
 def ring_window_note(cp: int, windows: tuple[int, ...], model_type: str) -> str | None:

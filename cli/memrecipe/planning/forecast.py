@@ -15,6 +15,7 @@ from typing import Protocol
 
 from .activations import tile_count
 from .architecture import SANDWICH_NORMED, Structure
+from .attention import chunked, mask_window, query_chunk_tokens
 from .gpus import GPUS, Gpu
 from .recipe import Recipe, method
 
@@ -188,10 +189,22 @@ def cpu_flash_work(seq: int, causal: bool = True) -> tuple[float, int]:
     return scores / seq**2, pairs
 
 
+def cpu_band_work(seq: int, chunk: int, window: int) -> tuple[float, int]:
+    """cpu_flash_work for a sliding-window layer in query chunks (training.query_chunks.BandedAttention): each chunk
+    against the keys its window reaches, under the band's mask, so every block of the call is computed."""
+    q, kv = (256 if chunk >= 768 else 64 if chunk >= 192 else 32), 512
+    scores = pairs = 0
+    for start in range(0, seq, chunk):
+        rows, keys = min(chunk, seq - start), min(start + chunk, seq) - max(0, start - window + 1)
+        scores += rows * keys
+        pairs += -(-rows // q) * -(-keys // kv)
+    return scores / seq**2, pairs
+
+
 def window_share(seq: int, window: int) -> float:
     """Of a row's [seq x seq] scores, the share a causal sliding window holds (each query its `window` keys at most):
     what flash-attn's and flex_attention's kernels compute of a sliding-window layer (the blocks outside the window
-    skipped); 0.5, causal, where the row does not reach the window."""
+    skipped; and torch's, for query chunks on a GPU); 0.5, causal, where the row does not reach the window."""
     if not window or window >= seq:
         return 0.5
     return window / seq * (1 - window / (2 * seq))
@@ -204,17 +217,23 @@ def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, atten
     score is computed; flash-attn and flex_attention compute a sliding window's band alone (window_share). Eager
     multiplies the [S x S] scores as plain batched matmuls. On a CPU, sdpa is torch's flash kernel: its blocks
     (cpu_flash_work), and its seconds beside the FLOPs a score and a block, for the passes attention_passes
-    counts."""
+    counts. Under query_chunks a sliding window takes no mask (attention.mask_window): its band alone, on a GPU
+    (flash's local attention) as flash-attn's, on a CPU each chunk's call under the band's mask (cpu_band_work)."""
+    chunk = query_chunk_tokens(recipe.query_chunks) if attention == "sdpa" else 0
     total = 0.0
     for g in s.groups():
-        masked = attention == "sdpa" and (recipe.packing or 0 < g.window <= seq)
+        window = mask_window(recipe.query_chunks, g.window)
+        masked = attention == "sdpa" and (recipe.packing or 0 < window <= seq)
+        banded = chunked(recipe.query_chunks, attention, recipe.packing, recipe.per_device_train_batch_size, seq,
+                         g.window) and 0 < g.window < seq
         if attention not in rates.attention:  # (eager)
             total += attention_flops(recipe, g, seq, 1.0) * rows * seq / rates.matmul
         elif not rates.cpu_attention:
-            share = 1.0 if masked else 0.5 if attention == "sdpa" else window_share(seq, g.window)
+            share = 1.0 if masked else window_share(seq, g.window) if banded or attention != "sdpa" else 0.5
             total += attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention]
         else:
-            share, pairs = cpu_flash_work(seq, causal=not masked)
+            share, pairs = cpu_band_work(seq, min(chunk, seq), g.window) if banded else cpu_flash_work(
+                seq, causal=not masked)
             beside = g.layers * g.heads * rows * attention_passes(recipe) / 3.5 * (
                 share * seq**2 * rates.attention_score + pairs * rates.attention_block)
             total += attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention] + beside

@@ -14,7 +14,7 @@ from ..errors import RecipeError
 from ..units import GiB
 from .activations import activation_mode, plan_attention, residual_bytes
 from .architecture import Structure
-from .attention import square_bytes, square_note
+from .attention import mask_window, square_bytes, square_note
 from .forecast import CPU_RATES, REFERENCE, Rates, forecast
 from .nccl import nccl_bytes
 from .recipe import METHODS, Recipe, method
@@ -141,7 +141,8 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
     attention, act, wraps = plan_attention(recipe, s, mode, compute_bytes == 2, batch, seq, sp, topo.cpu, attention,
                                            notes)
     square = square_note(attention, max(square_bytes(attention, recipe.packing, batch, seq, s.heads, compute_bytes == 4,
-                                                      g.window) for g in s.groups()), seq)
+                                                      mask_window(recipe.query_chunks, g.window))
+                                     for g in s.groups()), seq)
     if square:  # long context on a kernel that keeps [S x S] tensors: say which kernels keep none
         notes.append(square)
     # the step's temporaries: after backward (the activations gone), or inside it, beside the checkpointed inputs

@@ -108,8 +108,8 @@ def band(queries: int, keys: int, window: int, dtype=torch.bool, device=None) ->
     row = torch.arange(queries, device=device).unsqueeze(1) + (keys - queries)
     col = torch.arange(keys, device=device)
     seen = (col <= row) & (col > row - window)
-    return seen if dtype == torch.bool else torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
-        ~seen, float("-inf"))
+    return seen if dtype == torch.bool else torch.full(seen.shape, float("-inf"), dtype=dtype, device=device
+                                                       ).masked_fill_(seen, 0.0)
 
 
 def kernel_for(device: torch.device):
@@ -227,8 +227,8 @@ class BandedAttention(torch.autograd.Function):
                 if j not in sums:
                     sums[j] = tuple(torch.zeros(*k.shape[:2], len(keys), k.shape[3], device=k.device) for _ in "kv")
                 lo = max(keys.start, first)
-                for total, part in zip(sums[j], (part_k, part_v)):
-                    total[:, :, lo - keys.start:].add_(part[:, :, lo - first:keys.stop - first])
+                sums[j][0][:, :, lo - keys.start:].add_(part_k[:, :, lo - first:keys.stop - first])
+                sums[j][1][:, :, lo - keys.start:].add_(part_v[:, :, lo - first:keys.stop - first])
             del part_k, part_v
             done[i] = tuple(part.to(k.dtype) for part in sums.pop(i))  # (no query chunk before i reads key chunk i)
         dk = torch.cat([done[i][0] for i in range(len(ctx.bounds))], dim=2)

@@ -42,7 +42,8 @@ def check_sequence_parallel(accelerator, recipe, config) -> int:
         text = config.get_text_config()
         check_heads(sp, text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
         reached = reached_windows(layer_windows(text.to_dict()), recipe.max_seq_length)
-        if dropped := dropped_window_note(config._attn_implementation, sp, reached, text.model_type):
+        if dropped := dropped_window_note(config._attn_implementation, sp, reached, text.model_type,
+                                           recipe.query_chunks):
             raise RecipeError(dropped)
     return sp
 

@@ -317,6 +317,32 @@ def test_past_a_sliding_window_auto_takes_a_kernel_without_a_dense_mask(monkeypa
                                                                                             "flash_attention_2")
 
 
+def test_under_query_chunks_a_sliding_window_keeps_no_dense_mask():
+    """Query chunks give a windowed layer's rows no mask (training.query_chunks.windowless_mask) and run each chunk
+    against the keys its window reaches: past Mistral's window the plan keeps none of sdpa's [S x S] masks (2 GiB a
+    layer at 32K tokens, and the note naming the kernels that keep none), as much as the same model without a
+    window, and a step faster than its causal half (the band alone, on a GPU); below a chunk's length, one call."""
+    from model_configs import LLAMA_8B
+
+    from memrecipe.planning.attention import chunked
+
+    llama, mistral = (structure(LLAMA_8B | extra) for extra in ({}, {"model_type": "mistral", "sliding_window": 4096}))
+    words = ["model_name_or_path=org/model", "per_device_train_batch_size=1", "attn_implementation=sdpa",
+             "packing=false"]
+    whole, chunks = (load_recipe("single-gpu-lora", [*words, *extra]) for extra in ([], ["query_chunks=4096"]))
+    plans = {(r is chunks, s.model_type): estimate(r, s, Topology(1), seq_length=32768)
+             for r in (whole, chunks) for s in (llama, mistral)}
+    masked, banded, causal = plans[False, "mistral"], plans[True, "mistral"], plans[True, "llama"]
+    assert masked.activations - causal.activations >= 32768**2 * 2  # (at least one layer's additive bf16 mask)
+    assert any("dense mask" in n for n in masked.notes) and not any("dense mask" in n for n in banded.notes)
+    assert (banded.activations, banded.working) == (causal.activations, causal.working)
+    assert banded.step_seconds < causal.step_seconds
+    assert chunked(4096, "sdpa", False, 1, 6000, 4096) == 4096
+    assert chunked(8192, "sdpa", False, 1, 6000, 4096) == 6000  # (one call over the bands: a row past its window)
+    assert chunked(8192, "sdpa", False, 1, 6000, 0) == chunked(8192, "sdpa", False, 1, 4000, 4096) == 0
+    assert chunked(8192, "sdpa", True, 1, 32768, 4096) == 0  # (packed: the documents' mask, sdpa whole)
+
+
 def test_a_kernel_the_models_class_has_no_path_for_is_refused_in_one_line_and_auto_avoids_it(monkeypatch, tmp_path):
     """Gemma 2's transformers class has no sdpa path (it soft-caps its scores): auto takes eager on CPU and
     flex_attention on a GPU without flash-attn, in the loop and the plan alike, and a recipe naming sdpa is refused

@@ -119,6 +119,38 @@ def test_a_sliding_window_computes_its_band_or_under_sdpas_mask_the_whole_square
         (27 * band + 5) / 32 * causal["flex_attention"])
 
 
+@pytest.mark.parametrize("seq, chunk, window", [(8192, 1024, 4096), (8192, 1024, 1000), (3000, 512, 700),
+                                                 (4096, 4096, 1024)])
+def test_query_chunks_compute_a_sliding_windows_band(seq, chunk, window):
+    """Under query_chunks a sliding-window layer takes no mask (training.query_chunks.windowless_mask): each chunk
+    of queries runs against the keys its window reaches (BandedAttention). On a GPU, flash's local attention: the
+    band alone, as flash-attn's; on a CPU, torch's kernel under the band's additive mask computes every block of
+    each call: the chunk's queries by the chunk + window - 1 keys (fewer at the start), in its blocks."""
+    q = 256 if chunk >= 768 else 64 if chunk >= 192 else 32
+    calls = [(min(chunk, seq - m), min(m + chunk, seq) - max(0, m - window + 1)) for m in range(0, seq, chunk)]
+    assert fc.cpu_band_work(seq, chunk, window) == pytest.approx((
+        sum(r * k for r, k in calls) / seq**2, sum(-(-r // q) * -(-k // 512) for r, k in calls)))
+    mistral = structure(LLAMA_8B | {"model_type": "mistral", "sliding_window": window})
+    llama = structure(LLAMA_8B)
+    words = ["attn_implementation=sdpa", "packing=false", "per_device_train_batch_size=1",
+             "gradient_checkpointing=false"]  # (one forward and one backward: attention_passes 3.5)
+    whole, chunks = (load_recipe("single-gpu-lora", [*words, *extra]) for extra in ([], [f"query_chunks={chunk}"]))
+    gpu, cpu = fc.REFERENCE, fc.CPU_RATES
+    causal = fc.attention_seconds(chunks, llama, seq, 1, "sdpa", gpu)
+    assert causal == fc.attention_seconds(whole, llama, seq, 1, "sdpa", gpu)  # (a row's causal half, chunked or not)
+    assert fc.attention_seconds(chunks, mistral, seq, 1, "sdpa", gpu) == pytest.approx(
+        fc.window_share(seq, window) / 0.5 * causal)
+    banded = fc.attention_seconds(chunks, mistral, seq, 1, "sdpa", cpu)
+    masked = fc.attention_seconds(whole, mistral, seq, 1, "sdpa", cpu)  # (the dense mask: the whole square)
+    share, pairs = fc.cpu_band_work(seq, chunk, window)
+    g = mistral.groups()[0]
+    assert banded == pytest.approx(fc.attention_flops(chunks, g, seq, share) * seq / cpu.attention["sdpa"]
+                                   + g.layers * g.heads * (share * seq**2 * cpu.attention_score
+                                                           + pairs * cpu.attention_block))
+    # (one chunk a row: the whole square under the band's mask, as under the dense one)
+    assert banded < masked if chunk < seq else banded == pytest.approx(masked)
+
+
 def test_a_cpu_pays_each_checkpointed_layers_recompute_beyond_its_pass():
     """torch.utils.checkpoint's own work (its hooks, autocast's casts of the weights again) in the recompute costs a
     CPU more than a pass of the layer's ops: measured apart (benchmarks/forecast.py --cpu), counted a layer."""

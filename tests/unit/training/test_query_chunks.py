@@ -236,15 +236,20 @@ def test_a_model_with_attention_dropout_is_refused(llama):
 
 
 @pytest.mark.parametrize("kernel", ["cpu", "cuda"])
-@pytest.mark.parametrize("length, chunk, sp", [(2048, 256, 1), (4096, 256, 1), (4096, 512, 1), (4096, 256, 2)])
-def test_the_chunks_backward_holds_what_the_plan_says(monkeypatch, kernel, length, chunk, sp):
+@pytest.mark.parametrize("length, chunk, sp, window", [(2048, 256, 1, 0), (4096, 256, 1, 0), (4096, 512, 1, 0),
+                                                       (4096, 256, 2, 0), (4096, 256, 1, 1024), (4096, 512, 1, 300),
+                                                       (4096, 256, 2, 700)])
+def test_the_chunks_backward_holds_what_the_plan_says(monkeypatch, kernel, length, chunk, sp, window):
     """One attention's backward, 8 query heads over 2 K/V heads of 64 (GQA) in bf16, beside what the forward kept:
     torch's CPU kernel, and the CUDA kernel's allocations stood in for (standins.TorchFlash, from mha_bwd's source):
     the allocation peak is planning.activations.attention_backward_bytes(chunk=...) within 3% (the CPU's 5%, never
     under), dout (the gradient handed in) aside. Without the fp32 sums of dK and dV, or with the kernel's buffers over the whole sequence (the
     plan of sdpa unchunked), the plan is off by more than 10%. `sp`: the call of one process of a Ulysses group of 2
     (a whole sequence for its 8 of the model's 16 heads), planned for that model at the process's slice (chunk / sp
-    queries at every head; with the chunk's whole queries at every head, over by more than 10%)."""
+    queries at every head; with the chunk's whole queries at every head, over by more than 10%). `window`: a
+    sliding-window layer's band (BandedAttention), its key-side buffers over chunk + window - 1 keys and the key
+    chunks the band reaches summed in fp32; planned over the chunk's own keys alone, under by more than 3% (but on
+    CPU under Ulysses, where the join of dK's and dV's chunks binds at the end, not a call)."""
     import standins
     from measuring import allocation_peak_of
     from memrecipe.planning.activations import attention_backward_bytes
@@ -259,7 +264,8 @@ def test_the_chunks_backward_holds_what_the_plan_says(monkeypatch, kernel, lengt
     heads, kv, dim = 8, 2, 64
     q = torch.randn(1, length, heads, dim, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     k, v = [torch.randn(1, length, kv, dim, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in "kv"]
-    out = QueryChunkedAttention.apply(q, k, v, chunk, None)
+    out = BandedAttention.apply(q, k, v, chunk, None, window) if window else QueryChunkedAttention.apply(
+        q, k, v, chunk, None)
     grad = torch.ones(1, length, heads, dim, dtype=torch.bfloat16).transpose(1, 2)
     try:
         peak = allocation_peak_of(lambda: out.backward(grad))
@@ -267,7 +273,7 @@ def test_the_chunks_backward_holds_what_the_plan_says(monkeypatch, kernel, lengt
         torch.set_num_threads(threads)
     s = Structure("llama", vocab=128, hidden=sp * heads * dim, layers=1, heads=sp * heads, kv_heads=sp * kv,
                   head_dim=dim, intermediate=4 * heads * dim, gated_mlp=True, linears=(), layer_norm_params=(),
-                  top_params=(), tied_embeddings=False)
+                  top_params=(), tied_embeddings=False, window=window)
     dout, cuda, part = length * 2 * heads * dim, kernel == "cuda", length // sp  # (a slice's tokens at every head)
     plan = attention_backward_bytes(s, "lora", part, cuda, "sdpa", chunk, sp) - dout
     assert plan == pytest.approx(peak, rel=within) and plan >= peak * 0.999, (plan, peak)
@@ -277,6 +283,11 @@ def test_the_chunks_backward_holds_what_the_plan_says(monkeypatch, kernel, lengt
     assert not unsummed == pytest.approx(peak, rel=0.1)
     if sp > 1:
         assert not attention_backward_bytes(s, "lora", part, cuda, "sdpa", chunk) - dout == pytest.approx(peak, rel=0.1)
+    if window and (cuda or sp == 1):  # (a window of 1: a band of the chunk's own keys, no key chunk before it in fp32)
+        from dataclasses import replace
+
+        narrow = attention_backward_bytes(replace(s, window=1), "lora", part, cuda, "sdpa", chunk, sp) - dout
+        assert narrow < 0.97 * peak, (narrow, peak)
 
 
 def test_the_loop_builds_the_model_with_its_attention_in_chunks():

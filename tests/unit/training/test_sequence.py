@@ -161,7 +161,7 @@ def test_ulysses_under_sdpa_is_refused_where_it_would_drop_a_sliding_window():
     """DeepSpeed's Ulysses wrapper drops the attention mask, and transformers' sdpa reads a sliding window only from
     it: past its window a Mistral's layers would attend to every key before them, silently another model. The loop
     refuses that in one line (a copied script; the plan refuses it before launch), not below the window, nor under
-    flash-attn, which takes the window from the layer."""
+    flash-attn or the query chunks, which take the window from the layer."""
     from transformers import MistralConfig
 
     from memrecipe.planning.architecture import structure
@@ -179,14 +179,17 @@ def test_ulysses_under_sdpa_is_refused_where_it_would_drop_a_sliding_window():
     long, short = (load_recipe("zero3-ulysses", [f"max_seq_length={n}"]) for n in (2048, 64))
     with pytest.raises(RecipeError, match=r"Ulysses drops the attention mask, and under sdpa mistral's sliding-window "
                                           r"layers would attend to every key before them, not the last 128: use "
-                                          r"attn_implementation=flash_attention_2"):
+                                          r"query_chunks=true or \(CUDA\) attn_implementation=flash_attention_2"):
         check_sequence_parallel(group, long, config)
     assert check_sequence_parallel(group, short, config) == 2
+    assert check_sequence_parallel(group, load_recipe("zero3-ulysses", ["max_seq_length=2048", "query_chunks=true"]),
+                                   config) == 2
     config._attn_implementation = "flash_attention_2"
     assert check_sequence_parallel(group, long, config) == 2
     mistral = structure(LLAMA_8B | {"model_type": "mistral", "sliding_window": 4096})
     words = ["model_name_or_path=org/model", "per_device_train_batch_size=1"]
-    for kernel, seq, refused in (("sdpa", 32768, True), ("sdpa", 2048, False), ("flash_attention_2", 32768, False)):
-        e = estimate(load_recipe("zero3-ulysses", [*words, f"attn_implementation={kernel}"]), mistral, Topology(8),
-                     seq_length=seq)
+    for kernel, seq, refused in (("sdpa", 32768, True), ("sdpa", 2048, False), ("flash_attention_2", 32768, False),
+                                 ("sdpa query_chunks=4096", 32768, False)):
+        e = estimate(load_recipe("zero3-ulysses", [*words, *f"attn_implementation={kernel}".split()]), mistral,
+                     Topology(8), seq_length=seq)
         assert bool(e.refused and "not the last 4,096" in e.refused) == refused, (kernel, seq, e.refused)
