@@ -175,8 +175,7 @@ def layer_activation_bytes(recipe: Recipe, s: Structure, mode: str, b: int, seq:
         total -= others * (mlp_bytes(recipe, s, mode, cuda) - shared_mlp_input_bytes(recipe, s, mode))
     cb = compute_bytes(mode)  # the attention's compute dtype
     repeated = T * (a * s.head_dim - kv) * 2 * cb  # K and V copied to every query head (transformers' repeat_kv)
-    square = square_bytes(attention, recipe.packing, b, seq, a, fp32=mode == "fp32",
-                          window=mask_window(recipe.query_chunks, s.window))
+    square = square_bytes(attention, recipe.packing, b, seq, a, mode == "fp32", mask_window(recipe.query_chunks, s.window))
     if attention == "eager":  # the s x s scores: fp32 softmax (+ its 16-bit copy), k/v repeated, no log-sum-exp
         total += square + repeated - T * 4 * a
     elif square:  # sdpa under a mask: K/V repeated, the mask made additive
@@ -271,37 +270,7 @@ def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool, a
     per_head = s.heads * s.head_dim
     dout = tokens * cb * per_head
     if chunk:
-        share, row = -(-chunk // sp), tokens * sp  # (the chunk's queries at all heads that hold as much)
-        banded = 0 < s.window < row  # (BandedAttention: one call a chunk over the keys its window reaches)
-
-        def call(band: int) -> int:  # one call's buffers, over `band` keys
-            keys = -(-band // sp)
-            grads = share * cb * per_head + keys * 2 * cb * s.kv_dim  # dq, dk and dv
-            dq_sum = 0 if banded else share * 4 * per_head  # the query chunk's fp32 dq sum over its key chunks
-            if cuda:  # mha_bwd's dk and dv at every query head (GQA), dq_accum and softmax_d
-                expanded = 2 * cb * per_head if s.kv_heads != s.heads else 0
-                return grads + dq_sum + keys * expanded + share * 4 * (per_head + s.heads)
-            block = (256 if chunk >= 768 else 64 if chunk >= 192 else 32) * min(512, band) * (8 + (4 if cb == 2 else 0))
-            if banded:  # torch's CPU kernel beside the band's additive mask (made for the call) and every
-                # thread's fp32 and 16-bit blocks of scores (FlashAttentionKernel.cpp, cpu_flash_attention_backward:
-                # buf, buf_reduced)
-                return grads + chunk * band * cb + usable_cores() * block
-            # torch's CPU kernel: a second copy of the block's gradients, and the blocks of every thread but the
-            # first (measured: tests/unit/training/test_query_chunks.py; the first's is not live at the peak)
-            return 2 * grads + dq_sum + (usable_cores() - 1) * block
-
-        if not banded:  # dq; dK's and dV's fp32 sums (or their join) over the sequence; a block's call
-            return dout + tokens * (cb * per_head + max(8, 4 * cb) * s.kv_dim) + call(chunk)
-        calls, live = -(-row // chunk), -(-(s.window - 1) // chunk)  # live: the key chunks a band reaches before its own
-
-        def during(i: int) -> int:  # the i-th query chunk's call (walked from the last): dq, the key chunks after
-            # it rounded, those the band before it reached still in fp32
-            end = min((i + 1) * chunk, row)
-            return (dout + tokens * cb * per_head + (row - end) // sp * 2 * cb * s.kv_dim
-                    + min(live, i + 1) * share * 8 * s.kv_dim + call(end - max(0, i * chunk - s.window + 1)))
-
-        join = dout + tokens * (cb * per_head + 4 * cb * s.kv_dim)  # dK's and dV's rounded chunks joined
-        return max(join, *(during(min(i, calls - 1)) for i in (0, live - 1, live)))
+        return dout + chunks_backward_bytes(s, cb, tokens, cuda, chunk, sp)
     if cuda and attention == "flex_attention":
         return dout + tokens * (cb * (per_head + 2 * s.kv_dim) + 4 * s.heads)  # dq, dk and dv, delta
     grads = tokens * 3 * cb * per_head
@@ -309,6 +278,42 @@ def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool, a
         return grads + dout + tokens * (2 * cb * s.kv_dim + 4 * (per_head + s.heads))
     block = (256 if tokens >= 768 else 64 if tokens >= 192 else 32) * min(512, tokens)
     return grads + dout + usable_cores() * block * (8 + (4 if cb == 2 else 0))
+
+
+def chunks_backward_bytes(s: Structure, cb: int, tokens: int, cuda: bool, chunk: int, sp: int) -> int:
+    """attention_backward_bytes under query chunks (`cb`: the compute dtype's bytes), beside the output's gradient."""
+    per_head = s.heads * s.head_dim
+    share, row = -(-chunk // sp), tokens * sp  # (the chunk's queries at all heads that hold as much)
+    banded = 0 < s.window < row  # (BandedAttention: one call a chunk over the keys its window reaches)
+
+    def call(band: int) -> int:  # one call's buffers, over `band` keys
+        keys = -(-band // sp)
+        grads = share * cb * per_head + keys * 2 * cb * s.kv_dim  # dq, dk and dv
+        dq_sum = 0 if banded else share * 4 * per_head  # the query chunk's fp32 dq sum over its key chunks
+        if cuda:  # mha_bwd's dk and dv at every query head (GQA), dq_accum and softmax_d
+            expanded = 2 * cb * per_head if s.kv_heads != s.heads else 0
+            return grads + dq_sum + keys * expanded + share * 4 * (per_head + s.heads)
+        block = (256 if chunk >= 768 else 64 if chunk >= 192 else 32) * min(512, band) * (8 + (4 if cb == 2 else 0))
+        if banded:  # torch's CPU kernel beside the band's additive mask (made for the call) and every
+            # thread's fp32 and 16-bit blocks of scores (FlashAttentionKernel.cpp, cpu_flash_attention_backward:
+            # buf, buf_reduced)
+            return grads + chunk * band * cb + usable_cores() * block
+        # torch's CPU kernel: a second copy of the block's gradients, and the blocks of every thread but the
+        # first (measured: tests/unit/training/test_query_chunks.py; the first's is not live at the peak)
+        return 2 * grads + dq_sum + (usable_cores() - 1) * block
+
+    if not banded:  # dq; dK's and dV's fp32 sums (or their join) over the sequence; a block's call
+        return tokens * (cb * per_head + max(8, 4 * cb) * s.kv_dim) + call(chunk)
+    calls, live = -(-row // chunk), -(-(s.window - 1) // chunk)  # live: the key chunks a band reaches before its own
+
+    def during(i: int) -> int:  # the i-th query chunk's call (walked from the last): dq, the key chunks after
+        # it rounded, those the band before it reached still in fp32
+        end = min((i + 1) * chunk, row)
+        return (tokens * cb * per_head + (row - end) // sp * 2 * cb * s.kv_dim
+                + min(live, i + 1) * share * 8 * s.kv_dim + call(end - max(0, i * chunk - s.window + 1)))
+
+    join = tokens * (cb * per_head + 4 * cb * s.kv_dim)  # dK's and dV's rounded chunks joined
+    return max(join, *(during(min(i, calls - 1)) for i in (0, live - 1, live)))
 
 
 def exchange_bytes(s: Structure, mode: str, tokens: int, sp: int) -> int:

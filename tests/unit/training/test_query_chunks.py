@@ -281,9 +281,10 @@ def test_the_chunks_backward_holds_what_the_plan_says(monkeypatch, kernel, lengt
     assert not whole == pytest.approx(peak, rel=0.1)
     unsummed = plan - length * 8 * kv * dim
     assert not unsummed == pytest.approx(peak, rel=0.1)
-    if sp > 1:
+    if sp > 1 and (cuda or not window):  # (a CPU band's mask and blocks over the band: near a slice's whole at 700)
         assert not attention_backward_bytes(s, "lora", part, cuda, "sdpa", chunk) - dout == pytest.approx(peak, rel=0.1)
-    if window and (cuda or sp == 1):  # (a window of 1: a band of the chunk's own keys, no key chunk before it in fp32)
+    if window and cuda:  # (a window of 1: a band of the chunk's own keys, no key chunk before it in fp32; on a CPU
+        # the kernel's blocks over the band, which vary with its threads, are as large as the key chunk kept)
         from dataclasses import replace
 
         narrow = attention_backward_bytes(replace(s, window=1), "lora", part, cuda, "sdpa", chunk, sp) - dout
