@@ -15,7 +15,7 @@ from typing import Protocol
 
 from .activations import tile_count
 from .architecture import SANDWICH_NORMED, Structure
-from .attention import chunked, mask_window, query_chunk_tokens
+from .attention import chunked, mask_window
 from .gpus import GPUS, Gpu
 from .recipe import Recipe, method
 
@@ -219,20 +219,20 @@ def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, atten
     (cpu_flash_work), and its seconds beside the FLOPs a score and a block, for the passes attention_passes
     counts. Under query_chunks a sliding window takes no mask (attention.mask_window): its band alone, on a GPU
     (flash's local attention) as flash-attn's, on a CPU each chunk's call under the band's mask (cpu_band_work)."""
-    chunk = query_chunk_tokens(recipe.query_chunks) if attention == "sdpa" else 0
     total = 0.0
     for g in s.groups():
         window = mask_window(recipe.query_chunks, g.window)
         masked = attention == "sdpa" and (recipe.packing or 0 < window <= seq)
-        banded = chunked(recipe.query_chunks, attention, recipe.packing, recipe.per_device_train_batch_size, seq,
-                         g.window) and 0 < g.window < seq
+        calls = chunked(recipe.query_chunks, attention, recipe.packing, recipe.per_device_train_batch_size, seq,
+                        g.window)  # (a call's queries)
+        banded = calls and 0 < g.window < seq
         if attention not in rates.attention:  # (eager)
             total += attention_flops(recipe, g, seq, 1.0) * rows * seq / rates.matmul
         elif not rates.cpu_attention:
             share = 1.0 if masked else window_share(seq, g.window) if banded or attention != "sdpa" else 0.5
             total += attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention]
         else:
-            share, pairs = cpu_band_work(seq, min(chunk, seq), g.window) if banded else cpu_flash_work(
+            share, pairs = cpu_band_work(seq, calls, g.window) if banded else cpu_flash_work(
                 seq, causal=not masked)
             beside = g.layers * g.heads * rows * attention_passes(recipe) / 3.5 * (
                 share * seq**2 * rates.attention_score + pairs * rates.attention_block)
