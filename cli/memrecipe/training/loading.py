@@ -180,8 +180,12 @@ def load_pretrained(recipe, name_or_path: str, precision: str, device=None, own_
     if q is None and not own_weights and rank0_loads(recipe):
         model = without_weights(name_or_path, dtype, kernel.name, recipe.trust_remote_code, config)
     else:
+        # use_kernels=False: from transformers 5.25 hub kernels are on by default, and every model.train() then
+        # re-kernelizes, resetting each RMSNorm's forward (lean_norms' undone, silently) and, on a GPU, swapping in
+        # Liger's RMSNorm and a rotary kernel from the hub: kernels the plan does not count and offline GPUs lack
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=kernel.name,
-                                                     trust_remote_code=recipe.trust_remote_code, config=config, **extra)
+                                                     trust_remote_code=recipe.trust_remote_code, config=config,
+                                                     use_kernels=False, **extra)
     model.memrecipe_attention = kernel  # pyright: ignore[reportArgumentType]  (a plain attribute, not a submodule): why this kernel, for the start-up log and the report (facts.describe_setup)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if q is not None and q.upcast_unquantized:

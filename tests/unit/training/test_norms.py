@@ -103,23 +103,29 @@ def test_norms_that_compute_otherwise_are_left_alone():
     assert not is_llama_norm(GemmaRMSNorm(8))  # (1 + weight), fp32 to the end
 
 
-def test_the_loop_runs_a_recipes_norms_lean_in_bf16_and_trains_the_same(models):
-    """single-gpu-lora with lean_norms=true, built by recipes/sft.py's own setup: every norm runs lean, and a bf16
-    step's loss and adapter gradients are plain norms' to bf16 rounding."""
+def test_the_loop_runs_a_recipes_norms_lean_in_bf16_and_trains_the_same(models, monkeypatch):
+    """single-gpu-lora with lean_norms=true, built by recipes/sft.py's own setup and put in training mode as the loop
+    does: every norm of a step runs lean (transformers 5.25's model.train() re-kernelizes a model loaded with hub
+    kernels on, which undid them), and a bf16 step's loss and adapter gradients are plain norms' to bf16 rounding."""
     from helpers import loop_model
     from measuring import batch
     from memrecipe.planning.registry import load_recipe
     from memrecipe.training.loss import lm_loss
-    from memrecipe.training.norms import lean_forward
+
+    calls = []  # each LeanRMSNorm the forward runs (what the step really ran, not what was set up)
+    forward = LeanRMSNorm.forward
+    monkeypatch.setattr(LeanRMSNorm, "forward", staticmethod(lambda *a: calls.append(1) or forward(*a)))
 
     def step(lean):
         torch.manual_seed(0)
+        calls.clear()
         model, _ = loop_model(load_recipe("single-gpu-lora", [f"lean_norms={str(lean).lower()}", "lora.dropout=0"]),
                               models["tiny"], "bf16")
-        lean = sum(getattr(m.forward, "func", None) is lean_forward for m in model.modules())
+        model.train()  # (recipes/sft.py's, before its first step)
         norms = 2 * model.config.num_hidden_layers + 1  # each layer's two and the final one
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = lm_loss(model, batch(model.config.vocab_size))
+        lean = len(calls)
         loss.backward()
         return (lean, norms), loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
