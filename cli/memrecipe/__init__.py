@@ -15,6 +15,9 @@ __version__ = "0.1.0"
 # Library notices that say nothing about a run: bitsandbytes' optional CPU 4-bit kernel, a
 # peft/transformers deprecation, and torch's rename of collectives that DeepSpeed still calls.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# ... which on an AVX512-BF16 CPU it asks of the hub at import, through the kernels package (which says it cannot
+# check the publisher offline); the loop loads every model with use_kernels=False, so nothing else asks it.
+logging.getLogger("kernels").setLevel(logging.ERROR)
 # torchao (the adamw_torch_8bit optimizer; peft imports it too once installed): its CUDA-only kernels
 # do not load on a machine without them, and its enums use a torch.compile registration torch deprecates.
 logging.getLogger("torchao").setLevel(logging.ERROR)
