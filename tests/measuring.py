@@ -141,6 +141,18 @@ def allocation_peak_of(step) -> int:
     return allocation_peaks_of([step])[0]
 
 
+def kernels_own(step):
+    """`step` with the CPU's bf16 GEMMs as torch's own loops, not oneDNN's: on a CPU with AVX-512 (where torch's bf16
+    GEMM is oneDNN's) each GEMM packs its operands in scratch it takes from torch's allocator and frees before it
+    returns (up to ~170 KB a thread at the shapes measured here), where on an AVX2 CPU it runs in place. That is the
+    BLAS's workspace, as MKL's for fp32 GEMMs is (which torch's allocator never sees): what a kernel's own bytes are
+    held to here leaves it out on every CPU alike. Slower: for small shapes only."""
+    def run():
+        with torch.backends.mkldnn.flags(enabled=False):
+            return step()
+    return run
+
+
 def allocation_peaks_of(steps) -> list[int]:
     """allocation_peak_of for each of `steps`, called in turn in one profiled window (a window costs ~0.25 s: one
     per step of each of 39 tensors made a test 20 s long): each step's own allocations are those of its own range."""
