@@ -50,8 +50,8 @@ def cuda_facts(monkeypatch, flash: bool, triton: bool):
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash)
     monkeypatch.setattr(loading, "flash_import_error", lambda: None)  # (a flash-attn that imports)
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" and triton
-                        else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if triton else None)
+                        if name == "triton" else find_spec(name, *a))  # (either way, whatever is installed here)
 
 
 @pytest.mark.parametrize("flash, triton, packing, picked", [
