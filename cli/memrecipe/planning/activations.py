@@ -4,9 +4,9 @@ Llama-family layers, measured on CPU), at each checkpointing mode, and the loss'
 from __future__ import annotations
 
 from .architecture import NORM_AFTER_MLP, SANDWICH_NORMED, Structure, lora_tensors_on_meta
-from .attention import (block_mask_bytes, chunked, kept_mask_bytes, mask_window, offset_limit, offsets_note, pick_attention,
-                        chunks_dropout_note, dropped_window_note, ring_window_note, square_bytes,
-                        unsupported_note)
+from .attention import (CPU_KEY_BLOCK, block_mask_bytes, chunked, chunks_dropout_note, cpu_query_block,
+                        dropped_window_note, kept_mask_bytes, mask_window, offset_limit, offsets_note, pick_attention,
+                        ring_window_note, square_bytes, unsupported_note)
 from .hardware import usable_cores
 from .recipe import Recipe
 
@@ -276,7 +276,7 @@ def attention_backward_bytes(s: Structure, mode: str, tokens: int, cuda: bool, a
     grads = tokens * 3 * cb * per_head
     if cuda:
         return grads + dout + tokens * (2 * cb * s.kv_dim + 4 * (per_head + s.heads))
-    block = (256 if tokens >= 768 else 64 if tokens >= 192 else 32) * min(512, tokens)
+    block = cpu_query_block(tokens) * min(CPU_KEY_BLOCK, tokens)
     return grads + dout + usable_cores() * block * (8 + (4 if cb == 2 else 0))
 
 
@@ -293,7 +293,7 @@ def chunks_backward_bytes(s: Structure, cb: int, tokens: int, cuda: bool, chunk:
         if cuda:  # mha_bwd's dk and dv at every query head (GQA), dq_accum and softmax_d
             expanded = 2 * cb * per_head if s.kv_heads != s.heads else 0
             return grads + dq_sum + keys * expanded + share * 4 * (per_head + s.heads)
-        block = (256 if chunk >= 768 else 64 if chunk >= 192 else 32) * min(512, band) * (8 + (4 if cb == 2 else 0))
+        block = cpu_query_block(chunk) * min(CPU_KEY_BLOCK, band) * (8 + (4 if cb == 2 else 0))
         if banded:  # torch's CPU kernel beside the band's additive mask (made for the call) and every
             # thread's fp32 and 16-bit blocks of scores (FlashAttentionKernel.cpp, cpu_flash_attention_backward:
             # buf, buf_reduced)

@@ -72,6 +72,17 @@ def mask_window(query_chunks: bool | int, window: int) -> int:
     return 0 if query_chunks is not False else window
 
 
+CPU_KEY_BLOCK = 512  # keys a block of torch's CPU flash kernel (or all of them, fewer)
+
+
+def cpu_query_block(queries: int) -> int:
+    """Queries a block of torch's CPU flash kernel, forward and backward, by the call's query count
+    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: qSplitSize 256 from 768 queries, 64 from 192, else 32;
+    kvSplitSize CPU_KEY_BLOCK). The planner's CPU bytes (each thread's blocks of scores) and CPU time (the blocks a
+    causal row computes whole) both follow it."""
+    return 256 if queries >= 768 else 64 if queries >= 192 else 32
+
+
 def offsets_note(name: str, tokens: int, heads: int, head_dim: int) -> str | None:
     """One line when `tokens` in one call of `name` on CUDA pass offset_limit (`heads`: those one process attends
     to): the run is refused, naming the kernel that is safe."""

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from .activations import tile_count
 from .architecture import SANDWICH_NORMED, Structure
-from .attention import chunked, mask_window
+from .attention import CPU_KEY_BLOCK, chunked, cpu_query_block, mask_window
 from .gpus import GPUS, Gpu
 from .recipe import Recipe, method
 
@@ -179,7 +179,7 @@ def cpu_flash_work(seq: int, causal: bool = True) -> tuple[float, int]:
     blocks of 512; a causal query block computes every key block it reaches whole and masks the future keys in the
     last one rather than skipping them (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, forward and backward
     alike): at 512 tokens or fewer, the whole square."""
-    q, kv = (256 if seq >= 768 else 64 if seq >= 192 else 32), 512
+    q, kv = cpu_query_block(seq), CPU_KEY_BLOCK
     scores = pairs = 0
     for m in range(0, seq, q):
         rows = min(q, seq - m)
@@ -192,7 +192,7 @@ def cpu_flash_work(seq: int, causal: bool = True) -> tuple[float, int]:
 def cpu_band_work(seq: int, chunk: int, window: int) -> tuple[float, int]:
     """cpu_flash_work for a sliding-window layer in query chunks (training.query_chunks.BandedAttention): each chunk
     against the keys its window reaches, under the band's mask, so every block of the call is computed."""
-    q, kv = (256 if chunk >= 768 else 64 if chunk >= 192 else 32), 512
+    q, kv = cpu_query_block(chunk), CPU_KEY_BLOCK
     scores = pairs = 0
     for start in range(0, seq, chunk):
         rows, keys = min(chunk, seq - start), min(start + chunk, seq) - max(0, start - window + 1)
