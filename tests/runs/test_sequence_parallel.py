@@ -9,7 +9,9 @@ and norms, 1e-4 absolute on weights after the steps (the processes sum in anothe
   last checkpoint, whose step falls inside a draw of the group (5 micro batches of 2-slice draws), for 2 more steps;
 - sp 2 x dp 2 on 4 processes through a plain `accelerate launch` of the generated config: LoRA, accumulation 2
   (4 sequences a step), against 1 process with accumulation 4.
-Packed rows are refused under sdpa (Ulysses drops the mask): their exactness needs flash_attention_2, on CUDA.
+Packed rows are refused under sdpa (Ulysses drops the mask): their exactness needs flash_attention_2, on CUDA. A
+sliding window is kept in query chunks (they read it from the layer): a windowed Mistral split over 2 processes is
+compared with one process holding the whole sequence under transformers' own sliding-window mask.
 """
 
 import json
@@ -73,16 +75,37 @@ def measure(folder, processes, lengths, words=()):
     return {int(k): v for k, v in json.loads((folder / "out.json").read_text()).items()}
 
 
-def chunked_kernel(folder, words):
-    """tests/workers/ulysses_chunks.py on 2 gloo processes, one sequence of 256 tokens: rank 0's loss, the chunked
-    kernel's calls and the gradients."""
+def chunked_kernel(folder, words, model=None):
+    """tests/workers/ulysses_chunks.py on 2 gloo processes, one sequence of 256 tokens (of the embedded Llama, or
+    `model`): rank 0's loss, the chunked kernels' calls and the gradients, and the group's."""
     from memrecipe.training.loading import embedded_model
 
     folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{words[0]}.pt"
-    worker("ulysses_chunks", 2, str(out), embedded_model(), "256", "mixed_precision=no", "attn_implementation=sdpa",
-           "gradient_checkpointing=true", *words)
+    out = folder / f"{words[0]}-{Path(model or 'embedded').name}.pt"
+    worker("ulysses_chunks", 2, str(out), model or embedded_model(), "256", "mixed_precision=no",
+           "attn_implementation=sdpa", "gradient_checkpointing=true", *words)
     return torch.load(out)
+
+
+WINDOW = 100  # keys a query of windowed_model's layers sees: 256-token rows pass it
+
+
+def windowed_model(base, window=WINDOW):
+    """The embedded Llama's shape as a Mistral whose every layer is a sliding window of `window` keys."""
+    from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig
+
+    from memrecipe.training.loading import embedded_model
+
+    folder = base / f"mistral-{window}"
+    if not folder.exists():
+        llama = AutoConfig.from_pretrained(embedded_model())
+        config = MistralConfig(**{key: getattr(llama, key) for key in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings")}, head_dim=llama.head_dim, sliding_window=window)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return str(folder)
 
 
 def wide_model(base):
@@ -126,6 +149,8 @@ def runs(tmp_path_factory):
            for name, words in (("chunks", ["query_chunks=64"]), ("whole", ["query_chunks=false"]),
                                ("chunks-bf16", ["query_chunks=64", "mixed_precision=bf16"]),
                                ("whole-bf16", ["query_chunks=false", "mixed_precision=bf16"]))},
+        "kernel-band": lambda core: (chunked_kernel(base / "kernel", ["query_chunks=64"], windowed_model(base)),
+                                     windowed_model(base)),
         "sp2": split_then_resumed,
         "one-lora": lambda core: report(run(base / "one-lora", 1, "max_steps=3", "gradient_accumulation_steps=4",
                                             *LORA, core=core)),
@@ -208,6 +233,42 @@ def test_attention_in_query_chunks_runs_inside_ulysses_attention_and_trains_like
     split = runs("sp2-chunks")
     assert (split["setup"]["sequence_parallel"], split["setup"]["query_chunk"]) == (2, 32)
     assert_same_steps(runs("one"), split, range(1, 4))
+
+
+def test_a_sliding_window_in_query_chunks_inside_ulysses_is_the_whole_sequences_windowed_attention(runs):
+    """A Mistral (the embedded Llama's shape, every layer a window of 100 keys) over 256 tokens on 2 processes, sp 2,
+    in chunks of 64 queries: DeepSpeed's wrapper drops the mask, and the chunks take the window from the layer
+    (BandedAttention: each call a whole sequence for the process's 2 of 4 heads, 8 a step with the recompute). The
+    group's loss and gradients (summed over the processes, as DeepSpeed sums them) are one process's over the whole
+    sequence under transformers' own sliding-window mask, to fp32 rounding (each gradient within 1e-5 of its largest
+    element); the same model without its window is far from them (what sdpa inside Ulysses would train: the loop
+    refuses it, tests/unit/training/test_sequence.py)."""
+    from transformers import AutoModelForCausalLM
+    from torch.nn import functional as F
+
+    band, folder = runs("kernel-band")
+    assert band["bands"] == [[1, 2, 256, 32, WINDOW]] * 8 and band["calls"] == []
+
+    def whole_sequence(window):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
+                                                     sliding_window=window)  # (eager: no kernel memrecipe registers)
+        model.train()
+        ids = torch.randint(4, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(256))
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        shifted = F.pad(ids, (0, 1), value=-100)[:, 1:]
+        loss = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100, reduction="sum")
+        loss.backward()
+        return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+    loss, grads = whole_sequence(WINDOW)
+    assert band["group_loss"] == pytest.approx(loss, rel=1e-6)
+    assert band["group_grads"].keys() == grads.keys() and len(grads) == 39
+    for name, grad in grads.items():
+        torch.testing.assert_close(band["group_grads"][name], grad, rtol=0, atol=1e-5 * float(grad.abs().max()),
+                                   msg=name)
+    unwindowed, far = whole_sequence(None)
+    assert band["group_loss"] != pytest.approx(unwindowed, rel=1e-4)
+    assert max(float((band["group_grads"][n] - g).abs().max() / g.abs().max()) for n, g in far.items()) > 1e-3
 
 
 def test_in_bf16_query_chunks_inside_ulysses_are_as_close_to_exact_as_one_call_a_row(runs):
