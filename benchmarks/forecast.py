@@ -357,11 +357,29 @@ def dispatch(rates: fc.Rates, tokens: int = 8) -> dict:
 CPU_ROWS = [("single-gpu-lora", ["gradient_checkpointing=true"]), ("single-gpu-lora", ["gradient_checkpointing=true",
               "activation_offload=true", "lean_norms=true", "tiled_mlp=true"]),
              ("single-gpu-full", ["gradient_checkpointing=true"]), ("single-gpu-full", ["gradient_checkpointing=false"])]
+# attention in query chunks: the wide model's whole rows, and the windowed model's bands (each chunk under its mask)
+CHUNK_ROWS = [("single-gpu-lora", ["gradient_checkpointing=true", "query_chunks=256"])]
+WINDOW = 512  # the windowed model's: a 2,048-token row passes it, each 256-query chunk reaching 767 keys
+
+
+def windowed_model(folder: Path) -> str:
+    """The wide model's widths as a Mistral whose every layer is a sliding window of WINDOW keys."""
+    from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig
+
+    from long_context import wide_model
+
+    wide = AutoConfig.from_pretrained(wide_model(folder / "wide"))
+    config = MistralConfig(**{key: getattr(wide, key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings")}, head_dim=wide.head_dim, sliding_window=WINDOW)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder / "windowed")
+    return str(folder / "windowed")
 
 
 def cpu_table(rates: fc.Rates, lengths: dict) -> list:
     """Forecast against measured seconds of one micro batch's forward and backward (bf16, one row), per recipe and
-    rung, on the embedded model and the wide one (benchmarks/long_context.py's)."""
+    rung, on the embedded model and the wide one (benchmarks/long_context.py's), and in query chunks on the wide one
+    and on a windowed Mistral of its widths (forecast.cpu_band_work)."""
     import tempfile
 
     import torch
@@ -374,10 +392,11 @@ def cpu_table(rates: fc.Rates, lengths: dict) -> list:
 
     body = []
     with tempfile.TemporaryDirectory() as folder:
-        models = {"embedded": embedded_model(), "wide": wide_model(Path(folder))}
-        for label, path in models.items():
+        models = {"embedded": (embedded_model(), CPU_ROWS), "wide": (wide_model(Path(folder)), CPU_ROWS + CHUNK_ROWS),
+                  "windowed": (windowed_model(Path(folder)), CHUNK_ROWS)}
+        for label, (path, rows) in models.items():
             s = structure(read_config(path))
-            for name, words in CPU_ROWS:
+            for name, words in rows:
                 length = lengths[label]
                 recipe = load_recipe(name, [*words, f"max_seq_length={length}", "per_device_train_batch_size=1",
                                             "gradient_accumulation_steps=1", "packing=false", "attn_implementation=sdpa"])
@@ -391,7 +410,8 @@ def cpu_table(rates: fc.Rates, lengths: dict) -> list:
                 f = fc.forecast(recipe, s, est, rates)
                 forecast = sum(v for k, v in f.parts.items()
                                if k in ("matmuls", "attention", "adapters", "dispatch", "dropout", "elementwise"))
-                rung = " ".join(w.split("=")[0] for w in words if w.endswith("true")) or "no checkpointing"
+                rung = " ".join(w.split("=")[0] for w in words if w.endswith("true") or w.startswith("query_chunks")) \
+                    or "no checkpointing"
                 body.append([label, length, name, rung, f"{length / measured:,.0f}", f"{length / forecast:,.0f}",
                              f"{measured / forecast:.2f}"])
                 print(*body[-1], flush=True)
@@ -415,7 +435,7 @@ def main():
               f"checkpointing: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in rates.rung_dispatch.items())
               + f", a tile {rates.tile_dispatch * 1e3:.2f} ms and {rates.tile_adapter_dispatch * 1e3:.2f} ms an adapter "
               f"in it")
-        body = cpu_table(rates, {"embedded": 256, "wide": 2048})
+        body = cpu_table(rates, {"embedded": 256, "wide": 2048, "windowed": 2048})
         print(table(["MODEL", "TOKENS", "RECIPE", "RUNG", "MEASURED tok/s", "FORECAST tok/s", "RATIO"], body))
         return
     if args.derive:
