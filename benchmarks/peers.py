@@ -47,9 +47,10 @@ def main():
 
     cuda = torch.cuda.is_available() and not args.cpu
     lora = args.method == "lora"
-    # as memrecipe trains them: a LoRA base in bf16 (fp32 adapters), adamw-8bit's fp32 weights under bf16 autocast
+    # as memrecipe trains them: a LoRA base in bf16 (fp32 adapters), adamw-8bit's fp32 weights under bf16 autocast;
+    # its kernels (use_kernels=False, as the loop loads: transformers 5.25 would swap in hub kernels on a GPU)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if lora else torch.float32,
-                                                 attn_implementation=args.attention)
+                                                 attn_implementation=args.attention, use_kernels=False)
     from peft import LoraConfig
 
     adapters = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
