@@ -173,32 +173,54 @@ def attention_flops(recipe: Recipe, s: Structure, seq: int, computed: float = 0.
     return float(s.layers * per_layer * attention_passes(recipe))
 
 
-def cpu_flash_work(seq: int, causal: bool = True) -> tuple[float, int]:
-    """What torch's CPU flash kernel computes of one row's [seq x seq] scores a head: the share of the square, and
-    its (query block, key block) pairs. Queries go in blocks of 256 from 768 tokens, 64 from 192, else 32; keys in
-    blocks of 512; a causal query block computes every key block it reaches whole and masks the future keys in the
-    last one rather than skipping them (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, forward and backward
-    alike): at 512 tokens or fewer, the whole square."""
-    q, kv = cpu_query_block(seq), CPU_KEY_BLOCK
+def cpu_call_work(queries: int, keys: int, causal: bool) -> tuple[int, int]:
+    """The scores and (query block, key block) pairs one call of torch's CPU flash kernel computes: queries in
+    blocks of cpu_query_block(queries), keys in blocks of CPU_KEY_BLOCK, each computed whole; a causal call (queries
+    and keys from the same first position) computes every key block a query block reaches and masks the future keys
+    in the last one rather than skipping them (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, forward and
+    backward alike)."""
+    q = cpu_query_block(queries)
     scores = pairs = 0
-    for m in range(0, seq, q):
-        rows = min(q, seq - m)
-        blocks = -(-(min(m + rows, seq) if causal else seq) // kv)
-        scores += rows * min(seq, blocks * kv)
+    for m in range(0, queries, q):
+        rows = min(q, queries - m)
+        blocks = -(-(min(m + rows, keys) if causal else keys) // CPU_KEY_BLOCK)
+        scores += rows * min(keys, blocks * CPU_KEY_BLOCK)
         pairs += blocks
+    return scores, pairs
+
+
+def cpu_flash_work(seq: int, causal: bool = True) -> tuple[float, int]:
+    """What torch's CPU flash kernel computes of one row's [seq x seq] scores a head, one call: the share of the
+    square, and its (query block, key block) pairs (cpu_call_work; at 512 tokens or fewer, the whole square)."""
+    scores, pairs = cpu_call_work(seq, seq, causal)
     return scores / seq**2, pairs
 
 
 def cpu_band_work(seq: int, chunk: int, window: int) -> tuple[float, int]:
     """cpu_flash_work for a sliding-window layer in query chunks (training.query_chunks.BandedAttention): each chunk
     against the keys its window reaches, under the band's mask, so every block of the call is computed."""
-    q, kv = cpu_query_block(chunk), CPU_KEY_BLOCK
     scores = pairs = 0
     for start in range(0, seq, chunk):
-        rows, keys = min(chunk, seq - start), min(start + chunk, seq) - max(0, start - window + 1)
-        scores += rows * keys
-        pairs += -(-rows // q) * -(-keys // kv)
+        call = cpu_call_work(min(chunk, seq - start), min(start + chunk, seq) - max(0, start - window + 1), False)
+        scores, pairs = scores + call[0], pairs + call[1]
     return scores / seq**2, pairs
+
+
+def cpu_chunks_work(seq: int, chunk: int) -> tuple[float, int, int]:
+    """cpu_flash_work for a row in query chunks (training.query_chunks.QueryChunkedAttention on a CPU: CpuFlash), and
+    its blocks forward and backward apart: forward, each chunk two calls, its own keys (causal) and the keys before
+    them (whole); backward, a call for each chunk of keys up to its own (its own causal). Each call's query blocks
+    are its chunk's (64 queries at a chunk of 256, where a whole row of 2,048 takes 256). Returns the share of the
+    square, a forward's pairs and a backward's."""
+    scores, forward, backward = 0, 0, 0
+    for start in range(0, seq, chunk):
+        rows = min(chunk, seq - start)
+        own = cpu_call_work(rows, rows, True)
+        before = cpu_call_work(rows, start, False) if start else (0, 0)
+        scores += own[0] + before[0]
+        forward += own[1] + before[1]
+        backward += own[1] + sum(cpu_call_work(rows, chunk, False)[1] for _ in range(0, start, chunk))
+    return scores / seq**2, forward, backward
 
 
 def window_share(seq: int, window: int) -> float:
@@ -218,7 +240,8 @@ def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, atten
     multiplies the [S x S] scores as plain batched matmuls. On a CPU, sdpa is torch's flash kernel: its blocks
     (cpu_flash_work), and its seconds beside the FLOPs a score and a block, for the passes attention_passes
     counts. Under query_chunks a sliding window takes no mask (attention.mask_window): its band alone, on a GPU
-    (flash's local attention) as flash-attn's, on a CPU each chunk's call under the band's mask (cpu_band_work)."""
+    (flash's local attention) as flash-attn's, on a CPU each chunk's call under the band's mask (cpu_band_work); a
+    row without a window, on a CPU, its chunks' calls forward and backward (cpu_chunks_work)."""
     total = 0.0
     for g in s.groups():
         window = mask_window(recipe.query_chunks, g.window)
@@ -232,10 +255,16 @@ def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, atten
             share = 1.0 if masked else window_share(seq, g.window) if banded or attention != "sdpa" else 0.5
             total += attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention]
         else:
-            share, pairs = cpu_band_work(seq, calls, g.window) if banded else cpu_flash_work(
-                seq, causal=not masked)
-            beside = g.layers * g.heads * rows * attention_passes(recipe) / 3.5 * (
-                share * seq**2 * rates.attention_score + pairs * rates.attention_block)
+            if calls and not banded:
+                share, forward, backward = cpu_chunks_work(seq, calls)
+            else:
+                share, forward = cpu_band_work(seq, calls, g.window) if banded else cpu_flash_work(
+                    seq, causal=not masked)
+                backward = forward
+            passes = attention_passes(recipe)  # (in forwards: a backward is 2.5 of them)
+            blocks = (passes - 2.5) * forward + 2.5 * backward
+            beside = g.layers * g.heads * rows / 3.5 * (
+                passes * share * seq**2 * rates.attention_score + blocks * rates.attention_block)
             total += attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention] + beside
     return total
 

@@ -151,6 +151,38 @@ def test_query_chunks_compute_a_sliding_windows_band(seq, chunk, window):
     assert banded < masked if chunk < seq else banded == pytest.approx(masked)
 
 
+@pytest.mark.parametrize("seq, chunk", [(2048, 256), (1000, 300), (4096, 1024)])
+def test_a_rows_query_chunks_on_a_cpu_pay_each_calls_blocks(seq, chunk):
+    """On a CPU a row in query chunks (training.query_chunks.QueryChunkedAttention through CpuFlash) is many calls of
+    torch's kernel, each in its own chunk's query blocks: forward, a chunk's causal square and the keys before it;
+    backward, a call for each chunk of keys up to its own. At 2,048 tokens in chunks of 256: 96 pairs of blocks
+    forward and 144 backward, where one call a row computes 20. The forecast pays a forward's blocks each forward
+    pass and a backward's each backward (measured: 1.18x the forecast as one call a row, docs/speed.md)."""
+    def blocks(n):  # a call's query blocks: by its own queries
+        return -(-n // (256 if n >= 768 else 64 if n >= 192 else 32))
+
+    starts = list(range(0, seq, chunk))
+    rows = [min(chunk, seq - m) for m in starts]
+    square = [fc.cpu_flash_work(n) for n in rows]  # (a chunk's own keys: a causal call of its length)
+    scores = sum(share * n * n + n * m for (share, _), n, m in zip(square, rows, starts))
+    forward = sum(pairs + blocks(n) * -(-m // 512) for (_, pairs), n, m in zip(square, rows, starts))
+    backward = sum(pairs + m // chunk * blocks(n) * -(-chunk // 512) for (_, pairs), n, m in zip(square, rows, starts))
+    assert fc.cpu_chunks_work(seq, chunk) == pytest.approx((scores / seq**2, forward, backward))
+    assert fc.cpu_chunks_work(2048, 256)[1:] == (96, 144)
+    llama = structure(LLAMA_8B)
+    words = ["attn_implementation=sdpa", "packing=false", "per_device_train_batch_size=1",
+             "gradient_checkpointing=false"]  # (one forward and one backward: attention_passes 3.5)
+    whole, chunks = (load_recipe("single-gpu-lora", [*words, *extra]) for extra in ([], [f"query_chunks={chunk}"]))
+    cpu = fc.CPU_RATES
+    share, forward, backward = fc.cpu_chunks_work(seq, chunk)
+    assert fc.attention_seconds(chunks, llama, seq, 1, "sdpa", cpu) == pytest.approx(
+        fc.attention_flops(chunks, llama, seq, share) * seq / cpu.attention["sdpa"] + llama.layers * llama.heads * (
+            share * seq**2 * cpu.attention_score + (forward + 2.5 * backward) / 3.5 * cpu.attention_block))
+    chunked, one = (fc.attention_seconds(r, llama, seq, 1, "sdpa", cpu) for r in (chunks, whole))
+    # more, smaller blocks than one call a row; chunks of 1,024 are whole blocks of the row's own (256 x 512)
+    assert chunked > one if chunk < 768 else chunked == pytest.approx(one)
+
+
 def test_a_cpu_pays_each_checkpointed_layers_recompute_beyond_its_pass():
     """torch.utils.checkpoint's own work (its hooks, autocast's casts of the weights again) in the recompute costs a
     CPU more than a pass of the layer's ops: measured apart (benchmarks/forecast.py --cpu), counted a layer."""
