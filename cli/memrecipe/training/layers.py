@@ -271,6 +271,10 @@ def compile_layers(model) -> int:
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         raise RecipeError(f"torch_compile: {type(model).__name__} names no decoder-layer class (_no_split_modules)")
+    # transformers 5.25's attention forward (the kernels package's use_kernelized_func) sets and resets a context
+    # variable around it: inside a checkpoint, a side effect dynamo breaks the graph on, since the recompute would not
+    # replay it. A set undone before the forward returns needs no replay; unbroken, every layer shares one graph.
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in layers:
         layer.compile()
     return len(layers)
