@@ -106,13 +106,26 @@ def gpu_rates(gpu: Gpu) -> Rates:
 
 # The GPU a plan forecasts on when none is named (`--gpu NAME` names one).
 REFERENCE = gpu_rates(GPUS["H100"])
-# `plan --cpu`: the rates of this project's 2-core machine, the median of six runs of `python benchmarks/forecast.py
+# `plan --cpu`: the rates of this project's 2-core AVX2 machine, the median of six runs of `python benchmarks/forecast.py
 # --cpu` (a CPU's own differ: that command prints them, and the ratio of forecast to measured on it).
 CPU_RATES = Rates("this project's 2-core CPU", 3.91e11, {"sdpa": 2.42e11}, 2.32e10, 6.45e9, 6.45e9, 6.45e9, 6.45e9,
                   layer_dispatch=0.55e-3, adapter_dispatch=0.24e-3, recompute_dispatch=0.99e-3, model_dispatch=1.64e-3,
                   rung_dispatch={"activation_offload": 0.14e-3, "lean_norms": 0.31e-3}, tile_dispatch=0.47e-3,
                   tile_adapter_dispatch=0.61e-3, dropout=1.30e8, cpu_attention=True, attention_score=1.03e-9,
                   attention_block=50e-6, elementwise=2.51e10)
+# An AMX CPU's (Intel Sapphire Rapids and later: torch's bf16 GEMMs are oneDNN's on its tiles, five times the matmul
+# rate above), 2 cores, the median of four runs of the same command (2026-12-04).
+AMX_RATES = Rates("this project's 2-core AMX CPU", 1.96e12, {"sdpa": 1.47e12}, 2.29e10, 8.8e9, 8.8e9, 8.8e9, 8.8e9,
+                  layer_dispatch=0.375e-3, adapter_dispatch=0.19e-3, recompute_dispatch=1.145e-3,
+                  model_dispatch=1.47e-3, rung_dispatch={"activation_offload": 0.03e-3, "lean_norms": 0.23e-3},
+                  tile_dispatch=0.42e-3, tile_adapter_dispatch=0.505e-3, dropout=2.25e8, cpu_attention=True,
+                  attention_score=1.01e-9, attention_block=38e-6, elementwise=2.13e10)
+
+
+def cpu_rates(flags: frozenset[str]) -> Rates:
+    """The rates a plan forecasts a run on this CPU at (`flags`: planning.hardware.cpu_flags): an AMX CPU's where it
+    has AMX's bf16 tiles, else the AVX2 machine's (CPU_RATES; an AVX-512 CPU without AMX lies between the two)."""
+    return AMX_RATES if "amx_bf16" in flags else CPU_RATES
 
 
 @dataclass(frozen=True)

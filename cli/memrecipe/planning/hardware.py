@@ -35,6 +35,18 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """This CPU's feature flags (the first processor's, Linux's /proc/cpuinfo); none where it cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def _smi(field: str) -> list[str]:
     """One nvidia-smi field per GPU ([] if it cannot be read)."""
     try:

@@ -15,7 +15,8 @@ from ..units import GiB
 from .activations import activation_mode, plan_attention, residual_bytes
 from .architecture import Structure
 from .attention import mask_window, square_bytes, square_note
-from .forecast import CPU_RATES, REFERENCE, Rates, forecast
+from .forecast import REFERENCE, Rates, cpu_rates, forecast
+from .hardware import cpu_flags
 from .nccl import nccl_bytes
 from .recipe import METHODS, Recipe, method
 from .states import (Sizes, add_reference, engine_states, loading_bytes, optimizer_state_bytes, step_temporaries,
@@ -168,7 +169,7 @@ def estimate(recipe: Recipe, s: Structure, topo: Topology, micro_batch: int | No
         host_load=int(load), notes=tuple(notes), step=int(step), attention=attention, refused=wraps,
         gathered_params=int(states.gathered_params), gathered_grads=int(states.gathered_grads), trainable=trained,
         stream_bytes=stream, redraws_dropout=recipe.redraws_dropout)
-    f = forecast(recipe, s, est, rates or (CPU_RATES if topo.cpu else REFERENCE), precision)
+    f = forecast(recipe, s, est, rates or (cpu_rates(cpu_flags()) if topo.cpu else REFERENCE), precision)
     return replace(est, step_seconds=f.step_seconds, tokens_per_second=f.tokens_per_second, forecast_on=f.device)
 
 

@@ -12,6 +12,7 @@ from memrecipe.planning import forecast as fc
 from memrecipe.planning.activations import activation_mode, residual_bytes
 from memrecipe.planning.architecture import read_config, structure
 from memrecipe.planning.gpus import GPUS, gpu_for_device
+from memrecipe.planning.hardware import cpu_flags
 from memrecipe.planning.planner import Verdict, estimate, recommend
 from memrecipe.planning.registry import load_recipe
 from memrecipe.planning.topology import Topology
@@ -252,7 +253,29 @@ def test_a_named_gpu_forecasts_at_its_own_rates():
     assert h100.step_seconds < a10g.step_seconds and h100.tokens_per_second == pytest.approx(
         4 * 4 * 4096 / h100.step_seconds)  # micro batch 4 x accumulation 4 x 4096 tokens a step
     assert estimate(recipe, s, Topology(1)).forecast_on == "H100"  # the reference when none is named
-    assert estimate(recipe, s, Topology(1, cpu=True)).forecast_on == fc.CPU_RATES.name
+    assert estimate(recipe, s, Topology(1, cpu=True)).forecast_on == fc.cpu_rates(cpu_flags()).name  # (this CPU's)
+
+
+def test_a_plan_on_a_cpu_forecasts_at_the_rates_of_its_kind(tmp_path, monkeypatch):
+    """`plan --cpu` (and a smoke run's report) forecasts at the rates measured on a CPU of this one's kind: on an AMX
+    CPU torch's bf16 GEMMs are oneDNN's on its tiles, five times an AVX2 CPU's, and at the AVX2 machine's rates its
+    smoke run read 1.2-2.0x its forecast (docs/speed.md)."""
+    from memrecipe.planning import planner
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16 amx_tile\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(str(info)) == {"fpu", "avx2", "amx_bf16", "amx_tile"} and cpu_flags(str(tmp_path)) == set()
+    assert fc.cpu_rates(cpu_flags(str(info))) is fc.AMX_RATES
+    assert fc.cpu_rates(frozenset({"avx2", "avx512f"})) is fc.cpu_rates(frozenset()) is fc.CPU_RATES
+    assert fc.AMX_RATES.matmul > 4 * fc.CPU_RATES.matmul
+    s, recipe = structure(read_config(None)), load_recipe("single-gpu-lora", [])
+    plans = {}
+    for flags in ("fpu avx2 amx_bf16", "fpu avx2"):
+        monkeypatch.setattr(planner, "cpu_flags", lambda flags=flags: frozenset(flags.split()))
+        plans[flags] = estimate(recipe, s, Topology(1, cpu=True))
+    amx, avx2 = plans.values()
+    assert (amx.forecast_on, avx2.forecast_on) == (fc.AMX_RATES.name, fc.CPU_RATES.name)
+    assert amx.tokens_per_second > avx2.tokens_per_second
 
 
 @pytest.mark.parametrize("words", [["gradient_checkpointing=true"], ["gradient_checkpointing=false"],
