@@ -87,25 +87,16 @@ def chunked_kernel(folder, words, model=None):
     return torch.load(out)
 
 
-WINDOW = 100  # keys a query of windowed_model's layers sees: 256-token rows pass it
+WINDOW = 100  # keys a query of windowed()'s model sees: 256-token rows pass it
 
 
-def windowed_model(base, window=WINDOW):
-    """The embedded Llama's shape as a Mistral whose every layer is a sliding window of `window` keys."""
-    from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig
+def windowed(base) -> tuple[dict, str]:
+    """chunked_kernel on the embedded Llama's shape as a Mistral whose every layer is a sliding window of WINDOW
+    keys (test_attention.windowed_model); returns its result and the model's folder."""
+    from unit.planning.test_attention import windowed_model
 
-    from memrecipe.training.loading import embedded_model
-
-    folder = base / f"mistral-{window}"
-    if not folder.exists():
-        llama = AutoConfig.from_pretrained(embedded_model())
-        config = MistralConfig(**{key: getattr(llama, key) for key in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "max_position_embeddings")}, head_dim=llama.head_dim, sliding_window=window)
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    return str(folder)
+    folder = windowed_model(base, sliding_window=WINDOW)
+    return chunked_kernel(base / "kernel", ["query_chunks=64"], folder), folder
 
 
 def wide_model(base):
@@ -149,8 +140,7 @@ def runs(tmp_path_factory):
            for name, words in (("chunks", ["query_chunks=64"]), ("whole", ["query_chunks=false"]),
                                ("chunks-bf16", ["query_chunks=64", "mixed_precision=bf16"]),
                                ("whole-bf16", ["query_chunks=false", "mixed_precision=bf16"]))},
-        "kernel-band": lambda core: (chunked_kernel(base / "kernel", ["query_chunks=64"], windowed_model(base)),
-                                     windowed_model(base)),
+        "kernel-band": lambda core: windowed(base),
         "sp2": split_then_resumed,
         "one-lora": lambda core: report(run(base / "one-lora", 1, "max_steps=3", "gradient_accumulation_steps=4",
                                             *LORA, core=core)),
