@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -35,6 +36,7 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+@functools.cache  # (read once: every CPU plan's estimate asks, and `plan` makes many)
 def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
     """This CPU's feature flags (the first processor's, Linux's /proc/cpuinfo); none where it cannot be read."""
     try:
