@@ -362,18 +362,17 @@ CHUNK_ROWS = [("single-gpu-lora", ["gradient_checkpointing=true", "query_chunks=
 WINDOW = 512  # the windowed model's: a 2,048-token row passes it, each 256-query chunk reaching 767 keys
 
 
-def windowed_model(folder: Path) -> str:
-    """The wide model's widths as a Mistral whose every layer is a sliding window of WINDOW keys."""
+def windowed_model(wide_path: str, folder: Path) -> str:
+    """The wide model's widths (its folder: `wide_path`) as a Mistral whose every layer is a sliding window of WINDOW
+    keys, saved in `folder`."""
     from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig
 
-    from long_context import wide_model
-
-    wide = AutoConfig.from_pretrained(wide_model(folder / "wide"))
+    wide = AutoConfig.from_pretrained(wide_path)
     config = MistralConfig(**{key: getattr(wide, key) for key in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "max_position_embeddings")}, head_dim=wide.head_dim, sliding_window=WINDOW)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder / "windowed")
-    return str(folder / "windowed")
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return str(folder)
 
 
 def cpu_table(rates: fc.Rates, lengths: dict) -> list:
@@ -392,8 +391,9 @@ def cpu_table(rates: fc.Rates, lengths: dict) -> list:
 
     body = []
     with tempfile.TemporaryDirectory() as folder:
-        models = {"embedded": (embedded_model(), CPU_ROWS), "wide": (wide_model(Path(folder)), CPU_ROWS + CHUNK_ROWS),
-                  "windowed": (windowed_model(Path(folder)), CHUNK_ROWS)}
+        wide = wide_model(Path(folder))
+        models = {"embedded": (embedded_model(), CPU_ROWS), "wide": (wide, CPU_ROWS + CHUNK_ROWS),
+                  "windowed": (windowed_model(wide, Path(folder) / "windowed"), CHUNK_ROWS)}
         for label, (path, rows) in models.items():
             s = structure(read_config(path))
             for name, words in rows:
