@@ -230,6 +230,9 @@ def setup_model(recipe, model_path, accelerator, run, say):
         not_fused = fuse_head(model, recipe.loss_chunk_tokens)
         if not_fused:
             say(f"note: fused_loss is off for this model ({not_fused}): the loss uses the full logits")
+    # in the mode it trains in before anything reads it: a train() that resets a module (transformers 5.25's
+    # re-kernelizing undid lean norms) then shows in the start-up lines and report.json, not only in the bytes
+    model.train()
     return model, offload, initial_adapter
 
 

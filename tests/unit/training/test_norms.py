@@ -104,9 +104,10 @@ def test_norms_that_compute_otherwise_are_left_alone():
 
 
 def test_the_loop_runs_a_recipes_norms_lean_in_bf16_and_trains_the_same(models, monkeypatch):
-    """single-gpu-lora with lean_norms=true, built by recipes/sft.py's own setup and put in training mode as the loop
-    does: every norm of a step runs lean (transformers 5.25's model.train() re-kernelizes a model loaded with hub
-    kernels on, which undid them), and a bf16 step's loss and adapter gradients are plain norms' to bf16 rounding."""
+    """single-gpu-lora with lean_norms=true, built by recipes/sft.py's own setup, which leaves it in training mode
+    before the facts are read, and put in training mode again as the loop does: every norm of a step runs lean
+    (transformers 5.25's model.train() re-kernelizes a model loaded with hub kernels on, which undid them), and a
+    bf16 step's loss and adapter gradients are plain norms' to bf16 rounding."""
     from helpers import loop_model
     from measuring import batch
     from memrecipe.planning.registry import load_recipe
@@ -121,6 +122,7 @@ def test_the_loop_runs_a_recipes_norms_lean_in_bf16_and_trains_the_same(models, 
         calls.clear()
         model, _ = loop_model(load_recipe("single-gpu-lora", [f"lean_norms={str(lean).lower()}", "lora.dropout=0"]),
                               models["tiny"], "bf16")
+        assert all(m.training for m in model.modules())  # (what the start-up lines and report.json read)
         model.train()  # (recipes/sft.py's, before its first step)
         norms = 2 * model.config.num_hidden_layers + 1  # each layer's two and the final one
         with torch.autocast("cpu", dtype=torch.bfloat16):
