@@ -16,6 +16,7 @@ compared with one process holding the whole sequence under transformers' own sli
 
 import json
 from pathlib import Path
+from statistics import median
 
 import pytest
 import torch
@@ -90,13 +91,13 @@ def chunked_kernel(folder, words, model=None):
 WINDOW = 100  # keys a query of windowed()'s model sees: 256-token rows pass it
 
 
-def windowed(base) -> tuple[dict, str]:
+def windowed(base, *words) -> tuple[dict, str]:
     """chunked_kernel on the embedded Llama's shape as a Mistral whose every layer is a sliding window of WINDOW
     keys (test_attention.windowed_model); returns its result and the model's folder."""
     from unit.planning.test_attention import windowed_model
 
-    folder = windowed_model(base, sliding_window=WINDOW)
-    return chunked_kernel(base / "kernel", ["query_chunks=64"], folder), folder
+    folder = windowed_model(base, sliding_window=WINDOW)  # (each job its own: they run side by side)
+    return chunked_kernel(base / "kernel", ["query_chunks=64", *words], folder), folder
 
 
 def wide_model(base):
@@ -141,6 +142,7 @@ def runs(tmp_path_factory):
                                ("chunks-bf16", ["query_chunks=64", "mixed_precision=bf16"]),
                                ("whole-bf16", ["query_chunks=false", "mixed_precision=bf16"]))},
         "kernel-band": lambda core: windowed(base),
+        "kernel-band-bf16": lambda core: windowed(base / "bf16", "mixed_precision=bf16"),
         "sp2": split_then_resumed,
         "one-lora": lambda core: report(run(base / "one-lora", 1, "max_steps=3", "gradient_accumulation_steps=4",
                                             *LORA, core=core)),
@@ -225,6 +227,28 @@ def test_attention_in_query_chunks_runs_inside_ulysses_attention_and_trains_like
     assert_same_steps(runs("one"), split, range(1, 4))
 
 
+def whole_sequence(folder, window, dtype=torch.float32):
+    """One process over the windowed model's whole 256-token sequence (the worker's) under transformers' own
+    sliding-window mask (`window`; None: none), in `dtype` (the model cast, as DeepSpeed casts it): the summed loss
+    and every gradient, in fp32."""
+    from transformers import AutoModelForCausalLM
+    from torch.nn import functional as F
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager",
+                                                 sliding_window=window)  # (eager: no kernel memrecipe registers)
+    model.train()
+    ids = torch.randint(4, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(256))
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    shifted = F.pad(ids, (0, 1), value=-100)[:, 1:]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100, reduction="sum")
+    loss.backward()
+    return loss.item(), {name: p.grad.float() for name, p in model.named_parameters()}
+
+
+def relative_errors(grads, want) -> dict:
+    return {name: float((grads[name] - w).norm() / w.norm()) for name, w in want.items()}
+
+
 def test_a_sliding_window_in_query_chunks_inside_ulysses_is_the_whole_sequences_windowed_attention(runs):
     """A Mistral (the embedded Llama's shape, every layer a window of 100 keys) over 256 tokens on 2 processes, sp 2,
     in chunks of 64 queries: DeepSpeed's wrapper drops the mask, and the chunks take the window from the layer
@@ -233,32 +257,38 @@ def test_a_sliding_window_in_query_chunks_inside_ulysses_is_the_whole_sequences_
     sequence under transformers' own sliding-window mask, to fp32 rounding (each gradient within 1e-5 of its largest
     element); the same model without its window is far from them (what sdpa inside Ulysses would train: the loop
     refuses it, tests/unit/training/test_sequence.py)."""
-    from transformers import AutoModelForCausalLM
-    from torch.nn import functional as F
-
     band, folder = runs("kernel-band")
     assert band["bands"] == [[1, 2, 256, 32, WINDOW]] * 8 and band["calls"] == []
-
-    def whole_sequence(window):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
-                                                     sliding_window=window)  # (eager: no kernel memrecipe registers)
-        model.train()
-        ids = torch.randint(4, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(256))
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-        shifted = F.pad(ids, (0, 1), value=-100)[:, 1:]
-        loss = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100, reduction="sum")
-        loss.backward()
-        return loss.item(), {name: p.grad for name, p in model.named_parameters()}
-
-    loss, grads = whole_sequence(WINDOW)
+    loss, grads = whole_sequence(folder, WINDOW)
     assert band["group_loss"] == pytest.approx(loss, rel=1e-6)
     assert band["group_grads"].keys() == grads.keys() and len(grads) == 39
     for name, grad in grads.items():
         torch.testing.assert_close(band["group_grads"][name], grad, rtol=0, atol=1e-5 * float(grad.abs().max()),
                                    msg=name)
-    unwindowed, far = whole_sequence(None)
+    unwindowed, far = whole_sequence(folder, None)
     assert band["group_loss"] != pytest.approx(unwindowed, rel=1e-4)
     assert max(float((band["group_grads"][n] - g).abs().max() / g.abs().max()) for n, g in far.items()) > 1e-3
+
+
+def test_in_bf16_a_sliding_window_in_query_chunks_inside_ulysses_is_as_close_as_one_processs_bf16_mask(runs):
+    """The windowed Mistral's 2-process run in the precision the recipe ships (bf16, the model cast as DeepSpeed
+    casts it): the 8 banded calls, and the group's gradients as close to one fp32 process's under the window's mask
+    as one bf16 process under that mask is (each gradient's relative error within 2x of its, or 1%, and their median
+    within 1.25x: 1.43x at most and the same median, ~1%, measured).
+    Without its window the model's gradients are tens of percent away (median 55% measured), so a chunk that lost
+    the window, or its earlier keys, cannot pass as bf16 rounding."""
+    band, folder = runs("kernel-band-bf16")
+    assert band["bands"] == [[1, 2, 256, 32, WINDOW]] * 8 and band["calls"] == []
+    loss, exact = whole_sequence(folder, WINDOW)
+    _, bf16 = whole_sequence(folder, WINDOW, torch.bfloat16)
+    assert band["group_loss"] == pytest.approx(loss, rel=1e-3)
+    assert band["group_grads"].keys() == exact.keys() and len(exact) == 39
+    ours, rounding = relative_errors(band["group_grads"], exact), relative_errors(bf16, exact)
+    assert all(ours[n] <= max(2 * rounding[n], 0.01) for n in exact), \
+        {n: (round(ours[n], 4), round(rounding[n], 4)) for n in exact if ours[n] > max(2 * rounding[n], 0.01)}
+    assert median(ours.values()) <= 1.25 * median(rounding.values())
+    _, far = whole_sequence(folder, None)
+    assert median(relative_errors(band["group_grads"], far).values()) > 0.2
 
 
 def test_in_bf16_query_chunks_inside_ulysses_are_as_close_to_exact_as_one_call_a_row(runs):
