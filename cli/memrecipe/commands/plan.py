@@ -55,14 +55,14 @@ def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_me
     """
     machine = Machine.from_nvidia_smi()
     gpu_name, named_size, rates = gpu_flags(gpu, gpu_memory, cpu)
+    words = [*overrides, *flag_overrides(model=model)]  # (the recipe and its words checked before the machine)
+    named, refused = load_all([recipe] if recipe else recipe_names(), words, one=recipe is not None)
     gpu, host = memories(machine, named_size, host_memory, cpu)
     if global_batch is not None and global_batch < 1:
         raise RecipeError(f"--global-batch must be >= 1, got {global_batch}")
     n = num_processes if num_processes is not None else (machine.gpus * num_machines if machine.gpus and not cpu
                                                          else num_machines)  # 0 is refused, not "detect"
     topo = make_topology(n, num_machines, 0, "planned" if num_machines > 1 else None, None, cpu)
-    words = [*overrides, *flag_overrides(model=model)]
-    named, refused = load_all([recipe] if recipe else recipe_names(), words, one=recipe is not None)
     named = [(name, r) for name, r in named if only is None or method(r) == only]
     shapes = {m: structure(read_config(m)) for m in {r.model_name_or_path for _, r in named}}
     if longest:

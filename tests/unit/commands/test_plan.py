@@ -43,6 +43,8 @@ def test_plan_recommends_and_finds_micro_batch_and_accumulation(cli, tmp_path):
     (["--gpu-memory", "lots"], "'lots' is not a size"),
     (["--gpu-memory", "24GiB", "--host-memory", "24"], "'24' is not a size"),
     ([], "no GPU found here: give --gpu (e.g. H100) or --gpu-memory"),
+    (["--recipe", "nope"], "unknown recipe 'nope'"),  # what is wrong with the input first, then the machine
+    (["max_seq_lenght=4096"], "unknown key 'max_seq_lenght' (did you mean 'max_seq_length'?)"),
     (["--gpu-memory", "1GiB", "per_device_train_batch_size=64"], "nothing fits"),
     (["--gpu-memory", "24GiB", "lora.r=0"], "lora.r must be >= 1"),
     (["--gpu-memory", "24GiB", "--num-processes", "0"], "--num-processes must be >= 1, got 0"),
