@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import field
@@ -43,8 +44,13 @@ def build(cls, data: Any, path: str = ""):
     for key in data:
         if key not in fields:
             full = f"{path}.{key}" if path else str(key)
-            names = [f"{path}.{n}" if path else n for n in fields]
-            raise RecipeError(f"unknown key {full!r}{did_you_mean(full, names)}; allowed here: {', '.join(fields)}")
+            # a section's key given outside its section (`beta` for `dpo.beta`), a near-miss of a key here (its name
+            # alone: the path they share says nothing), or a key here it lengthens (`rank` for `r`)
+            close = _section_keys(hints, str(key)) or difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6) \
+                or [n for n in fields if str(key).startswith(n)][:1]
+            meant = " or ".join(repr(f"{path}.{n}" if path else n) for n in close)
+            raise RecipeError(f"unknown key {full!r}{f' (did you mean {meant}?)' if close else ''}; allowed here: "
+                              f"{', '.join(fields)}")
     values = {}
     for name, f in fields.items():
         key = f"{path}.{name}" if path else name
@@ -53,6 +59,13 @@ def build(cls, data: Any, path: str = ""):
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise RecipeError(f"missing required key {key!r}")
     return cls(**values)
+
+
+def _section_keys(hints: dict, key: str) -> list[str]:
+    """The sections' keys named `key` ("section.key"): a section's key given at the top (`beta` for `dpo.beta`)."""
+    return [f"{name}.{key}" for name, hint in hints.items()
+            for arm in (typing.get_args(hint) or (hint,))
+            if dataclasses.is_dataclass(arm) and key in {f.name for f in dataclasses.fields(arm)}]
 
 
 def _coerce(hint, value, key, meta):

@@ -12,6 +12,9 @@ from memrecipe.planning.rules import make_recipe
 @pytest.mark.parametrize("override, words", [
     (["lora.rr=8"], ["lora.rr", "did you mean 'lora.r'"]),
     (["learning_rat=1e-4"], ["learning_rat", "did you mean 'learning_rate'"]),
+    (["beta=0.2"], ["unknown key 'beta' (did you mean 'dpo.beta'?)"]),  # a section's key outside its section
+    (["zero_stage=3"], ["did you mean 'deepspeed.zero_stage'?"]),
+    (["deepspeed.r=3"], ["unknown key 'deepspeed.r'; allowed here: zero_stage"]),  # ('r' is like no key of its own)
     (["optim=adamw"], ["optim must be one of", "adamw_torch"]),
     (["lora.r=0"], ["lora.r must be >= 1 and <= 4096", "got 0"]),
     (["per_device_train_batch_size=two"], ["per_device_train_batch_size must be an integer", "'two'"]),
