@@ -91,7 +91,8 @@ def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_me
     if "qlora" in picks and picks["qlora"][0] is None and topo.num_processes > 1:
         picks["qlora"] = (None, picks["qlora"][1] + "; no multi-GPU long-context path takes QLoRA here (fsdp-qlora "
                           "neither offloads activations nor splits sequences): use LoRA")
-    commands = {m: run_line(p.how, best.estimate.recipe, asked, model, n, num_machines)
+    script = "dpo" if any(r.dpo is not None for _, r in named) else "sft"  # (a dpo: section: run sft refuses it)
+    commands = {m: run_line(p.how, best.estimate.recipe, asked, model, n, num_machines, script)
                 for m, (best, _) in picks.items() if best}
     if as_json:
         click.echo(json.dumps({"model": model, "processes": n, "machines": num_machines, "gpu": gpu_name, "gpu_memory": gpu,
@@ -160,11 +161,12 @@ def plan_all(named, refused, words, shapes, topo, gpu, host, global_batch, one, 
     return Planned(recipes, rows, refused + skipped, variants, how, said)
 
 
-def run_line(how, planned, overrides, model, processes, machines) -> str:
-    """The command that runs the planned job: the shipped recipe, the user's words and the rung's."""
+def run_line(how, planned, overrides, model, processes, machines, script="sft") -> str:
+    """The command that runs the planned job: the loop `script` (sft, or dpo for a recipe with a dpo: section), the
+    shipped recipe, the user's words and the rung's."""
     name, rung = how.get(planned, (planned, None))
     added = [w for w in (rung.words if rung else ()) if w not in overrides]
-    return " ".join(["memrecipe run sft --recipe", name, *(["--model", model] if model else []),
+    return " ".join([f"memrecipe run {script} --recipe", name, *(["--model", model] if model else []),
                      *(["--num-processes", str(processes)] if processes > 1 else []),
                      *(["--num-machines", str(machines)] if machines > 1 else []), *overrides, *added])
 
