@@ -245,7 +245,8 @@ def window_share(seq: int, window: int) -> float:
     return window / seq * (1 - window / (2 * seq))
 
 
-def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, attention: str, rates: Rates) -> float:
+def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, attention: str, rates: Rates,
+                      forward_only: bool = False) -> float:
     """Seconds the attention of `rows` rows of `seq` tokens takes on one process, in bf16, each group of layers
     (Structure.groups: sliding-window layers apart) at what its kernel computes. Under a mask (a packed row's
     documents, or a sliding window the row reaches, under sdpa: attention.dense_mask) no kernel skips a block: every
@@ -254,8 +255,10 @@ def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, atten
     (cpu_flash_work), and its seconds beside the FLOPs a score and a block, for the passes attention_passes
     counts. Under query_chunks a sliding window takes no mask (attention.mask_window): its band alone, on a GPU
     (flash's local attention) as flash-attn's, on a CPU each chunk's call under the band's mask (cpu_band_work); a
-    row without a window, on a CPU, its chunks' calls forward and backward (cpu_chunks_work)."""
-    total = 0.0
+    row without a window, on a CPU, its chunks' calls forward and backward (cpu_chunks_work). `forward_only`: one
+    forward pass alone (run dpo's reference)."""
+    total, passes = 0.0, 1.0 if forward_only else attention_passes(recipe)
+    of = passes / attention_passes(recipe)  # (attention_flops counts attention_passes)
     for g in s.groups():
         window = mask_window(recipe.query_chunks, g.window)
         masked = attention == "sdpa" and (recipe.packing or 0 < window <= seq)
@@ -263,10 +266,10 @@ def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, atten
                         g.window)  # (a call's queries)
         banded = calls and 0 < g.window < seq
         if attention not in rates.attention:  # (eager)
-            total += attention_flops(recipe, g, seq, 1.0) * rows * seq / rates.matmul
+            total += of * attention_flops(recipe, g, seq, 1.0) * rows * seq / rates.matmul
         elif not rates.cpu_attention:
             share = 1.0 if masked else window_share(seq, g.window) if banded or attention != "sdpa" else 0.5
-            total += attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention]
+            total += of * attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention]
         else:
             if calls and not banded:
                 share, forward, backward = cpu_chunks_work(seq, calls)
@@ -274,11 +277,11 @@ def attention_seconds(recipe: Recipe, s: Structure, seq: int, rows: float, atten
                 share, forward = cpu_band_work(seq, calls, g.window) if banded else cpu_flash_work(
                     seq, causal=not masked)
                 backward = forward
-            passes = attention_passes(recipe)  # (in forwards: a backward is 2.5 of them)
-            blocks = (passes - 2.5) * forward + 2.5 * backward
+            # (in forwards: a backward is 2.5 of them)
+            blocks = forward if forward_only else (passes - 2.5) * forward + 2.5 * backward
             beside = g.layers * g.heads * rows / 3.5 * (
                 passes * share * seq**2 * rates.attention_score + blocks * rates.attention_block)
-            total += attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention] + beside
+            total += of * attention_flops(recipe, g, seq, share) * rows * seq / rates.attention[attention] + beside
     return total
 
 
@@ -309,13 +312,17 @@ def adapter_bytes(recipe: Recipe, s: Structure, tiles_recomputed: bool | None = 
     total = 0.0
     for g in s.groups():
         for lin in g.lora_linears(recipe.lora.target_modules):
-            forward = 2 * lin.in_features * (1 + (2.5 if dropout else 0)) + 2 * 6 * lin.out_features
             passes = 3 + (1 if recipe.checkpoints else 0) + (1 if again and g.in_mlp(lin) else 0)
-            total += g.layers * forward * passes
+            total += g.layers * _adapter_forward(lin, dropout) * passes
     return total
 
 
-def elementwise_bytes(recipe: Recipe, s: Structure, stream: int, compute: int = 2) -> float:
+def _adapter_forward(lin, dropout: bool) -> float:
+    """Bytes an adapter's forward moves a token (adapter_bytes)."""
+    return 2 * lin.in_features * (1 + (2.5 if dropout else 0)) + 2 * 6 * lin.out_features
+
+
+def elementwise_bytes(recipe: Recipe, s: Structure, stream: int, compute: int = 2, forward_only: bool = False) -> float:
     """Bytes the elementwise ops between the matmuls move a trained token, a step (reads and writes, read off the
     ops transformers' Llama-family layers run under autocast; tests/unit/planning/test_forecast.py counts them op by
     op with a dispatch mode). A layer's forward, again where it is checkpointed (selective recomputes exactly these
@@ -330,7 +337,8 @@ def elementwise_bytes(recipe: Recipe, s: Structure, stream: int, compute: int = 
       the residual merges);
     - rotary on the query and key (its tables in the stream's dtype: the products promote to it), and the SwiGLU
       product over the intermediate width, again a tile at a time where the tiled MLP runs it again (tiles_again).
-    Dense layers: a routed MoE's experts are counted at the layer's intermediate width, once."""
+    Dense layers: a routed MoE's experts are counted at the layer's intermediate width, once. `forward_only`: one
+    forward alone (run dpo's reference)."""
     r, c = stream, compute
     cast = r + c if r != c else 0
     trains, casts = recipe.lora is None, 12 if r == 2 else 0  # (a full fine-tune trains the norms)
@@ -341,7 +349,7 @@ def elementwise_bytes(recipe: Recipe, s: Structure, stream: int, compute: int = 
     else:
         norm_f = 20 + 2 * r + casts
         norm_b = 68 + 2 * r + casts + (4 * r if trains else 0)
-    total = s.hidden * (norm_f + norm_b)  # (the final norm)
+    total = s.hidden * (norm_f + (0 if forward_only else norm_b))  # (the final norm)
     for g in s.groups():
         qk, _ = g.qk_norms
         norms = g.hidden * (4 if g.model_type in SANDWICH_NORMED else 2) + qk
@@ -352,7 +360,7 @@ def elementwise_bytes(recipe: Recipe, s: Structure, stream: int, compute: int = 
         backward = (norms * norm_b + reads * g.hidden * (cast + 3 * r) + rotated * (6 * r + 12 * c + 3 * cast)
                     + 9 * c * g.intermediate)
         again = 5 * c * g.intermediate if tiles_again(recipe) else 0
-        total += g.layers * (forward * (2 if recipe.checkpoints else 1) + backward + again)
+        total += g.layers * (forward if forward_only else forward * (2 if recipe.checkpoints else 1) + backward + again)
     return float(total)
 
 
@@ -380,10 +388,35 @@ def rung_seconds(recipe: Recipe, s: Structure, tokens: float, rates: Rates) -> f
     return seconds
 
 
+def reference_seconds(recipe: Recipe, s: Structure, stream: int, seq: int, tokens: float, attention: str, rates: Rates,
+                      slower: int) -> float:
+    """Seconds run dpo's reference takes a micro batch, where it runs beside each one (Recipe.dpo_reference "copy",
+    "adapter", "adapters-off"; recipes/dpo.py, Preference.reference): one forward under no_grad, the head's
+    log-probabilities included: the matmuls' 2N, attention's forward, a saved adapter's frozen copy's adapters
+    (none with the adapters off or for a frozen copy of the model), the loss's forward bytes, and where they are costs
+    of their own (a CPU's) the elementwise ops and the dispatch of one pass (a third of a micro batch's ops
+    outside the layers: its forward of three). A store of them ("store") is computed once before step 1, outside
+    the step."""
+    tp = recipe.tensor_parallel
+    seconds = slower * 2 * (_linear_params(s) + s.vocab * s.hidden) * tokens / tp / rates.matmul
+    seconds += slower * attention_seconds(recipe, s, seq, tokens / seq, attention, rates, forward_only=True) / tp
+    seconds += s.vocab * LOSS_FORWARD_BYTES * tokens / tp / rates.bandwidth
+    adapted = [(g, lin) for g in s.groups() for lin in g.lora_linears(recipe.lora.target_modules)] \
+        if recipe.lora and recipe.dpo_reference == "adapter" else []
+    seconds += sum(g.layers * _adapter_forward(lin, False) for g, lin in adapted) * tokens / rates.adapters
+    if rates.elementwise:
+        seconds += elementwise_bytes(recipe, s, stream, 2 * slower, forward_only=True) * tokens / rates.elementwise
+    if rates.layer_dispatch or rates.model_dispatch:
+        seconds += rates.model_dispatch / 3 + s.layers * rates.layer_dispatch \
+            + sum(g.layers for g, _ in adapted) * rates.adapter_dispatch
+    return seconds
+
+
 # Bytes the loss moves a logit beyond its matmuls (training/loss.py HeadLoss; the unfused path holds the same steps):
 # forward the bf16 logits written (2), cast to fp32 (2 read, 4 written), log-sum-exp's read (4); backward the logits
 # again (2 + 6), the softmax's subtract and exp in place (8 + 8), the gradient's scale (8) and its cast to bf16 (6).
 LOSS_BYTES = 2 + 6 + 4 + 8 + 8 + 8 + 8 + 6
+LOSS_FORWARD_BYTES = 2 + 6 + 4  # (the forward's alone: run dpo's reference, no_grad)
 
 
 def _beside(recipe: Recipe, s: Structure, est: Planned, rates: Rates, tokens: float, passes: int, link: float,
@@ -432,6 +465,8 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
         parts["elementwise"] = elementwise_bytes(recipe, s, est.stream_bytes, 2 * slower) * tokens / rates.elementwise
     if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch:
         parts["dispatch"] = dispatch_seconds(recipe, s, tokens, rates)
+    if recipe.dpo_reference in ("copy", "adapter", "adapters-off"):  # (run dpo: beside each micro batch)
+        parts["reference"] = reference_seconds(recipe, s, est.stream_bytes, seq, tokens, attention, rates, slower)
     passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward
     if recipe.quantization:  # 4-bit read, 16-bit written and read again, before every matmul of a frozen weight
         weights = sum(g.layers * sum(lin.params for lin in g.linears) for g in s.groups())

@@ -429,3 +429,50 @@ def test_a_cpu_pays_the_elementwise_bytes_where_a_gpu_keeps_them_in_its_efficien
     assert cpu.parts["elementwise"] == pytest.approx(fc.elementwise_bytes(recipe, s, est.stream_bytes) * tokens
                                                       / fc.CPU_RATES.elementwise)
     assert "elementwise" not in gpu.parts
+
+
+def test_run_dpos_reference_is_one_more_forward_a_micro_batch(tmp_path):
+    """Where run dpo's reference runs beside each micro batch (a frozen copy of the model, a saved adapter's frozen
+    copy, or LoRA's base with the adapters off), a step pays one forward more per micro batch and nothing else: its
+    matmuls' third (forward, input and weight gradients), attention's forward of its 3.5, the loss's forward bytes; a
+    saved adapter's copy its adapters' forward; on a CPU one pass's dispatch too. A store computed before step 1, or a
+    reference-free loss, costs a step nothing. plan's command for such a plan is run dpo (run sft refuses a dpo:
+    section)."""
+    from click.testing import CliRunner
+
+    from memrecipe.main import cli
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    s = structure(read_config(str(tmp_path)))
+    topo = Topology(1)
+
+    def step(name, *words, rates=fc.REFERENCE):
+        recipe = load_recipe(name, [*PLAIN, "attn_implementation=sdpa", "packing=false", *words])
+        return fc.forecast(recipe, s, estimate(recipe, s, topo, rates=rates), rates)
+
+    sft, copy = step("single-gpu-full"), step("single-gpu-full", "dpo.precompute_ref_log_probs=false")
+    assert copy.parts.keys() - sft.parts.keys() == {"reference"}
+    assert {k: v for k, v in copy.parts.items() if k != "reference"} == pytest.approx(sft.parts)
+    accumulation = load_recipe("single-gpu-full").gradient_accumulation_steps
+    forward = sft.parts["matmuls"] / 3 + sft.parts["attention"] / 3.5 \
+        + sft.parts["loss"] * fc.LOSS_FORWARD_BYTES / fc.LOSS_BYTES
+    assert copy.parts["reference"] == pytest.approx(forward)
+    assert copy.step_seconds == pytest.approx(sft.step_seconds + accumulation * forward)
+    for free in (step("single-gpu-full", "dpo.beta=0.1"), step("single-gpu-lora", "dpo.loss_type=simpo")):
+        assert "reference" not in free.parts  # (a store; simpo: no reference)
+    adapter = tmp_path / "adapter"  # (a saved adapter of the recipe's shape: r 16 on every linear)
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 16, "lora_alpha": 32,
+                                                             "target_modules": "all-linear"}))
+    lora = step("single-gpu-lora", "lora.dropout=0")
+    off, saved = step("single-gpu-lora", "lora.dropout=0", "dpo.beta=0.1"), step(
+        "single-gpu-lora", "lora.dropout=0", "dpo.beta=0.1", f"lora.adapter={adapter}")
+    # the frozen base's matmuls: forward 2 of LoRA's 4 (input gradients, no weight gradients)
+    base = lora.parts["matmuls"] / 2 + lora.parts["attention"] / 3.5 + lora.parts["loss"] * 12 / fc.LOSS_BYTES
+    assert off.parts["reference"] == pytest.approx(base)
+    assert saved.parts["reference"] == pytest.approx(base + lora.parts["adapters"] / 3)  # (a forward of 3 passes)
+    cpu_lora, cpu_off = step("single-gpu-lora", rates=fc.CPU_RATES), step("single-gpu-lora", "dpo.beta=0.1",
+                                                                          rates=fc.CPU_RATES)
+    assert cpu_off.parts["reference"] > (cpu_lora.parts["matmuls"] / 2 + s.layers * fc.CPU_RATES.layer_dispatch)
+    said = CliRunner().invoke(cli, ["plan", "--recipe", "single-gpu-lora", "--cpu", "dpo.beta=0.1"])
+    assert said.exit_code == 0 and "memrecipe run dpo --recipe single-gpu-lora dpo.beta=0.1" in said.output
