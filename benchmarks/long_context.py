@@ -95,7 +95,7 @@ def library_peak(model_path: str, length: int, library: str) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, use_kernels=False)  # (the loop's)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
                                              task_type="CAUSAL_LM"))
     ids = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -130,7 +130,8 @@ def peft_and_transformers(model_path: str):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    # (use_kernels=False, as the loop loads: transformers 5.25 would swap in hub kernels on a GPU)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, use_kernels=False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
                                             task_type="CAUSAL_LM"))
@@ -197,6 +198,8 @@ def main():
                         "checkpointing (the peers' setup), at these lengths, interleaved")
     parser.add_argument("--repeats", type=int, default=3, help="--price's and --redraw's rounds (the median is read)")
     args = parser.parse_args()
+    if args.libraries and len(set(args.lengths)) < 2:
+        parser.error("--libraries reads each trainer's longest length along its peaks: give two --lengths or more")
     if args.price or args.redraw:
         rungs, base = (RUNGS, "full") if args.price else (DROPOUTS, "redrawn")
         with tempfile.TemporaryDirectory() as tmp:

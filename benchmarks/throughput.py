@@ -85,7 +85,8 @@ ds = load_any(data).map(tokenize, fn_kwargs={"tokenizer": tokenizer, "fmt": "pro
                                               "max_seq_length": recipe.max_seq_length}, remove_columns=["prompt", "completion"])
 ds = ds.remove_columns("cut")
 lora = recipe.lora is not None
-model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if lora else torch.float32)
+# (use_kernels=False, as the loop loads: transformers 5.25 would swap in hub kernels on a GPU)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if lora else torch.float32, use_kernels=False)
 if lora:
     from peft import LoraConfig, get_peft_model
     model = get_peft_model(model, LoraConfig(r=recipe.lora.r, lora_alpha=recipe.lora.alpha, lora_dropout=recipe.lora.dropout,
