@@ -81,16 +81,7 @@ def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_me
         raise RecipeError(p.skipped[0][1])
     skipped = [(name, why if recipe else why.split(":")[0]) for name, why in p.skipped]
 
-    # full fine-tuning, LoRA and QLoRA are a choice of quality, not interchangeable speeds: one pick for each, among
-    # every recipe that trains the method (a full recipe given a lora: section too: p.variants)
-    picks = recommend_by_method([r for r, _, _ in p.rows], [v for _, v, _ in p.rows])
-    if p.variants and (only in (None, "lora")) and not (picks.get("lora") or (None,))[0]:
-        # no LoRA recipe fits: a full recipe with a lora: section may (ZeRO-3 + LoRA, Ulysses + LoRA)
-        best, why = recommend([v for _, v, _ in p.variants])
-        picks["lora"] = (best, why) if best else picks.get("lora", (best, why))
-    if "qlora" in picks and picks["qlora"][0] is None and topo.num_processes > 1:
-        picks["qlora"] = (None, picks["qlora"][1] + "; no multi-GPU long-context path takes QLoRA here (fsdp-qlora "
-                          "neither offloads activations nor splits sequences): use LoRA")
+    picks = pick_each_method(p, only, topo)
     script = "dpo" if any(r.dpo is not None for _, r in named) else "sft"  # (a dpo: section: run sft refuses it)
     commands = {m: run_line(p.how, best.estimate.recipe, asked, model, n, num_machines, script)
                 for m, (best, _) in picks.items() if best}
@@ -124,6 +115,21 @@ def command(model, recipe, num_processes, num_machines, gpu, gpu_memory, host_me
             click.echo(f"  {METHODS[m]}: {why}" + (f"\n    {commands[m]}" if m in commands else ""))
     if not any(best for best, _ in picks.values()):
         raise RecipeError(recommend(verdicts)[1])  # what comes closest, over all methods
+
+
+def pick_each_method(p, only, topo) -> dict:
+    """Full fine-tuning, LoRA and QLoRA are a choice of quality, not interchangeable speeds: one pick for each,
+    {method: (verdict or None, why)}, among every recipe that trains the method (a full recipe given a lora:
+    section too: p.variants)."""
+    picks = recommend_by_method([r for r, _, _ in p.rows], [v for _, v, _ in p.rows])
+    if p.variants and (only in (None, "lora")) and not (picks.get("lora") or (None,))[0]:
+        # no LoRA recipe fits: a full recipe with a lora: section may (ZeRO-3 + LoRA, Ulysses + LoRA)
+        best, why = recommend([v for _, v, _ in p.variants])
+        picks["lora"] = (best, why) if best else picks.get("lora", (best, why))
+    if "qlora" in picks and picks["qlora"][0] is None and topo.num_processes > 1:
+        picks["qlora"] = (None, picks["qlora"][1] + "; no multi-GPU long-context path takes QLoRA here (fsdp-qlora "
+                          "neither offloads activations nor splits sequences): use LoRA")
+    return picks
 
 
 # a full recipe given LoRA for the LoRA recommendation: the shipped LoRA recipes' section (r 16, every linear layer)
