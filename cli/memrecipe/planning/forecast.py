@@ -395,8 +395,8 @@ def reference_seconds(recipe: Recipe, s: Structure, stream: int, seq: int, token
     log-probabilities included: the matmuls' 2N, attention's forward, a saved adapter's frozen copy's adapters
     (none with the adapters off or for a frozen copy of the model), the loss's forward bytes, and where they are costs
     of their own (a CPU's) the elementwise ops and the dispatch of one pass (a third of a micro batch's ops
-    outside the layers: its forward of three). A store of them ("store") is computed once before step 1, outside
-    the step."""
+    outside the layers: its forward of three); its pass over the weights (dequantized, gathered, exchanged) is
+    forecast's. A store of them ("store") is computed once before step 1, outside the step."""
     tp = recipe.tensor_parallel
     seconds = slower * 2 * (_linear_params(s) + s.vocab * s.hidden) * tokens / tp / rates.matmul
     seconds += slower * attention_seconds(recipe, s, seq, tokens / seq, attention, rates, forward_only=True) / tp
@@ -465,9 +465,12 @@ def forecast(recipe: Recipe, s: Structure, est: Planned, rates: Rates, precision
         parts["elementwise"] = elementwise_bytes(recipe, s, est.stream_bytes, 2 * slower) * tokens / rates.elementwise
     if rates.layer_dispatch or rates.adapter_dispatch or rates.model_dispatch:
         parts["dispatch"] = dispatch_seconds(recipe, s, tokens, rates)
-    if recipe.dpo_reference in ("copy", "adapter", "adapters-off"):  # (run dpo: beside each micro batch)
+    reference = recipe.dpo_reference in ("copy", "adapter", "adapters-off")  # (run dpo's, beside each micro batch)
+    if reference:
         parts["reference"] = reference_seconds(recipe, s, est.stream_bytes, seq, tokens, attention, rates, slower)
-    passes = 2 + (1 if recipe.checkpoints else 0)  # the forward, its recompute, backward
+    # passes over the weights: the forward, its recompute, backward (and the reference's forward): each dequantizes,
+    # gathers and exchanges
+    passes = 2 + (1 if recipe.checkpoints else 0) + (1 if reference else 0)
     if recipe.quantization:  # 4-bit read, 16-bit written and read again, before every matmul of a frozen weight
         weights = sum(g.layers * sum(lin.params for lin in g.linears) for g in s.groups())
         parts["dequantize"] = weights * 4.5 * passes / rates.dequantize

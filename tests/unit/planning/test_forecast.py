@@ -471,6 +471,10 @@ def test_run_dpos_reference_is_one_more_forward_a_micro_batch(tmp_path):
     base = lora.parts["matmuls"] / 2 + lora.parts["attention"] / 3.5 + lora.parts["loss"] * 12 / fc.LOSS_BYTES
     assert off.parts["reference"] == pytest.approx(base)
     assert saved.parts["reference"] == pytest.approx(base + lora.parts["adapters"] / 3)  # (a forward of 3 passes)
+    # a pass more over the weights: QLoRA dequantizes them for it (forward, recompute, backward, and the reference's)
+    qlora, qlora_dpo = step("qlora", "gradient_checkpointing=true"), step("qlora", "gradient_checkpointing=true",
+                                                                          "dpo.beta=0.1")
+    assert qlora_dpo.parts["dequantize"] == pytest.approx(qlora.parts["dequantize"] * 4 / 3)
     cpu_lora, cpu_off = step("single-gpu-lora", rates=fc.CPU_RATES), step("single-gpu-lora", "dpo.beta=0.1",
                                                                           rates=fc.CPU_RATES)
     assert cpu_off.parts["reference"] > (cpu_lora.parts["matmuls"] / 2 + s.layers * fc.CPU_RATES.layer_dispatch)
